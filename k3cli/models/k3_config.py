@@ -1,0 +1,162 @@
+"""Model configuration: one small dataclass per component, and the two model configs of the seeds.
+
+`KDAConfig` is the pure-KDA model (every block KDA + SwiGLU); `K3Config` is the hybrid
+(3 KDA : 1 MLA, last block MLA, every FFN a LatentMoE). Both share `ModelConfig`'s fields; the
+preset's `model.arch` (`kda` | `k3`) picks the class. See SPEC §1 and §6.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+
+class ConfigError(ValueError):
+    """A user-caused configuration error; its message is one line naming the key or file."""
+
+
+def _check(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {msg}")
+
+
+@dataclass
+class KDALayerConfig:
+    num_heads: int = 8  # H: query/key heads
+    num_v_heads: int = 8  # HV = G·H value heads (GVA)
+    head_k_dim: int = 16  # K
+    head_v_dim: int = 16  # V
+    chunk_size: int = 64  # C
+    short_conv: int = 4  # depthwise causal conv kernel on q, k, v; 0 = off
+    output_gate: bool = True
+    lower_bound: float = -5.0  # gate g ∈ (lower_bound, 0)
+    backend: str = "auto"  # auto: Triton on CUDA, torch reference on CPU
+
+    CHOICES: ClassVar[dict] = {"backend": ("auto", "triton", "torch")}
+
+    def validate(self, p: str) -> None:
+        for name in ("num_heads", "num_v_heads", "head_k_dim", "head_v_dim", "chunk_size"):
+            _check(getattr(self, name) >= 1, f"{p}.{name}", "must be >= 1")
+        _check(self.num_v_heads % self.num_heads == 0, f"{p}.num_v_heads",
+               f"must be a multiple of num_heads ({self.num_heads}) for GVA")
+        _check(self.short_conv >= 0, f"{p}.short_conv", "must be >= 0 (0 = off)")
+        _check(-5.0 <= self.lower_bound < 0, f"{p}.lower_bound", "must lie in [-5, 0)")
+
+
+@dataclass
+class MLAConfig:
+    num_heads: int = 8
+    q_lora_rank: int = 64
+    kv_lora_rank: int = 32  # r: the only KV cache, r numbers per token
+    qk_head_dim: int = 16  # d_q
+    v_head_dim: int = 16  # d_v
+    absorb: bool = False  # training path: absorbed (True) or decompressed (False); decode is absorbed
+
+    def validate(self, p: str) -> None:
+        for name in ("num_heads", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "v_head_dim"):
+            _check(getattr(self, name) >= 1, f"{p}.{name}", "must be >= 1")
+
+
+@dataclass
+class MoEConfig:
+    num_routed_experts: int = 16  # n_r
+    top_k: int = 2  # k
+    num_shared_experts: int = 2  # n_s
+    d_ff: int = 96  # expert hidden width (shared and routed)
+    latent_dim: int = 0  # ℓ; 0 = hidden_size // 2
+    bias_update_rate: float = 1e-3  # γ of the auxiliary-loss-free balancing
+    dispatch: str = "padded_bmm"  # padded_bmm | loop | dense
+
+    CHOICES: ClassVar[dict] = {"dispatch": ("padded_bmm", "loop", "dense")}
+
+    def validate(self, p: str) -> None:
+        _check(self.num_routed_experts >= 1, f"{p}.num_routed_experts", "must be >= 1")
+        _check(1 <= self.top_k <= self.num_routed_experts, f"{p}.top_k",
+               f"must lie in [1, num_routed_experts={self.num_routed_experts}]")
+        _check(self.num_shared_experts >= 0, f"{p}.num_shared_experts", "must be >= 0")
+        _check(self.d_ff >= 1, f"{p}.d_ff", "must be >= 1")
+        _check(self.latent_dim >= 0, f"{p}.latent_dim", "must be >= 0 (0 = hidden_size // 2)")
+        _check(self.bias_update_rate >= 0, f"{p}.bias_update_rate", "must be >= 0")
+
+
+@dataclass
+class AttnResConfig:
+    mode: str = "off"  # off | full | block
+    block_size: int = 2  # S, in atomic sublayers (block mode)
+    eps: float = 1e-6  # RMS eps of the source keys
+
+    CHOICES: ClassVar[dict] = {"mode": ("off", "full", "block")}
+
+    def validate(self, p: str) -> None:
+        _check(self.block_size >= 1, f"{p}.block_size", "must be >= 1")
+        _check(self.eps >= 0, f"{p}.eps", "must be >= 0")
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "k3"  # k3 (hybrid) | kda (pure KDA)
+    vocab_size: int = 4096
+    hidden_size: int = 256  # D
+    num_hidden_layers: int = 4  # L
+    intermediate_size: int = 512  # SwiGLU width (kda arch)
+    norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    kda: KDALayerConfig = field(default_factory=KDALayerConfig)
+    mla: MLAConfig = field(default_factory=MLAConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    attnres: AttnResConfig = field(default_factory=AttnResConfig)
+
+    CHOICES: ClassVar[dict] = {"arch": ("k3", "kda")}
+
+    @property
+    def moe_latent_dim(self) -> int:
+        return self.moe.latent_dim or self.hidden_size // 2
+
+    def layer_types(self) -> list[str]:
+        raise NotImplementedError
+
+    def layer_specs(self) -> list[tuple[str, str]]:
+        raise NotImplementedError
+
+    def validate(self, p: str = "model") -> None:
+        _check(self.vocab_size >= 2, f"{p}.vocab_size", "must be >= 2")
+        for name in ("hidden_size", "num_hidden_layers", "intermediate_size"):
+            _check(getattr(self, name) >= 1, f"{p}.{name}", "must be >= 1")
+        _check(self.norm_eps >= 0, f"{p}.norm_eps", "must be >= 0")
+        _check(self.initializer_range > 0, f"{p}.initializer_range", "must be > 0")
+        self.kda.validate(f"{p}.kda")
+        self.mla.validate(f"{p}.mla")
+        self.moe.validate(f"{p}.moe")
+        self.attnres.validate(f"{p}.attnres")
+
+
+@dataclass
+class KDAConfig(ModelConfig):
+    """Pure KDA model: `[("kda", "swiglu")] * L`."""
+
+    arch: str = "kda"
+
+    def layer_types(self) -> list[str]:
+        return ["kda"] * self.num_hidden_layers
+
+    def layer_specs(self) -> list[tuple[str, str]]:
+        return [("kda", "swiglu")] * self.num_hidden_layers
+
+
+@dataclass
+class K3Config(ModelConfig):
+    """Hybrid K3: MLA at 0-based blocks i % 4 == 3 and always at the last block; every FFN LatentMoE."""
+
+    arch: str = "k3"
+
+    def layer_types(self) -> list[str]:
+        types = ["mla" if i % 4 == 3 else "kda" for i in range(self.num_hidden_layers)]
+        types[-1] = "mla"
+        return types
+
+    def layer_specs(self) -> list[tuple[str, str]]:
+        return [(kind, "moe") for kind in self.layer_types()]
+
+
+MODEL_CLASSES: dict[str, type[ModelConfig]] = {"k3": K3Config, "kda": KDAConfig}
