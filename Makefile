@@ -1,0 +1,41 @@
+# One venv for everything. On CPU machines torch==2.13.0 installs the CPU build that lies on disk;
+# triton is pinned to the GPU machine's version so the interpreter and the GPU run one compiler.
+VENV   ?= .venv
+PYTHON ?= python3
+TORCH  ?= torch==2.13.0
+TRITON ?= triton==3.6.0
+PY     := $(VENV)/bin/python
+K3     := $(VENV)/bin/k3
+
+.PHONY: setup test test-gpu train lint clean
+.DEFAULT_GOAL := help
+
+help:
+	@echo "make train   set up the venv and train k3-toy (AttnRes block) on the stdlib corpus"
+	@echo "make test    set up the venv and run the test suite (Triton kernels via the CPU interpreter)"
+	@echo "make lint    ruff"
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)" "$(TRITON)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+# TRITON_INTERPRET must be set before Python starts: @triton.jit decides at import time.
+test: setup
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu"
+
+test-gpu: setup
+	$(PY) -m pytest -q
+
+train: setup
+	$(K3) train --preset k3-toy --attnres block
+
+lint: setup
+	$(VENV)/bin/ruff check k3cli tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

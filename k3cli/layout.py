@@ -1,0 +1,118 @@
+"""The block layout of a model config and its parameter counts, computed from the config alone.
+
+`param_counts` mirrors the module structure of `k3cli.layers` exactly (no linear biases); a test
+builds every preset's model and checks the two agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from k3cli.models.k3_config import ModelConfig
+
+
+def kda_params(cfg: ModelConfig) -> int:
+    D, c = cfg.hidden_size, cfg.kda
+    H, HV, K, V, n = c.num_heads, c.num_v_heads, c.head_k_dim, c.head_v_dim, c.short_conv
+    p = 2 * D * H * K + D * HV * V  # q, k, v projections
+    p += (2 * H * K + HV * V) * n  # depthwise short convs (0 when off)
+    p += D * K + K * HV * K  # low-rank gate projection f_a, f_b
+    p += D * HV  # beta projection
+    p += HV + HV * K  # A_log, dt_bias
+    p += (D * V + V * HV * V) if c.output_gate else 0  # low-rank output gate g_a, g_b
+    p += V + HV * V * D  # per-head output norm, o_proj
+    return p
+
+
+def mla_params(cfg: ModelConfig) -> int:
+    D, c = cfg.hidden_size, cfg.mla
+    H, qr, r, dq, dv = c.num_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_head_dim, c.v_head_dim
+    return (D * qr + qr + qr * H * dq  # q_down, q_norm, q_up
+            + D * r + r  # kv_down, kv_norm
+            + H * dq * r + H * dv * r  # W_UK, W_UV
+            + D * H * dv + H * dv * D)  # gate, o_proj
+
+
+def swiglu_params(cfg: ModelConfig) -> int:
+    return 3 * cfg.hidden_size * cfg.intermediate_size
+
+
+def routed_expert_params(cfg: ModelConfig) -> int:
+    return 3 * cfg.moe_latent_dim * cfg.moe.d_ff
+
+
+def moe_params(cfg: ModelConfig) -> int:
+    D, m, lat = cfg.hidden_size, cfg.moe, cfg.moe_latent_dim
+    return (m.num_shared_experts * 3 * D * m.d_ff  # shared SiTU-GLU experts on x
+            + D * m.num_routed_experts  # router (its balancing bias is a buffer)
+            + D * lat  # W_down
+            + m.num_routed_experts * routed_expert_params(cfg)
+            + lat + lat * D)  # u_norm, W_up
+
+
+ATTN_PARAMS = {"kda": kda_params, "mla": mla_params}
+FFN_PARAMS = {"swiglu": swiglu_params, "moe": moe_params}
+
+
+@dataclass
+class BlockRow:
+    index: int
+    attn: str
+    ffn: str
+    attn_sublayer: int  # atomic sublayer index 2i
+    ffn_sublayer: int  # 2i + 1
+    attn_group: str  # AttnRes block membership of each sublayer ("-" when off, "full" for full)
+    ffn_group: str
+    params: int
+
+
+def block_rows(cfg: ModelConfig) -> list[BlockRow]:
+    mode, S = cfg.attnres.mode, cfg.attnres.block_size
+
+    def group(sub: int) -> str:
+        if mode == "off":
+            return "-"
+        if mode == "full":
+            return "full"
+        return f"b{sub // S + 1}"  # b0 is the embedding source
+
+    rows = []
+    for i, (attn, ffn) in enumerate(cfg.layer_specs()):
+        p = ATTN_PARAMS[attn](cfg) + FFN_PARAMS[ffn](cfg) + 2 * cfg.hidden_size  # + the two norms
+        rows.append(BlockRow(i, attn, ffn, 2 * i, 2 * i + 1, group(2 * i), group(2 * i + 1), p))
+    return rows
+
+
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
+    """Total and active-per-token parameter counts, by component."""
+    D, Vv, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    blocks = sum(r.params for r in block_rows(cfg))
+    embed = Vv * D
+    head = 0 if cfg.tie_word_embeddings else Vv * D
+    attnres = 0 if cfg.attnres.mode == "off" else (2 * L + 1) * 2 * D  # query + gain per sublayer, + output mix
+    total = embed + blocks + D + head + attnres
+    n_moe = sum(1 for _, f in cfg.layer_specs() if f == "moe")
+    inactive = n_moe * (cfg.moe.num_routed_experts - cfg.moe.top_k) * routed_expert_params(cfg)
+    return {"total": total, "active": total - inactive, "embedding": embed, "lm_head": head,
+            "blocks": blocks, "attnres": attnres, "final_norm": D}
+
+
+def layout_dict(cfg: ModelConfig) -> dict:
+    counts = param_counts(cfg)
+    return {
+        "arch": cfg.arch,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "attnres": {"mode": cfg.attnres.mode,
+                    "block_size": cfg.attnres.block_size if cfg.attnres.mode == "block" else None,
+                    "num_sublayers": 2 * cfg.num_hidden_layers},
+        "pattern": " ".join(t.upper() for t in cfg.layer_types()),
+        "blocks": [r.__dict__ for r in block_rows(cfg)],
+        "params": counts,
+    }
+
+
+def human(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)

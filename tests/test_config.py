@@ -1,0 +1,142 @@
+"""Config: layer pattern (SPEC §1), presets load/validate/round-trip, precedence, bad input."""
+
+import dataclasses
+
+import pytest
+import yaml
+
+from k3cli.config import ConfigError, dump_config, list_presets, load_config
+from k3cli.models.k3_config import K3Config, KDAConfig
+
+
+def expected_k3_types(L):
+    types = ["mla" if i % 4 == 3 else "kda" for i in range(L)]
+    types[-1] = "mla"
+    return types
+
+
+@pytest.mark.parametrize("L", range(1, 17))
+def test_k3_layer_types_follow_spec(L):
+    types = K3Config(num_hidden_layers=L).layer_types()
+    assert types == expected_k3_types(L)
+    assert K3Config(num_hidden_layers=L).layer_specs() == [(t, "moe") for t in types]
+
+
+@pytest.mark.parametrize("L,pattern", [
+    (1, "MLA"), (4, "KDA KDA KDA MLA"), (5, "KDA KDA KDA MLA MLA"),
+    (6, "KDA KDA KDA MLA KDA MLA"), (8, "KDA KDA KDA MLA KDA KDA KDA MLA"),
+])
+def test_k3_layer_types_examples(L, pattern):
+    assert " ".join(K3Config(num_hidden_layers=L).layer_types()).upper() == pattern
+
+
+def test_kda_config_layer_specs():
+    assert KDAConfig(num_hidden_layers=3).layer_specs() == [("kda", "swiglu")] * 3
+
+
+PRESETS = ["kda-toy", "k3-toy", "k3-0.5b"]
+OVERLAYS = [None, "off", "full", "block"]
+
+
+def test_all_presets_listed():
+    assert set(PRESETS) <= set(list_presets("model"))
+    assert {"off", "full", "block"} <= set(list_presets("attnres"))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("attnres", OVERLAYS, ids=lambda a: f"attnres-{a}")
+def test_preset_loads_validates_and_round_trips(preset, attnres, tmp_path):
+    cfg = load_config(preset, attnres=attnres)
+    if attnres:
+        assert cfg.model.attnres.mode == attnres
+    # dump -> load as a preset path gives the same config
+    path = tmp_path / "resolved.yaml"
+    path.write_text(dump_config(cfg))
+    again = load_config(str(path))
+    assert dataclasses.asdict(again) == dataclasses.asdict(cfg)
+    assert type(again.model) is type(cfg.model)
+
+
+def test_preset_arch_classes():
+    assert isinstance(load_config("kda-toy").model, KDAConfig)
+    assert isinstance(load_config("k3-toy").model, K3Config)
+
+
+def test_precedence_preset_config_set_flag(tmp_path):
+    f = tmp_path / "over.yaml"
+    f.write_text("train: {lr: 0.5, steps: 7}\nmodel: {attnres: {mode: full}}\n")
+    cfg = load_config("k3-toy", str(f), ["train.lr=0.25"], None)
+    assert cfg.train.lr == 0.25  # --set beats --config
+    assert cfg.train.steps == 7  # --config beats preset
+    assert cfg.model.hidden_size == 256  # preset beats default
+    assert cfg.model.attnres.mode == "full"
+    cfg = load_config("k3-toy", str(f), ["model.attnres.mode=full"], "block")
+    assert cfg.model.attnres.mode == "block"  # dedicated flag beats everything
+    assert cfg.model.attnres.block_size == 2
+
+
+def test_set_values_parse_as_yaml():
+    cfg = load_config("k3-toy", overrides=["train.lr=1e-3", "model.tie_word_embeddings=true",
+                                            "model.attnres.mode=off", "data.source=/tmp/x"])
+    assert cfg.train.lr == pytest.approx(1e-3) and isinstance(cfg.train.lr, float)
+    assert cfg.model.tie_word_embeddings is True
+    assert cfg.model.attnres.mode == "off"
+    assert cfg.data.source == "/tmp/x"
+
+
+def test_preset_by_path(tmp_path):
+    from k3cli.config import preset_dir
+    src = preset_dir() / "kda-toy.yaml"
+    dst = tmp_path / "mine.yaml"
+    dst.write_text(src.read_text())
+    assert load_config(str(dst)).model.arch == "kda"
+
+
+BAD = [
+    ("unknown-key", dict(overrides=["model.hiden_size=3"]), "unknown config key 'model.hiden_size'",
+     "did you mean 'model.hidden_size'"),
+    ("unknown-section", dict(overrides=["trian.lr=1"]), "unknown config section 'trian'", "did you mean 'train'"),
+    ("wrong-type", dict(overrides=["model.hidden_size=abc"]), "model.hidden_size: expected int", "'abc'"),
+    ("wrong-type-float", dict(overrides=["train.lr=fast"]), "train.lr: expected float", "'fast'"),
+    ("bad-choice", dict(overrides=["model.kda.backend=trition"]), "model.kda.backend", "did you mean 'triton'"),
+    ("out-of-range", dict(overrides=["model.kda.lower_bound=-7"]), "model.kda.lower_bound", "[-5, 0)"),
+    ("out-of-range-gva", dict(overrides=["model.kda.num_v_heads=12"]), "model.kda.num_v_heads", "multiple"),
+    ("out-of-range-topk", dict(overrides=["model.moe.top_k=17"]), "model.moe.top_k", "num_routed_experts=16"),
+    ("bad-set-syntax", dict(overrides=["train.lr"]), "--set expects KEY=VALUE", "train.lr"),
+    ("missing-preset", dict(preset="k3-tyo"), "unknown preset 'k3-tyo'", "did you mean 'k3-toy'"),
+    ("missing-preset-file", dict(preset="/nonexistent/x.yaml"), "preset file not found", "/nonexistent/x.yaml"),
+    ("bad-arch", dict(overrides=["model.arch=k4"]), "model.arch", "'k4'"),
+]
+
+
+@pytest.mark.parametrize("case,kwargs,msg1,msg2", BAD, ids=[b[0] for b in BAD])
+def test_bad_config_errors(case, kwargs, msg1, msg2):
+    kwargs = {"preset": "k3-toy", **kwargs}
+    with pytest.raises(ConfigError) as e:
+        load_config(**kwargs)
+    text = str(e.value)
+    assert msg1 in text and msg2 in text
+    assert "\n" not in text
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path):
+    f = tmp_path / "broken.yaml"
+    f.write_text("model:\n  hidden_size: [1, 2\n")
+    with pytest.raises(ConfigError) as e:
+        load_config("k3-toy", str(f))
+    assert "malformed YAML" in str(e.value) and str(f) in str(e.value) and "line" in str(e.value)
+
+
+def test_non_mapping_yaml(tmp_path):
+    f = tmp_path / "list.yaml"
+    f.write_text(yaml.safe_dump([1, 2]))
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config("k3-toy", str(f))
+
+
+def test_unknown_key_in_file_names_the_file(tmp_path):
+    f = tmp_path / "typo.yaml"
+    f.write_text("train: {stpes: 3}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config("k3-toy", str(f))
+    assert "train.stpes" in str(e.value) and str(f) in str(e.value) and "train.steps" in str(e.value)
