@@ -1,0 +1,114 @@
+"""The KDA layer (SPEC §2.4): projections, short convs, lower-bound gate, chunked KDA, gated output.
+
+The op itself lives in k3cli/ops/kda (torch reference `naive_chunk_kda`, Triton `chunk_kda`); this
+file only prepares its inputs. Short conv and the output gate are switchable (SPEC marks both as
+differing from the seeds: they come from Kimi Linear / K3).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3cli.layers.norm import RMSNorm
+
+
+def _dt_bias_init(n: int, dt_min: float = 1e-3, dt_max: float = 0.1) -> torch.Tensor:
+    """inverse-softplus of dt ~ log-uniform[dt_min, dt_max] (the Mamba / fla KDA init).
+
+    With A_log = 0 this starts the per-step decay g = -5·sigmoid(dt_bias) spread over roughly
+    (-0.5, -0.005): a mix of fast and slow channels instead of one uniform -2.5 decay.
+    """
+    dt = torch.exp(torch.rand(n) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+    return dt + torch.log(-torch.expm1(-dt))
+
+
+def _short_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv + SiLU. x [B, T, C], weight [C, 1, n] -> [B, T, C]."""
+    n = weight.shape[-1]
+    y = F.conv1d(F.pad(x.transpose(1, 2), (n - 1, 0)), weight, groups=x.shape[-1])   # (B, C, T)
+    return F.silu(y.transpose(1, 2))
+
+
+class KDAAttention(nn.Module):
+    """Kimi Delta Attention layer with GVA (HV = G·H value heads). No linear biases.
+
+    Parameters: q_proj D→H·K, k_proj D→H·K, v_proj D→HV·V; if short_conv = n > 0 depthwise
+    q_conv [H·K,1,n], k_conv [H·K,1,n], v_conv [HV·V,1,n]; f_a D→K, f_b K→HV·K (low-rank gate);
+    b_proj D→HV; A_log [HV]; dt_bias [HV·K]; if output_gate g_a D→V, g_b V→HV·V;
+    o_norm [V] (shared by all heads); o_proj HV·V→D.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_v_heads: int, head_k_dim: int,
+                 head_v_dim: int, short_conv: int = 4, output_gate: bool = True,
+                 lower_bound: float = -5.0, chunk_size: int = 64, backend: str = "auto",
+                 norm_eps: float = 1e-6):
+        super().__init__()
+        D, H, HV, K, V = hidden_size, num_heads, num_v_heads, head_k_dim, head_v_dim
+        if HV % H:
+            raise ValueError(f"num_v_heads ({HV}) must be a multiple of num_heads ({H})")
+        self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim = H, HV, K, V
+        self.lower_bound, self.chunk_size, self.backend = lower_bound, chunk_size, backend
+        self.q_proj = nn.Linear(D, H * K, bias=False)
+        self.k_proj = nn.Linear(D, H * K, bias=False)
+        self.v_proj = nn.Linear(D, HV * V, bias=False)
+        self.short_conv = short_conv
+        if short_conv > 0:
+            self.q_conv = nn.Conv1d(H * K, H * K, short_conv, groups=H * K, bias=False)
+            self.k_conv = nn.Conv1d(H * K, H * K, short_conv, groups=H * K, bias=False)
+            self.v_conv = nn.Conv1d(HV * V, HV * V, short_conv, groups=HV * V, bias=False)
+        self.f_a = nn.Linear(D, K, bias=False)
+        self.f_b = nn.Linear(K, HV * K, bias=False)
+        self.b_proj = nn.Linear(D, HV, bias=False)
+        # A_log = 0 → rate 1 (SPEC §2.3); A_log and dt_bias take no weight decay
+        self.A_log = nn.Parameter(torch.zeros(HV))
+        self.dt_bias = nn.Parameter(_dt_bias_init(HV * K))
+        self.output_gate = output_gate
+        if output_gate:
+            self.g_a = nn.Linear(D, V, bias=False)
+            self.g_b = nn.Linear(V, HV * V, bias=False)
+        self.o_norm = RMSNorm(V, norm_eps)
+        self.o_proj = nn.Linear(HV * V, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] (pre-normed) -> [B, T, D]."""
+        from k3cli.ops.kda.naive import naive_kda_gate
+
+        B, T, _ = x.shape
+        H, HV, K, V = self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.short_conv > 0:
+            q = _short_conv(q, self.q_conv.weight)
+            k = _short_conv(k, self.k_conv.weight)
+            v = _short_conv(v, self.v_conv.weight)
+        q = F.normalize(q.view(B, T, H, K), p=2, dim=-1, eps=1e-6)                # (B, T, H, K)
+        k = F.normalize(k.view(B, T, H, K), p=2, dim=-1, eps=1e-6)                # (B, T, H, K)
+        v = v.view(B, T, HV, V)                                                    # (B, T, HV, V)
+        g_raw = self.f_b(self.f_a(x)).view(B, T, HV, K)                            # (B, T, HV, K)
+        g = naive_kda_gate(g_raw, self.A_log, self.dt_bias.view(HV, K), self.lower_bound)
+        beta = torch.sigmoid(self.b_proj(x))                                       # (B, T, HV)
+        o, _ = self._op(q)(q, k, v, g, beta)                                       # (B, T, HV, V)
+        o = self.o_norm(o)
+        if self.output_gate:
+            o = o * torch.sigmoid(self.g_b(self.g_a(x))).view(B, T, HV, V)
+        return self.o_proj(o.reshape(B, T, HV * V))
+
+    def _op(self, q: torch.Tensor):
+        """The chunked KDA op chosen by `backend`: auto → Triton on CUDA if importable, else torch."""
+        from k3cli.ops.kda.naive import naive_chunk_kda
+
+        def torch_op(*args):
+            return naive_chunk_kda(*args, chunk_size=self.chunk_size)
+
+        if self.backend == "torch" or (self.backend == "auto" and not q.is_cuda):
+            return torch_op
+        try:
+            from k3cli.ops.kda.chunk import chunk_kda
+        except ImportError as e:
+            if self.backend == "triton":
+                raise RuntimeError(f"kda.backend=triton but the Triton chunk_kda is unavailable: {e}") \
+                    from None
+            return torch_op
+        return chunk_kda

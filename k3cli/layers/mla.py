@@ -1,0 +1,72 @@
+"""Gated MLA with NoPE (SPEC §3): low-rank q, a single KV latent c [B, T, r], a sigmoid output gate.
+
+Two equivalent attention paths:
+- absorbed: W_UK folds into the query and W_UV is applied after attention, so keys/values are the
+  latent c itself (the decode path: the cache is r numbers per token);
+- decompressed: k, v are expanded per head and fed to causal SDPA (cheaper to train at scale).
+Both use scale d_q^-0.5 (not r^-0.5) and no positional encoding (KDA's decay carries position).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3cli.layers.norm import RMSNorm
+
+
+class GatedMLA(nn.Module):
+    """Multi-head latent attention, causal, NoPE, with a gate between W_UV and W_o. No biases.
+
+    Parameters: q_down D→q_lora, q_norm [q_lora], q_up q_lora→H·d_q, kv_down D→r, kv_norm [r],
+    W_UK [H, d_q, r], W_UV [H, d_v, r], g_proj D→H·d_v, o_proj H·d_v→D.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int, kv_lora_rank: int,
+                 qk_head_dim: int, v_head_dim: int, absorb: bool = False, norm_eps: float = 1e-6,
+                 init_std: float = 0.02):
+        super().__init__()
+        D, H, r = hidden_size, num_heads, kv_lora_rank
+        self.num_heads, self.qk_head_dim, self.v_head_dim = H, qk_head_dim, v_head_dim
+        self.absorb = absorb
+        self.scale = qk_head_dim ** -0.5
+        self.q_down = nn.Linear(D, q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(q_lora_rank, norm_eps)
+        self.q_up = nn.Linear(q_lora_rank, H * qk_head_dim, bias=False)
+        self.kv_down = nn.Linear(D, r, bias=False)
+        self.kv_norm = RMSNorm(r, norm_eps)
+        self.W_UK = nn.Parameter(torch.randn(H, qk_head_dim, r) * init_std)
+        self.W_UV = nn.Parameter(torch.randn(H, v_head_dim, r) * init_std)
+        self.g_proj = nn.Linear(D, H * v_head_dim, bias=False)
+        self.o_proj = nn.Linear(H * v_head_dim, D, bias=False)
+
+    def forward(self, x: torch.Tensor, absorb: bool | None = None) -> torch.Tensor:
+        """x [B, T, D] (pre-normed) -> [B, T, D]. `absorb` overrides the configured path."""
+        B, T, _ = x.shape
+        H = self.num_heads
+        q = self.q_up(self.q_norm(self.q_down(x))).view(B, T, H, self.qk_head_dim)   # (B, T, H, d_q)
+        c = self.kv_norm(self.kv_down(x))                                            # (B, T, r)
+        use_absorb = self.absorb if absorb is None else absorb
+        o = self._absorbed(q, c) if use_absorb else self._decompressed(q, c)         # (B, H, T, d_v)
+        o = o.transpose(1, 2).reshape(B, T, H * self.v_head_dim)                     # (B, T, H·d_v)
+        # the gate reads the layer input x and sits before W_o, so W_UV cannot fold into W_o
+        return self.o_proj(torch.sigmoid(self.g_proj(x)) * o)
+
+    def _absorbed(self, q: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """q [B, T, H, d_q], c [B, T, r] -> õ [B, H, T, d_v]; attention runs in the latent space."""
+        T = q.shape[1]
+        q_abs = torch.einsum("bthd,hdj->bthj", q, self.W_UK)                         # (B, T, H, r)
+        # scores and softmax in fp32 (fp64 stays fp64 for identity tests)
+        wd = torch.float64 if q.dtype == torch.float64 else torch.float32
+        score = torch.einsum("bthj,bsj->bhts", q_abs, c).to(wd) * self.scale         # (B, H, T, T)
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        attn = score.masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
+        o_lat = torch.einsum("bhts,bsj->bhtj", attn, c)                              # (B, H, T, r)
+        return torch.einsum("bhtj,hvj->bhtv", o_lat, self.W_UV)                      # (B, H, T, d_v)
+
+    def _decompressed(self, q: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """q [B, T, H, d_q], c [B, T, r] -> õ [B, H, T, d_v] via per-head k, v and causal SDPA."""
+        k = torch.einsum("bsj,hdj->bhsd", c, self.W_UK)                              # (B, H, T, d_q)
+        v = torch.einsum("bsj,hvj->bhsv", c, self.W_UV)                              # (B, H, T, d_v)
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True,
+                                              scale=self.scale)

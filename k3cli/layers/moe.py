@@ -1,0 +1,148 @@
+"""LatentMoE (SPEC §4): shared experts at full width, routed experts in a latent of width ℓ.
+
+    y = Σ_j E_shared_j(x) + W_↑ RMSNorm(Σ_k p_k · E_routed_{id_k}(W_↓ x))
+
+Routing: sigmoid scores on x in fp32; top-k on scores + a load-balancing bias (a buffer, no
+gradient); weights p = the UNbiased scores of the chosen k, normalised by their sum (K3 /
+DeepSeek-V3). Balancing is auxiliary-loss-free: `update_bias()` after each optimiser step.
+
+Shape-suffix legend (torchtitan style): T tokens (B·T flattened), D hidden, L latent ℓ,
+F expert hidden d_ff, E routed experts, K top-k, S = T·K token-slots, C per-expert capacity.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3cli.layers.ffn import SiTUExpert, situ_glu
+from k3cli.layers.norm import RMSNorm
+
+DISPATCH_MODES = ("padded_bmm", "loop", "dense")
+
+
+class LatentMoE(nn.Module):
+    """Parameters: n_s shared SiTUExpert(D, d_ff); router D→n_r; down_proj D→ℓ; stacked routed
+    w_gate [n_r, ℓ, d_ff], w_up [n_r, ℓ, d_ff], w_down [n_r, d_ff, ℓ]; u_norm [ℓ]; up_proj ℓ→D.
+    Buffers: router_bias [n_r] (persistent), load_counts [n_r] (token-slots since the last update).
+    """
+
+    def __init__(self, hidden_size: int, num_routed_experts: int, top_k: int, num_shared_experts: int,
+                 d_ff: int, latent_dim: int, dispatch: str = "padded_bmm", bias_update_rate: float = 1e-3,
+                 norm_eps: float = 1e-6, init_std: float = 0.02):
+        super().__init__()
+        if dispatch not in DISPATCH_MODES:
+            raise ValueError(f"unknown MoE dispatch '{dispatch}'; valid: {', '.join(DISPATCH_MODES)}")
+        D, E, L = hidden_size, num_routed_experts, latent_dim
+        self.num_experts, self.top_k, self.dispatch = E, top_k, dispatch
+        self.bias_update_rate = bias_update_rate
+        self.shared = nn.ModuleList(SiTUExpert(D, d_ff) for _ in range(num_shared_experts))
+        self.router = nn.Linear(D, E, bias=False)
+        self.register_buffer("router_bias", torch.zeros(E))
+        # integer counts: exact, and untouched by model.to(dtype)
+        self.register_buffer("load_counts", torch.zeros(E, dtype=torch.long), persistent=False)
+        self.down_proj = nn.Linear(D, L, bias=False)
+        self.w_gate = nn.Parameter(torch.randn(E, L, d_ff) * init_std)
+        self.w_up = nn.Parameter(torch.randn(E, L, d_ff) * init_std)
+        self.w_down = nn.Parameter(torch.randn(E, d_ff, L) * init_std)
+        self.u_norm = RMSNorm(L, norm_eps)
+        self.up_proj = nn.Linear(L, D, bias=False)
+
+    def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (ids [T, K] long, weights [T, K] fp32, or fp64 for fp64 x)."""
+        wd = torch.float64 if x_TD.dtype == torch.float64 else torch.float32
+        scores_TE = torch.sigmoid(F.linear(x_TD.to(wd), self.router.weight.to(wd)))
+        # the bias only picks experts; it never enters the weights and gets no gradient
+        ids_TK = torch.topk(scores_TE.detach() + self.router_bias.to(wd), self.top_k, dim=-1).indices
+        top_TK = scores_TE.gather(1, ids_TK)
+        return ids_TK, top_TK / top_TK.sum(-1, keepdim=True)
+
+    def forward(self, x: torch.Tensor, dispatch: str | None = None) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]. `dispatch` overrides the configured mode."""
+        shape = x.shape
+        x_TD = x.reshape(-1, shape[-1])
+        ids_TK, w_TK = self.route(x_TD)
+        if self.training:
+            with torch.no_grad():
+                self.load_counts += torch.bincount(ids_TK.flatten(), minlength=self.num_experts)
+        z_TL = self.down_proj(x_TD)
+        mode = dispatch or self.dispatch
+        if mode == "padded_bmm":
+            u_TL = self._padded_bmm(z_TL, ids_TK, w_TK)
+        elif mode == "loop":
+            u_TL = self._loop(z_TL, ids_TK, w_TK)
+        elif mode == "dense":
+            u_TL = self._dense(z_TL, ids_TK, w_TK)
+        else:
+            raise ValueError(f"unknown MoE dispatch '{mode}'; valid: {', '.join(DISPATCH_MODES)}")
+        y_TD = self.up_proj(self.u_norm(u_TL))
+        for expert in self.shared:
+            y_TD = y_TD + expert(x_TD)
+        return y_TD.view(shape)
+
+    def _experts(self, z_ECL: torch.Tensor) -> torch.Tensor:
+        """All routed experts at once on their padded groups: [E, C, L] -> [E, C, L]."""
+        h_ECF = situ_glu(torch.bmm(z_ECL, self.w_gate), torch.bmm(z_ECL, self.w_up))
+        return torch.bmm(h_ECF, self.w_down)
+
+    def _padded_bmm(self, z_TL, ids_TK, w_TK):
+        """Sort token-slots by expert, pad each group to the largest, one bmm per weight, gather back.
+
+        Deterministic: every gather/scatter here is a permutation or a gather whose only repeated
+        index is the zero padding row, and the top-k combine is a plain sum over K.
+        """
+        T, L = z_TL.shape
+        E, K = self.num_experts, self.top_k
+        ids_S = ids_TK.flatten()                                                    # (S,)
+        order_S = torch.argsort(ids_S, stable=True)                                 # slots sorted by expert
+        counts_E = torch.bincount(ids_S, minlength=E)
+        C = int(counts_E.max())
+        starts_E = torch.cumsum(counts_E, 0) - counts_E
+        # expanding over K then permuting keeps the backward a sum over K plus a permutation
+        z_SL = z_TL.unsqueeze(1).expand(T, K, L).reshape(T * K, L)[order_S]           # (S, L) sorted
+        # padded position (e, c) reads sorted slot starts[e] + c, or the zero row S if c >= count[e]
+        c_C = torch.arange(C, device=z_TL.device)
+        src_EC = torch.where(c_C < counts_E[:, None], starts_E[:, None] + c_C, T * K)   # (E, C)
+        z_pad = torch.cat([z_SL, z_SL.new_zeros(1, L)])                             # (S + 1, L)
+        out_ECL = self._experts(z_pad[src_EC.flatten()].view(E, C, L))              # (E, C, L)
+        # sorted slot i sits at padded row ids[i]·C + (i − starts[ids[i]])
+        sorted_ids_S = ids_S[order_S]
+        row_S = sorted_ids_S * C + torch.arange(T * K, device=z_TL.device) - starts_E[sorted_ids_S]
+        out_SL = out_ECL.reshape(E * C, L)[row_S]                                   # (S, L) sorted
+        out_SL = out_SL[torch.argsort(order_S)]                                     # (S, L) token order
+        return (out_SL.view(T, K, L) * w_TK.to(out_SL.dtype)[..., None]).sum(1)   # (T, L)
+
+    def _loop(self, z_TL, ids_TK, w_TK):
+        """Reference: one expert at a time on the tokens that chose it."""
+        u_TL = torch.zeros_like(z_TL)
+        for e in range(self.num_experts):
+            tok, slot = (ids_TK == e).nonzero(as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            h = situ_glu(z_TL[tok] @ self.w_gate[e], z_TL[tok] @ self.w_up[e]) @ self.w_down[e]
+            u_TL = u_TL.index_add(0, tok, h * w_TK[tok, slot, None].to(h.dtype))
+        return u_TL
+
+    def _dense(self, z_TL, ids_TK, w_TK):
+        """Reference: every expert on every token, combined with a one-hot (scattered) weight matrix."""
+        T = z_TL.shape[0]
+        out_ETL = self._experts(z_TL.unsqueeze(0).expand(self.num_experts, T, -1))
+        w_TE = torch.zeros(T, self.num_experts, dtype=w_TK.dtype, device=w_TK.device)
+        w_TE = w_TE.scatter(1, ids_TK, w_TK)
+        return torch.einsum("te,etl->tl", w_TE.to(out_ETL.dtype), out_ETL)
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """bias_e += γ · sign(mean_load − load_e) from the counts since the last call; resets them."""
+        load = self.load_counts.to(self.router_bias.dtype)
+        self.router_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+        self.load_counts.zero_()
+
+    @torch.no_grad()
+    def load_stats(self) -> dict:
+        """Per-expert load fractions [E] and max/mean imbalance of the counts since the last update."""
+        total = self.load_counts.sum()
+        load = self.load_counts.double()
+        frac = load / total.clamp_min(1)
+        imbalance = (load.max() / load.mean()).item() if total > 0 else 0.0
+        return {"load": frac.cpu(), "max_over_mean": imbalance}

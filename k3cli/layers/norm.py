@@ -1,0 +1,33 @@
+"""RMSNorm (SPEC §1): y = x / sqrt(mean(x²) + eps) · weight, computed in fp32 and cast back."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """RMS-normalise the last dim of x [..., D]; weight [D] or None (no gain). Returns x.dtype.
+
+    fp32 for half inputs (the mean of squares underflows/overflows in bf16); fp64 stays fp64.
+    """
+    xf = x if x.dtype == torch.float64 else x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.to(y.dtype)
+    return y.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim with a learnable gain [D] (initialised to 1)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., D] -> [..., D]."""
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

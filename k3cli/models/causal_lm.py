@@ -1,0 +1,86 @@
+"""CausalLM: the whole K3 / pure-KDA model (SPEC §1, §5) in one sitting.
+
+    Embedding → DecoderBlock × L (or the AttnRes mixer over their 2L sublayers) → RMSNorm → LM head
+
+Notable features:
+- layer kinds come from `config.layer_specs()` (KDA/MLA attention, SwiGLU/LatentMoE FFN);
+- `attnres.mode != "off"` replaces the residual sum by softmax mixes over depth, including a final
+  mix before the last norm (K3, SPEC §5);
+- loss is the shifted next-token cross-entropy in fp32, labels = -100 ignored;
+- `num_active_parameters()` drops the (n_r − k) unchosen routed experts of every MoE layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3cli.layers.attnres import AttnResMixer
+from k3cli.layers.block import DecoderBlock
+from k3cli.layers.moe import LatentMoE
+from k3cli.layers.norm import RMSNorm
+from k3cli.models.k3_config import ModelConfig
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [B, T, vocab]
+    loss: torch.Tensor | None = None  # scalar, when labels are given
+
+
+class CausalLM(nn.Module):
+    """Parameters: embed_tokens [vocab, D], blocks, attnres (mode full/block), norm [D],
+    lm_head [vocab, D] unless tie_word_embeddings."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        D = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, D)
+        self.blocks = nn.ModuleList(DecoderBlock.from_spec(config, a, f) for a, f in config.layer_specs())
+        ar = config.attnres
+        self.attnres = None
+        if ar.mode != "off":
+            self.attnres = AttnResMixer(D, 2 * len(self.blocks), ar.mode, ar.block_size, ar.eps)
+        self.norm = RMSNorm(D, config.norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(D, config.vocab_size, bias=False)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # normal(0, initializer_range) for every projection and the embedding (GPT-2 / nanoGPT);
+        # norms, conv kernels, KDA's A_log/dt_bias and AttnRes w/γ keep their own inits
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> ModelOutput:
+        """input_ids [B, T] long; labels [B, T] (usually = input_ids) → ModelOutput(logits [B, T, V], loss)."""
+        x = self.embed_tokens(input_ids)                                           # (B, T, D)
+        if self.attnres is None:
+            for block in self.blocks:
+                x = block(x)
+        else:
+            x = self.attnres(x, [f for block in self.blocks for f in block.sublayers()])
+        x = self.norm(x)
+        logits = F.linear(x, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        loss = None
+        if labels is not None:
+            # predict token t+1 from positions ≤ t
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                   ignore_index=-100)
+        return ModelOutput(logits=logits, loss=loss)
+
+    def moe_layers(self) -> list[LatentMoE]:
+        return [m for m in self.modules() if isinstance(m, LatentMoE)]
+
+    def num_parameters(self) -> int:
+        """Total parameters (a tied embedding counted once). Works on the meta device."""
+        return sum(p.numel() for p in self.parameters())
+
+    def num_active_parameters(self) -> int:
+        """Parameters one token touches: total − (n_r − k)·3·ℓ·d_ff per MoE layer."""
+        m = self.config.moe
+        per_layer = (m.num_routed_experts - m.top_k) * 3 * self.config.moe_latent_dim * m.d_ff
+        return self.num_parameters() - per_layer * len(self.moe_layers())
