@@ -1,0 +1,143 @@
+"""AttnRes mixer: weights, block S=1 == full, two-phase == naive, partial blocks (SPEC §5, §7.6).
+
+The zero-init == off identity runs on whole CausalLMs in tests/models/test_causal_lm.py.
+"""
+import pytest
+import torch
+
+from k3cli.layers.attnres import AttnResMixer, attnres_merge, attnres_phase1, naive_attnres
+from k3cli.layers.norm import rms_norm
+
+# max |a − b| / max(1, max |b|), fp64
+TOL = {"h": 1e-12, "grad": 1e-12, "alpha_sum": 1e-12}
+D = 12
+
+
+def check(name: str, actual: torch.Tensor, expected: torch.Tensor, tol_key: str) -> None:
+    err = ((actual - expected).abs().max() / expected.abs().max().clamp_min(1.0)).item()
+    assert err <= TOL[tol_key], f"{name}: scaled max error {err:.3g} > {TOL[tol_key]}"
+
+
+def make_sublayers(n: int, seed: int = 0) -> list:
+    """n small nonlinear sublayers with their own weights (stand-ins for attn / ffn)."""
+    gen = torch.Generator().manual_seed(seed)
+    ws = [torch.randn(D, D, generator=gen, dtype=torch.float64) / D ** 0.5 for _ in range(n)]
+    return [lambda h, w=w: torch.tanh(rms_norm(h, None, 0.0) @ w) * 3.0 for w in ws]
+
+
+def make_mixer(N, mode, S=2, impl="two_phase", random_init=True, seed=1):
+    m = AttnResMixer(D, N, mode, S, eps=1e-6, impl=impl).double()
+    if random_init:
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64))
+    return m
+
+
+def run(mixer, emb, subs):
+    mixer.zero_grad()
+    emb = emb.detach().clone().requires_grad_(True)
+    y = mixer(emb, subs)
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(2), dtype=y.dtype))
+    return y.detach(), {"emb": emb.grad, **{n: p.grad.clone() for n, p in mixer.named_parameters()}}
+
+
+def test_weights_sum_to_one():
+    sources = torch.randn(5, 2, 3, D, dtype=torch.float64) * 4
+    q, g = torch.randn(D, dtype=torch.float64), torch.randn(D, dtype=torch.float64)
+    h, alpha = naive_attnres(sources, q, g, return_weights=True)
+    check("alpha_sum", alpha.sum(0), torch.ones(2, 3, dtype=torch.float64), "alpha_sum")
+    assert (alpha > 0).all()
+    check("h", h, torch.einsum("nbt,nbtd->btd", alpha, sources), "h")
+
+
+def test_scores_use_rms_of_sources_not_values():
+    # scaling one source scales its value but not its score
+    sources = torch.randn(3, 1, 2, D, dtype=torch.float64)
+    q, g = torch.randn(D, dtype=torch.float64), torch.ones(D, dtype=torch.float64)
+    _, a1 = naive_attnres(sources, q, g, eps=0.0, return_weights=True)
+    sources[1] *= 10
+    _, a2 = naive_attnres(sources, q, g, eps=0.0, return_weights=True)
+    check("alpha", a2, a1, "h")
+
+
+def test_two_phase_state_equals_naive_softmax():
+    blocks = torch.randn(4, 2, 3, D, dtype=torch.float64)
+    partial = torch.randn(2, 3, D, dtype=torch.float64)
+    qs, gs = torch.randn(3, D, dtype=torch.float64), torch.randn(3, D, dtype=torch.float64)
+    m, l, o = attnres_phase1(blocks, qs, gs)
+    for r in range(3):
+        check(f"no partial {r}", attnres_merge(m[r], l[r], o[r], None, qs[r], gs[r]),
+              naive_attnres(blocks, qs[r], gs[r]), "h")
+        check(f"partial {r}", attnres_merge(m[r], l[r], o[r], partial, qs[r], gs[r]),
+              naive_attnres(torch.cat([blocks, partial[None]]), qs[r], gs[r]), "h")
+
+
+# (id, N sublayers, S)
+BLOCK_CASES = [
+    ("N6_S2", 6, 2),
+    ("N6_S3", 6, 3),
+    ("N6_S4_partial_last", 6, 4),
+    ("N5_S2_partial_last", 5, 2),
+    ("N4_S4_one_block", 4, 4),
+    ("N3_S8_block_larger_than_N", 3, 8),
+    ("N1_S1", 1, 1),
+]
+
+
+@pytest.mark.parametrize("N,S", [c[1:] for c in BLOCK_CASES], ids=[c[0] for c in BLOCK_CASES])
+def test_block_two_phase_equals_naive(N, S):
+    emb = torch.randn(2, 5, D, dtype=torch.float64)
+    subs = make_sublayers(N)
+    y_ref, g_ref = run(make_mixer(N, "block", S, impl="naive"), emb, subs)
+    y, g = run(make_mixer(N, "block", S, impl="two_phase"), emb, subs)
+    check("y", y, y_ref, "h")
+    for name in g_ref:
+        check(f"d{name}", g[name], g_ref[name], "grad")
+
+
+@pytest.mark.parametrize("impl", ["naive", "two_phase"])
+@pytest.mark.parametrize("N", [1, 4, 7])
+def test_block_S1_equals_full(N, impl):
+    emb = torch.randn(2, 3, D, dtype=torch.float64)
+    subs = make_sublayers(N)
+    y_ref, g_ref = run(make_mixer(N, "full"), emb, subs)
+    y, g = run(make_mixer(N, "block", 1, impl=impl), emb, subs)
+    check("y", y, y_ref, "h")
+    for name in g_ref:
+        check(f"d{name}", g[name], g_ref[name], "grad")
+
+
+def test_block_differs_from_full_when_S_gt_1():
+    emb = torch.randn(1, 3, D, dtype=torch.float64)
+    subs = make_sublayers(4)
+    assert not torch.allclose(make_mixer(4, "full")(emb, subs), make_mixer(4, "block", 2)(emb, subs))
+
+
+@pytest.mark.parametrize("mode,S", [("full", 1), ("block", 2), ("block", 3)], ids=["full", "block2", "block3"])
+def test_zero_init_is_scaled_residual_sum(mode, S):
+    # uniform weights: every sublayer input is the plain residual sum divided by the source count
+    N = 5
+    emb = torch.randn(2, 3, D, dtype=torch.float64)
+    subs = make_sublayers(N)
+    mixer = make_mixer(N, mode, S, random_init=False)
+    y = mixer(emb, subs)
+    x = emb
+    for f in subs:
+        x = x + f(x)  # the sublayers RMS-normalise first (eps 0), so the scale does not matter
+    n_src = N + 1 if mode == "full" else 1 + -(-N // S)
+    check("y", y, x / n_src, "h")
+
+
+def test_queries_get_gradients_from_zero_init():
+    mixer = make_mixer(4, "block", 2, random_init=False)
+    mixer(torch.randn(1, 3, D, dtype=torch.float64), make_sublayers(4)).pow(2).sum().backward()
+    assert mixer.query.grad[1:].abs().sum() > 0 and mixer.out_query.grad.abs().sum() > 0
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(ValueError, match="unknown AttnRes mode 'half'"):
+        AttnResMixer(D, 4, "half")
+    with pytest.raises(ValueError, match="built for 4 sublayers, got 3"):
+        AttnResMixer(D, 4, "full")(torch.zeros(1, 1, D), make_sublayers(3))

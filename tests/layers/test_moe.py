@@ -1,0 +1,151 @@
+"""LatentMoE: padded-bmm == loop == dense (values, grads), routing, balancing, SiTU (SPEC §4, §7.5)."""
+import pytest
+import torch
+
+from k3cli.layers.ffn import situ_glu
+from k3cli.layers.moe import LatentMoE
+
+# max |a − b| / max(1, max |b|), fp64
+TOL = {"y": 1e-12, "grad": 1e-12, "shared": 1e-12}
+
+
+def check(name: str, actual: torch.Tensor, expected: torch.Tensor, tol_key: str) -> None:
+    err = ((actual - expected).abs().max() / expected.abs().max().clamp_min(1.0)).item()
+    assert err <= TOL[tol_key], f"{name}: scaled max error {err:.3g} > {TOL[tol_key]}"
+
+
+def make(D=16, E=6, k=2, n_s=2, d_ff=12, latent=8, seed=0, **kw) -> LatentMoE:
+    torch.manual_seed(seed)
+    # init_std 0.3 so the experts produce O(1) outputs and the comparisons are not trivially small
+    m = LatentMoE(D, E, k, n_s, d_ff, latent, init_std=0.3, **kw).double()
+    for p in m.parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.3)
+    return m
+
+
+def run(m, x, dispatch):
+    m.zero_grad()
+    x = x.detach().clone().requires_grad_(True)
+    y = m(x, dispatch=dispatch)
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype))
+    grads = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in m.named_parameters()}
+    return y.detach(), {"x": x.grad, **grads}
+
+
+# (id, B, T, E, k, forced expert via bias or None)
+CASES = [
+    ("basic", 2, 9, 6, 2, None),
+    ("T1", 1, 1, 6, 2, None),
+    ("top1", 2, 7, 5, 1, None),
+    ("k_equals_E", 1, 6, 3, 3, None),
+    ("all_to_one_expert", 2, 8, 6, 1, 4),
+    ("empty_experts", 1, 2, 16, 2, None),
+]
+
+
+@pytest.mark.parametrize("B,T,E,k,forced", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_dispatch_modes_agree(B, T, E, k, forced):
+    m = make(E=E, k=k)
+    if forced is not None:
+        m.router_bias[forced] = 100.0
+    x = torch.randn(B, T, 16, dtype=torch.float64)
+    ids, _ = m.route(x.reshape(-1, 16))
+    if forced is not None:
+        assert (ids[:, 0] == forced).all()
+    y_ref, g_ref = run(m, x, "dense")
+    for mode in ("padded_bmm", "loop"):
+        y, g = run(m, x, mode)
+        check(f"y {mode}", y, y_ref, "y")
+        for name in g_ref:
+            check(f"d{name} {mode}", g[name], g_ref[name], "grad")
+
+
+def test_padded_bmm_is_deterministic():
+    m = make(E=8, k=2)
+    x = torch.randn(3, 11, 16, dtype=torch.float64)
+    a, ga = run(m, x, "padded_bmm")
+    b, gb = run(m, x, "padded_bmm")
+    assert torch.equal(a, b) and all(torch.equal(ga[n], gb[n]) for n in ga)
+
+
+def test_routing_weights_use_unbiased_scores():
+    m = make(E=6, k=2)
+    m.router_bias.copy_(torch.tensor([5.0, 5.0, 0, 0, 0, 0], dtype=torch.float64))
+    x = torch.randn(10, 16, dtype=torch.float64)
+    ids, w = m.route(x)
+    scores = torch.sigmoid(x @ m.router.weight.T)
+    assert (ids.sort(-1).values == torch.tensor([0, 1])).all()
+    top = scores.gather(1, ids)
+    check("weights", w, top / top.sum(-1, keepdim=True), "y")
+    check("sum", w.sum(-1), torch.ones(10, dtype=torch.float64), "y")
+
+
+def test_two_shared_experts_equal_one_of_double_width():
+    two = make(n_s=2, d_ff=12)
+    one = make(n_s=1, d_ff=24)
+    a, b = two.shared
+    with torch.no_grad():
+        one.shared[0].gate_proj.weight.copy_(torch.cat([a.gate_proj.weight, b.gate_proj.weight], 0))
+        one.shared[0].up_proj.weight.copy_(torch.cat([a.up_proj.weight, b.up_proj.weight], 0))
+        one.shared[0].down_proj.weight.copy_(torch.cat([a.down_proj.weight, b.down_proj.weight], 1))
+        # silence the routed branch in both so the MoE output is the shared sum alone
+        two.up_proj.weight.zero_()
+        one.up_proj.weight.zero_()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    check("shared", one(x), two(x), "shared")
+
+
+def test_router_bias_gets_no_gradient():
+    m = make()
+    assert "router_bias" not in dict(m.named_parameters())
+    assert "router_bias" in m.state_dict()
+    m(torch.randn(2, 5, 16, dtype=torch.float64)).sum().backward()
+    assert m.router_bias.grad is None and not m.router_bias.requires_grad
+    assert m.router.weight.grad is not None and m.router.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_situ_is_bounded(dtype):
+    vals = torch.cat([torch.linspace(-1e4, 1e4, 401), torch.tensor([-1e4, 1e4, 0.0])])
+    g, u = torch.meshgrid(vals, vals, indexing="ij")
+    out = situ_glu(g.to(dtype), u.to(dtype))
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert out.float().abs().max() <= 100.0
+
+
+def test_update_bias_moves_toward_balance():
+    m = make(E=4, k=1, bias_update_rate=0.01)
+    m.router_bias[2] = 100.0  # every token to expert 2
+    m.train()
+    m(torch.randn(2, 8, 16, dtype=torch.float64))
+    stats = m.load_stats()
+    assert stats["load"].tolist() == [0.0, 0.0, 1.0, 0.0]
+    assert stats["max_over_mean"] == pytest.approx(4.0)
+    before = m.router_bias.clone()
+    m.update_bias()
+    delta = (m.router_bias - before).tolist()
+    assert delta == pytest.approx([0.01, 0.01, -0.01, 0.01])
+    assert m.load_counts.sum() == 0
+
+
+def test_eval_mode_does_not_count_load():
+    m = make().eval()
+    m(torch.randn(1, 4, 16, dtype=torch.float64))
+    assert m.load_counts.sum() == 0
+
+
+def test_unknown_dispatch_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown MoE dispatch 'grouped'.*padded_bmm"):
+        make(dispatch="grouped")
+
+
+def test_parameter_shapes():
+    m = LatentMoE(16, 6, 2, 2, 12, 8)
+    shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
+    expected = {"router.weight": (6, 16), "down_proj.weight": (8, 16), "w_gate": (6, 8, 12),
+                "w_up": (6, 8, 12), "w_down": (6, 12, 8), "u_norm.weight": (8,), "up_proj.weight": (16, 8)}
+    for j in range(2):
+        expected |= {f"shared.{j}.gate_proj.weight": (12, 16), f"shared.{j}.up_proj.weight": (12, 16),
+                     f"shared.{j}.down_proj.weight": (16, 12)}
+    assert shapes == expected
