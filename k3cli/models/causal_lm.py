@@ -67,9 +67,10 @@ class CausalLM(nn.Module):
         logits = F.linear(x, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
         loss = None
         if labels is not None:
-            # predict token t+1 from positions ≤ t
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                   ignore_index=-100)
+            # predict token t+1 from positions ≤ t; fp32 loss (fp64 stays fp64)
+            shifted = logits[:, :-1].flatten(0, 1)
+            shifted = shifted if shifted.dtype == torch.float64 else shifted.float()
+            loss = F.cross_entropy(shifted, labels[:, 1:].flatten(), ignore_index=-100)
         return ModelOutput(logits=logits, loss=loss)
 
     def moe_layers(self) -> list[LatentMoE]:
