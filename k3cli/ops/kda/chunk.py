@@ -1,0 +1,137 @@
+"""Triton chunked KDA: autograd wrapper and public entry point (kernels in chunk_fwd.py, chunk_bwd.py).
+
+Launches: forward 2; backward 3 (state re-scan, reverse state scan, per-chunk gradients) plus the
+GVA group sum of dq, dk in torch.
+"""
+from __future__ import annotations
+
+import torch
+
+from k3cli.ops.kda.chunk_bwd import kda_bwd_intra, kda_bwd_state
+from k3cli.ops.kda.chunk_fwd import kda_fwd_intra, kda_fwd_state
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_CHUNK_SIZES = (16, 32, 64)
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(Σ x² + eps) over the last dim, computed in fp32 (SPEC §2.1: q, k are L2-normalised)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class ChunkKDAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state):
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        h0 = None if initial_state is None else initial_state.contiguous()
+        # W, U in fp32 keep the pseudo-value subtraction U - W S accurate for bf16 inputs
+        w, u, aqk, tm = kda_fwd_intra(q, k, v, g, beta, scale, chunk_size, torch.float32)
+        o, ht, _, _ = kda_fwd_state(q, k, g, w, u, aqk, scale, chunk_size, h0, v.dtype, output_final_state)
+        ctx.save_for_backward(q, k, v, g, beta, h0, w, u, aqk, tm)
+        ctx.scale, ctx.chunk_size = scale, chunk_size
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, h0, w, u, aqk, tm = ctx.saved_tensors
+        scale, C = ctx.scale, ctx.chunk_size
+        B, T, H, K = q.shape
+        HV, V = v.shape[2], v.shape[3]
+        # recompute the chunk start states S_n and pseudo-values Vn instead of storing them
+        _, _, h, vn = kda_fwd_state(q, k, g, w, u, aqk, scale, C, h0, v.dtype, False,
+                                    store_o=False, store_h=True)
+        do = do.contiguous()
+        dht = None if dht is None else dht.contiguous().float()
+        dh, dvn, dh0 = kda_bwd_state(q, k, g, w, aqk, do, dht, scale, C, h0 is not None, V)
+        dq, dk, dv, dg, dbeta = kda_bwd_intra(q, k, v, g, beta, tm, h, dh, do, vn, dvn, scale, C)
+        # GVA: value head hv used q/k head hv // G, so sum each group's gradients
+        dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
+        dk = dk.view(B, T, H, HV // H, K).sum(3).to(k.dtype)
+        return dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0, None, None, None
+
+
+def _check(name, x, ndim, device, dtypes=_FLOATS):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"chunk_kda: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"chunk_kda: {name} must have {ndim} dims, got shape {tuple(x.shape)}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"chunk_kda: {name} dtype {x.dtype} not in {[str(d) for d in dtypes]}")
+    if x.device != device:
+        raise ValueError(f"chunk_kda: {name} is on {x.device}, expected {device} (the device of q)")
+
+
+def _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+              chunk_size):
+    _check("q", q, 4, q.device)
+    B, T, H, K = q.shape
+    _check("k", k, 4, q.device)
+    _check("v", v, 4, q.device)
+    _check("g", g, 4, q.device)
+    _check("beta", beta, 3, q.device)
+    if k.shape != q.shape:
+        raise ValueError(f"chunk_kda: k shape {tuple(k.shape)} must equal q shape {tuple(q.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"chunk_kda: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if v.shape[:2] != (B, T):
+        raise ValueError(f"chunk_kda: v shape {tuple(v.shape)} must start with (B, T) = {(B, T)}")
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H != 0:
+        raise ValueError(f"chunk_kda: v heads HV={HV} must be a multiple of q/k heads H={H} (GVA)")
+    if g.shape != (B, T, HV, K):
+        raise ValueError(f"chunk_kda: g shape {tuple(g.shape)} must be (B, T, HV, K) = {(B, T, HV, K)}")
+    if beta.shape != (B, T, HV):
+        raise ValueError(f"chunk_kda: beta shape {tuple(beta.shape)} must be (B, T, HV) = {(B, T, HV)}")
+    if not 1 <= K <= 256:
+        raise ValueError(f"chunk_kda: key dim K={K} must be in [1, 256]")
+    if T == 0 or V == 0:
+        raise ValueError(f"chunk_kda: empty input (T={T}, V={V})")
+    if initial_state is not None:
+        _check("initial_state", initial_state, 4, q.device, (torch.float32,))
+        if initial_state.shape != (B, HV, K, V):
+            raise ValueError(f"chunk_kda: initial_state shape {tuple(initial_state.shape)} must be "
+                             f"(B, HV, K, V) = {(B, HV, K, V)}")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"chunk_kda: scale must be a float or None, got {type(scale).__name__}")
+    if chunk_size not in _CHUNK_SIZES:
+        raise ValueError(f"chunk_kda: chunk_size={chunk_size} must be one of {_CHUNK_SIZES}")
+    if not (-5.0 <= lower_bound < 0.0):
+        raise ValueError(f"chunk_kda: lower_bound={lower_bound} must be in [-5, 0)")
+    if use_gate_in_kernel:
+        if A_log is None:
+            raise ValueError("chunk_kda: A_log is required when use_gate_in_kernel=True")
+        _check("A_log", A_log, 1, q.device)
+        if A_log.shape != (HV,):
+            raise ValueError(f"chunk_kda: A_log shape {tuple(A_log.shape)} must be (HV,) = {(HV,)}")
+        if dt_bias is not None:
+            _check("dt_bias", dt_bias, 2, q.device)
+            if dt_bias.shape != (HV, K):
+                raise ValueError(f"chunk_kda: dt_bias shape {tuple(dt_bias.shape)} must be (HV, K) = {(HV, K)}")
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+              lower_bound=-5.0, chunk_size=64):
+    """Chunked Kimi Delta Attention (SPEC §2.2) with Triton forward and backward.
+
+    Args:
+        q, k: [B, T, H, K] (fp32 / fp16 / bf16); v: [B, T, HV, V], HV = G * H.
+        g: [B, T, HV, K] per-step log-decay (<= 0, >= lower_bound per step for fp32 safety), or the
+            raw gate input g_raw when use_gate_in_kernel (then A_log [HV], dt_bias [HV, K] apply §2.3).
+        beta: [B, T, HV] write strength (already through its sigmoid).
+        scale: query scale, default K ** -0.5.
+        initial_state: [B, HV, K, V] fp32 or None.
+        use_qk_l2norm_in_kernel: L2-normalise q and k (eps 1e-6) before the recurrence.
+    Returns:
+        o [B, T, HV, V] in v.dtype, final state [B, HV, K, V] fp32 (or None).
+    """
+    _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+              chunk_size)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    if use_gate_in_kernel:
+        from k3cli.ops.kda.gate import kda_gate
+        g = kda_gate(g, A_log, dt_bias, lower_bound=lower_bound, chunk_size=chunk_size, cumsum=False)
+    return ChunkKDAFunction.apply(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state)

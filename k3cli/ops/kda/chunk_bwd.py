@@ -1,0 +1,208 @@
+"""Backward stages of the Triton chunked KDA (derivation in README.md, "Backward").
+
+Given the forward's saved W, U, Aqk, Tm and the per-chunk start states S_n and pseudo-values Vn
+(recomputed by re-running the forward state scan with STORE_H), two launches:
+  1. `_kda_bwd_state_kernel`, sequential over chunks in reverse per (value block, batch*head):
+     dVn = Aqk^T dO + (K e^(γ-Γ)) dS',  dS = e^γ dS' + scale (Q e^Γ)^T dO - W^T dVn; stores dS' per
+     chunk, dVn and dh0.
+  2. `_kda_bwd_intra_kernel`, parallel over chunks: everything else (dq, dk, dv, dβ, dg).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3cli.ops.kda.chunk_fwd import _anchored_factors, _intra_scores, _load_chunk_qkg, interpreting, pick_configs
+
+
+@triton.jit
+def _kda_bwd_state_step(q, k, g, w, aqk, do, dh, dvn, b_ds, scale, i_b, i_h, i_hv, i_bh, i_v, i_n, T, NT,
+                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_t = (i_n * BT + o_t) < T
+    b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, T, H, HV, K, BT, BK)
+    b_gam = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), 0)
+    row = (i_bh * NT * BT + i_n * BT + o_t).to(tl.int64)
+    b_w = tl.load(w + row[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.).to(tl.float32)
+    b_a = tl.load(aqk + row[:, None] * BT + o_t[None, :])
+    p_do = do + (i_b * T + i_n * BT + o_t).to(tl.int64)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+    b_do = tl.load(p_do, mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
+    p_dh = dh + (i_bh * NT + i_n).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+    tl.store(p_dh, b_ds, mask=m_k[:, None] & m_v[None, :])
+    b_kd = b_k * tl.exp(b_gam[None, :] - b_G)
+    b_dvn = tl.dot(tl.trans(b_a), b_do) + tl.dot(b_kd, b_ds)
+    tl.store(dvn + row[:, None] * V + o_v[None, :], b_dvn, mask=m_v[None, :])
+    b_qg = b_q * tl.exp(b_G) * scale
+    return b_ds * tl.exp(b_gam)[:, None] + tl.dot(tl.trans(b_qg), b_do) - tl.dot(tl.trans(b_w), b_dvn)
+
+
+@triton.autotune(
+    configs=pick_configs([triton.Config({}, num_warps=nw, num_stages=ns) for nw, ns in ((4, 2), (8, 2), (4, 1))]),
+    key=["BK", "BV", "BT"],
+)
+@triton.jit
+def _kda_bwd_state_kernel(q, k, g, w, aqk, do, dht, dh, dvn, dh0, scale, T, NT,
+                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                          BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                          USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, INTERPRET: tl.constexpr):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    p_state = i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+    b_ds = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_ds += tl.load(dht + p_state, mask=m_kv, other=0.)
+    if INTERPRET:
+        # the interpreter cannot take a runtime bound in range() with numpy >= 2.4
+        i_r = 0
+        while i_r < NT:
+            b_ds = _kda_bwd_state_step(q, k, g, w, aqk, do, dh, dvn, b_ds, scale, i_b, i_h, i_hv, i_bh, i_v,
+                                       NT - 1 - i_r, T, NT, H, HV, K, V, BT, BK, BV)
+            i_r += 1
+    else:
+        for i_r in range(NT):
+            b_ds = _kda_bwd_state_step(q, k, g, w, aqk, do, dh, dvn, b_ds, scale, i_b, i_h, i_hv, i_bh, i_v,
+                                       NT - 1 - i_r, T, NT, H, HV, K, V, BT, BK, BV)
+    if STORE_DH0:
+        tl.store(dh0 + p_state, b_ds, mask=m_kv)
+
+
+@triton.jit
+def _kda_bwd_intra_kernel(q, k, v, g, beta, tm, h, dh, do, vn, dvn, dq, dk, dv, dg, dbeta, scale, T, NT,
+                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                          BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_t = (i_n * BT + o_t) < T
+    m_k = o_k < K
+    b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, T, H, HV, K, BT, BK)
+    b_gam = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), 0)
+    tok = (i_b * T + i_n * BT + o_t).to(tl.int64)
+    b_beta = tl.load(beta + tok * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
+    row = (i_bh * NT * BT + i_n * BT + o_t).to(tl.int64)
+    b_tm = tl.load(tm + row[:, None] * BT + o_t[None, :])
+    p_s = (i_bh * NT + i_n).to(tl.int64) * K * V + o_k[:, None] * V
+
+    # reductions over V, one value block at a time
+    b_dqg = tl.zeros([BT, BK], dtype=tl.float32)      # d(Q e^Γ) without the scale
+    b_dkd = tl.zeros([BT, BK], dtype=tl.float32)      # d(K e^(γ-Γ))
+    b_dx = tl.zeros([BT, BK], dtype=tl.float32)       # minus d(β K e^Γ)
+    b_dakk = tl.zeros([BT, BT], dtype=tl.float32)     # minus d(Akk)
+    b_daqk = tl.zeros([BT, BT], dtype=tl.float32)     # d(Aqk)
+    b_dbeta = tl.zeros([BT], dtype=tl.float32)
+    b_dgam = tl.zeros([BK], dtype=tl.float32)
+    for i_v in tl.static_range((V + BV - 1) // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        m_kv = m_k[:, None] & m_v[None, :]
+        b_s = tl.load(h + p_s + o_v[None, :], mask=m_kv, other=0.)
+        b_ds = tl.load(dh + p_s + o_v[None, :], mask=m_kv, other=0.)
+        b_vn = tl.load(vn + row[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.)
+        b_dvn = tl.load(dvn + row[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.)
+        p_io = tok[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+        b_do = tl.load(do + p_io, mask=m_tv, other=0.).to(tl.float32)
+        b_v = tl.load(v + p_io, mask=m_tv, other=0.).to(tl.float32)
+        b_dqg += tl.dot(b_do, tl.trans(b_s))
+        b_dkd += tl.dot(b_vn, tl.trans(b_ds))
+        b_daqk += tl.dot(b_do, tl.trans(b_vn))
+        b_dgam += tl.sum(b_s * b_ds, 1)
+        # Y = β V, X = β K e^Γ:  dY = Tm^T dVn,  dX = -dY S^T,  d(I + Akk) = -dY Vn^T
+        b_dy = tl.dot(tl.trans(b_tm), b_dvn)
+        b_dx += tl.dot(b_dy, tl.trans(b_s))
+        b_dakk += tl.dot(b_dy, tl.trans(b_vn))
+        b_dbeta += tl.sum(b_dy * b_v, 1)
+        tl.store(dv + p_io, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+
+    b_eg = tl.exp(b_G)
+    b_kg = b_k * b_eg
+    b_kd = b_k * tl.exp(b_gam[None, :] - b_G)
+    b_dqg = b_dqg * scale
+    # X = β K e^Γ
+    b_dbeta -= tl.sum(b_dx * b_kg, 1)
+    b_dkg = -b_dx * b_beta[:, None]
+    b_dq = b_dqg * b_eg
+    b_dk = b_dkg * b_eg + b_dkd * tl.exp(b_gam[None, :] - b_G)
+    b_dG = b_dkg * b_kg - b_dkd * b_kd + b_dqg * b_q * b_eg
+    b_dgam = b_dgam * tl.exp(b_gam) + tl.sum(b_dkd * b_kd, 0)
+
+    # raw-score gradients: Aqk = scale * Mqk (j <= i), Akk = β_i Mkk (j < i)
+    b_mqk, b_mkk = _intra_scores(b_q, b_k, b_G, BT, BC)
+    b_dmq = tl.where(o_t[:, None] >= o_t[None, :], b_daqk, 0.) * scale
+    b_dakk = -tl.where(o_t[:, None] > o_t[None, :], b_dakk, 0.)
+    b_dbeta += tl.sum(b_dakk * b_mkk, 1)
+    b_dmk = b_dakk * b_beta[:, None]
+    for a in tl.static_range(BT // BC):
+        e_q, e_k, m_a, m_up = _anchored_factors(b_G, a, BT, BC)
+        b_qa = tl.where(m_a[:, None], b_q * e_q, 0.)
+        b_ka = tl.where(m_a[:, None], b_k * e_q, 0.)
+        b_kb = tl.where(m_up[:, None], b_k * e_k, 0.)
+        b_dmq_a = tl.where(m_a[:, None], b_dmq, 0.)
+        b_dmk_a = tl.where(m_a[:, None], b_dmk, 0.)
+        # query-side (rows of sub-chunk a) and key-side (rows before its end) gradients
+        b_dq_r = e_q * tl.dot(b_dmq_a, b_kb)
+        b_dk_r = e_q * tl.dot(b_dmk_a, b_kb)
+        b_dk_c = tl.where(m_up[:, None], e_k, 0.) * (tl.dot(tl.trans(b_dmq_a), b_qa) + tl.dot(tl.trans(b_dmk_a), b_ka))
+        b_dq += b_dq_r
+        b_dk += b_dk_r + b_dk_c
+        b_dG += b_q * b_dq_r + b_k * (b_dk_r - b_dk_c)
+
+    # g enters through Γ (inclusive cumsum) and γ = Γ[-1] = Σ g:  dg_i = Σ_{j>=i} dΓ_j + dγ
+    b_dg = tl.cumsum(b_dG, 0, reverse=True) + b_dgam[None, :]
+    m_tk = m_t[:, None] & m_k[None, :]
+    p_hk = tok[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+    tl.store(dq + p_hk, b_dq, mask=m_tk)
+    tl.store(dk + p_hk, b_dk, mask=m_tk)
+    tl.store(dg + p_hk, b_dg, mask=m_tk)
+    tl.store(dbeta + tok * HV + i_hv, b_dbeta, mask=m_t)
+
+
+def kda_bwd_state(q, k, g, w, aqk, do, dht, scale: float, chunk_size: int, need_dh0: bool, V: int):
+    """Launch the reverse scan. Returns dh [B*HV, NT, K, V] (grad of each chunk's END state),
+    dVn [B*HV, Tp, V] fp32, dh0 [B, HV, K, V] fp32 or None."""
+    B, T, H, K = q.shape
+    HV = g.shape[2]
+    BT = chunk_size
+    NT = triton.cdiv(T, BT)
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(64, max(16, triton.next_power_of_2(V)))
+    dev = q.device
+    dh = torch.empty(B * HV, NT, K, V, device=dev, dtype=torch.float32)
+    dvn = torch.empty(B * HV, NT * BT, V, device=dev, dtype=torch.float32)
+    dh0 = torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) if need_dh0 else None
+    _kda_bwd_state_kernel[(triton.cdiv(V, BV), B * HV)](
+        q, k, g, w, aqk, do, dht, dh, dvn, dh0, scale, T, NT, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV,
+        USE_DHT=dht is not None, STORE_DH0=need_dh0, INTERPRET=interpreting(q))
+    return dh, dvn, dh0
+
+
+def kda_bwd_intra(q, k, v, g, beta, tm, h, dh, do, vn, dvn, scale: float, chunk_size: int):
+    """Launch the per-chunk gradient kernel. Returns dq, dk [B, T, HV, K] fp32 (per value head),
+    dv [B, T, HV, V] (v.dtype), dg [B, T, HV, K] fp32, dbeta [B, T, HV] fp32."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    BT = chunk_size
+    NT = triton.cdiv(T, BT)
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(64, max(16, triton.next_power_of_2(V)))
+    dev = q.device
+    dq = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)
+    dk = torch.empty_like(dq)
+    dg = torch.empty_like(dq)
+    dv = torch.empty_like(v)
+    dbeta = torch.empty(B, T, HV, device=dev, dtype=torch.float32)
+    _kda_bwd_intra_kernel[(NT, B * HV)](
+        q, k, v, g, beta, tm, h, dh, do, vn, dvn, dq, dk, dv, dg, dbeta, scale, T, NT, H=H, HV=HV, K=K, V=V,
+        BT=BT, BC=min(16, BT), BK=BK, BV=BV, num_warps=4 if BK <= 64 else 8)
+    return dq, dk, dv, dg, dbeta
