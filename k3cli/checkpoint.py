@@ -1,0 +1,211 @@
+"""Atomic, verifiable training checkpoints.
+
+Layout: `run_dir/checkpoints/step_{step:08d}/` holding
+  model.safetensors  weights (shared / tied tensors stored once, see `safetensors.torch.save_model`)
+  state.pt           optimizer, scheduler, data-loader state, Python/NumPy/torch(/CUDA) RNG, step, extra
+  COMPLETE           JSON {step, files: {name: {bytes, sha256}}}, written last
+
+A save goes into `step_XXXXXXXX.tmp-<pid>` beside the final folder, every file is fsynced, and one
+`os.rename` publishes it, so a crash leaves either a temp folder or nothing, never a half checkpoint
+under the final name. Readers trust only folders whose COMPLETE marker matches the files on disk.
+Nothing here deletes a checkpoint except `prune_checkpoints`, and it never removes the newest one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import safetensors.torch
+import torch
+from torch import nn
+
+__all__ = ["CheckpointError", "save_checkpoint", "find_latest_checkpoint", "load_checkpoint",
+           "prune_checkpoints", "list_checkpoints", "is_complete"]
+
+MODEL_FILE, STATE_FILE, MARKER = "model.safetensors", "state.pt", "COMPLETE"
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read; the message is one line naming the folder."""
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    # DDP wraps in .module, torch.compile in ._orig_mod; both would prefix every key
+    while True:
+        inner = getattr(model, "module", None)
+        inner = inner if isinstance(inner, nn.Module) else getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    # makes a rename / new entry durable; not every platform lets a folder be opened
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        # a resume on fewer GPUs restores the devices that exist
+        for i, s in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)
+
+
+def save_checkpoint(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer=None, scheduler=None,
+                    loader_state: dict | None = None, extra: dict | None = None) -> Path:
+    """Write checkpoint `step` of `run_dir` atomically and return its folder.
+
+    Refuses (CheckpointError) to replace an existing `step_XXXXXXXX` folder: it may be the user's."""
+    parent = Path(run_dir) / "checkpoints"
+    final = parent / f"step_{step:08d}"
+    if final.exists():
+        raise CheckpointError(f"checkpoint {final} already exists; refusing to overwrite it")
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = parent / f"{final.name}.tmp-{os.getpid()}"
+    if tmp.exists():  # left by an earlier crashed save of this same process id: ours by name
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+
+    safetensors.torch.save_model(_unwrap(model), str(tmp / MODEL_FILE), metadata={"step": str(step)})
+    torch.save({
+        "step": step,
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "loader": loader_state,
+        "rng": _rng_state(),
+        "extra": extra or {},
+    }, tmp / STATE_FILE)
+    files = {}
+    for name in (MODEL_FILE, STATE_FILE):
+        _fsync_file(tmp / name)
+        files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+    with open(tmp / MARKER, "w") as f:
+        json.dump({"step": step, "files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    os.rename(tmp, final)
+    _fsync_dir(parent)
+    return final
+
+
+def _marker(path: Path) -> dict | None:
+    try:
+        marker = json.loads((path / MARKER).read_text())
+        return marker if isinstance(marker.get("files"), dict) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def is_complete(path: str | os.PathLike, verify: bool = True) -> bool:
+    """True when `path` has a COMPLETE marker whose sizes (and, with verify, sha256) match its files."""
+    path = Path(path)
+    marker = _marker(path)
+    if marker is None or set(marker["files"]) != {MODEL_FILE, STATE_FILE}:
+        return False
+    for name, meta in marker["files"].items():
+        f = path / name
+        if not f.is_file() or f.stat().st_size != meta.get("bytes"):
+            return False
+        if verify and _sha256(f) != meta.get("sha256"):
+            return False
+    return True
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, folder) of every `step_XXXXXXXX` folder, oldest first; temp folders are not listed."""
+    parent = Path(run_dir) / "checkpoints"
+    if not parent.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in parent.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return sorted(found)
+
+
+def find_latest_checkpoint(run_dir: str | os.PathLike, verify: bool = True) -> Path | None:
+    """The newest checkpoint folder whose COMPLETE marker matches its files, or None.
+
+    Temp folders of interrupted saves and folders without (or with a stale) marker are skipped;
+    checksums are computed newest-first, so usually only one checkpoint is read in full."""
+    for _, path in reversed(list_checkpoints(run_dir)):
+        if is_complete(path, verify=verify):
+            return path
+    return None
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=None,
+                    restore_rng: bool = True) -> dict:
+    """Load weights into `model` (on its own device) and, when given, the optimizer and scheduler
+    state; restore the RNG states. Returns {'step', 'loader', 'extra', 'path'}."""
+    path = Path(path)
+    if not is_complete(path, verify=True):
+        raise CheckpointError(f"{path} is not a complete checkpoint (missing or mismatched {MARKER})")
+    try:
+        safetensors.torch.load_model(_unwrap(model), str(path / MODEL_FILE), strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"{path}: weights do not fit this model "
+                              f"({str(e).strip().splitlines()[-1].strip()})") from None
+    # weights_only=False: the file is our own and holds NumPy's RNG state, which the safe loader rejects
+    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+    if optimizer is not None:
+        if state["optimizer"] is None:
+            raise CheckpointError(f"{path} holds no optimizer state")
+        optimizer.load_state_dict(state["optimizer"])  # moves state to each parameter's device
+    if scheduler is not None:
+        if state["scheduler"] is None:
+            raise CheckpointError(f"{path} holds no scheduler state")
+        scheduler.load_state_dict(state["scheduler"])
+    if restore_rng:
+        _set_rng_state(state["rng"])
+    return {"step": state["step"], "loader": state["loader"], "extra": state["extra"], "path": path}
+
+
+def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
+    """Delete complete checkpoints older than the newest `keep_last` complete ones (at least one is
+    always kept, and so is the newest one that passes the checksum test); incomplete folders and temp
+    folders are left alone. Returns the deleted folders."""
+    complete = [p for _, p in list_checkpoints(run_dir) if is_complete(p, verify=False)]
+    latest = find_latest_checkpoint(run_dir)
+    doomed = [p for p in complete[:-max(1, keep_last)] if p != latest]
+    for p in doomed:
+        shutil.rmtree(p)
+    return doomed

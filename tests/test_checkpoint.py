@@ -1,0 +1,152 @@
+"""Checkpoints: exact round trip (weights, tied weights, AdamW, LambdaLR, loader, RNG), atomicity
+under interrupted saves, corruption detection, no overwrite, pruning."""
+import json
+import random
+import shutil
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from torch import nn
+
+from k3cli.checkpoint import (MARKER, MODEL_FILE, CheckpointError, find_latest_checkpoint, is_complete,
+                              list_checkpoints, load_checkpoint, prune_checkpoints, save_checkpoint)
+from k3cli.data import PackedLoader
+
+
+class Tiny(nn.Module):
+    """Embedding tied to the output head, so the state dict holds one tensor under two names."""
+
+    def __init__(self, vocab: int = 32, dim: int = 8):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, dim))
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.tensor(1.0))
+
+    def forward(self, ids):  # ids [B, T] -> loss
+        logits = self.head(self.mlp(self.emb(ids))) * self.scale  # [B, T, vocab]
+        return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def setup(seed: int = 0):
+    torch.manual_seed(seed)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+    loader = PackedLoader(np.arange(2000, dtype=np.uint16) % 32, seq_len=9, batch_size=4, seed=1)
+    return model, opt, sched, loader
+
+
+def train(model, opt, sched, loader, steps: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        ids = next(loader)
+        # dropout-like randomness drawn from every RNG the checkpoint must restore
+        noise = torch.rand(()) * 1e-3 + random.random() * 1e-3 + np.random.rand() * 1e-3
+        loss = model(ids) + noise
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_round_trip_continues_identically(tmp_path):
+    model, opt, sched, loader = setup()
+    train(model, opt, sched, loader, 3)
+    path = save_checkpoint(tmp_path, 3, model, opt, sched, loader.state_dict(), {"tokens_seen": 108})
+    assert path == tmp_path / "checkpoints" / "step_00000003" and is_complete(path)
+    expected = train(model, opt, sched, loader, 4)
+
+    model2, opt2, sched2, loader2 = setup(seed=123)  # different init, fresh optimizer state
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    info = load_checkpoint(find_latest_checkpoint(tmp_path), model2, opt2, sched2)
+    loader2.load_state_dict(info["loader"])
+    assert info["step"] == 3 and info["extra"] == {"tokens_seen": 108}
+    assert sched2.last_epoch == 3 and model2.head.weight is model2.emb.weight
+    assert train(model2, opt2, sched2, loader2, 4) == expected
+
+
+def test_tied_weights_stored_once(tmp_path):
+    model = setup()[0]
+    path = save_checkpoint(tmp_path, 1, model)
+    keys = set(safetensors.torch.load_file(path / MODEL_FILE))
+    assert len(keys & {"emb.weight", "head.weight"}) == 1 and "scale" in "".join(keys)
+    info = load_checkpoint(path, Tiny())
+    assert info["loader"] is None and info["step"] == 1
+
+
+def test_wrong_model_is_one_clear_line(tmp_path):
+    path = save_checkpoint(tmp_path, 1, setup()[0])
+    with pytest.raises(CheckpointError, match="do not fit this model") as e:
+        load_checkpoint(path, Tiny(vocab=40))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("failure", ["raise-after-model", "tmp-dir-left", "no-marker", "truncated",
+                                     "bit-flip", "bad-marker-json"])
+def test_interrupted_or_corrupt_save_is_ignored(tmp_path, monkeypatch, failure):
+    model, opt, sched, loader = setup()
+    good = save_checkpoint(tmp_path, 10, model, opt, sched, loader.state_dict())
+    if failure == "raise-after-model":
+        def boom(*args, **kwargs):
+            raise KeyboardInterrupt
+        monkeypatch.setattr("k3cli.checkpoint.torch.save", boom)
+        with pytest.raises(KeyboardInterrupt):
+            save_checkpoint(tmp_path, 20, model, opt, sched, loader.state_dict())
+        assert not (tmp_path / "checkpoints" / "step_00000020").exists()
+        assert list((tmp_path / "checkpoints").glob("step_00000020.tmp-*"))
+    else:
+        bad = save_checkpoint(tmp_path, 20, model, opt, sched, loader.state_dict())
+        if failure == "tmp-dir-left":
+            bad.rename(bad.with_name("step_00000030.tmp-999"))
+        elif failure == "no-marker":
+            (bad / MARKER).unlink()
+        elif failure == "truncated":
+            data = (bad / MODEL_FILE).read_bytes()
+            (bad / MODEL_FILE).write_bytes(data[:len(data) // 2])
+        elif failure == "bit-flip":
+            data = bytearray((bad / MODEL_FILE).read_bytes())
+            data[-1] ^= 0xFF
+            (bad / MODEL_FILE).write_bytes(bytes(data))
+        else:
+            (bad / MARKER).write_text("{not json")
+    assert find_latest_checkpoint(tmp_path) == good
+    if failure not in ("raise-after-model", "tmp-dir-left"):
+        with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+            load_checkpoint(tmp_path / "checkpoints" / "step_00000020", Tiny())
+
+
+def test_no_checkpoint_and_no_overwrite(tmp_path):
+    assert find_latest_checkpoint(tmp_path) is None and list_checkpoints(tmp_path) == []
+    model = setup()[0]
+    path = save_checkpoint(tmp_path, 5, model)
+    before = json.loads((path / MARKER).read_text())
+    with pytest.raises(CheckpointError, match="refusing to overwrite"):
+        save_checkpoint(tmp_path, 5, model)
+    assert json.loads((path / MARKER).read_text()) == before
+
+
+@pytest.mark.parametrize("keep_last", [1, 2, 3, 10])
+def test_prune_keeps_last_k(tmp_path, keep_last):
+    model = setup()[0]
+    paths = [save_checkpoint(tmp_path, s, model) for s in (100, 200, 300, 400, 500)]
+    shutil.copytree(paths[0], tmp_path / "checkpoints" / "step_00000050.tmp-1")  # not ours to judge
+    removed = prune_checkpoints(tmp_path, keep_last)
+    kept = [p for _, p in list_checkpoints(tmp_path)]
+    assert kept == paths[-min(keep_last, 5):] and removed == paths[:-min(keep_last, 5)]
+    assert (tmp_path / "checkpoints" / "step_00000050.tmp-1").is_dir()
+
+
+def test_prune_never_deletes_newest_verified(tmp_path):
+    model = setup()[0]
+    paths = [save_checkpoint(tmp_path, s, model) for s in (1, 2)]
+    data = bytearray((paths[1] / MODEL_FILE).read_bytes())
+    data[-1] ^= 0xFF  # same size: only the checksum notices
+    (paths[1] / MODEL_FILE).write_bytes(bytes(data))
+    prune_checkpoints(tmp_path, keep_last=1)
+    assert paths[0].is_dir() and find_latest_checkpoint(tmp_path) == paths[0]
