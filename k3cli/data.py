@@ -23,9 +23,9 @@ import json
 import os
 import socket
 import sysconfig
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 from urllib.parse import urlparse
 
 import numpy as np
@@ -228,7 +228,7 @@ def corpus_fingerprint(train: list[Document], val: list[Document], vocab_size: i
     for split, docs in (("train", train), ("val", val)):
         for d in docs:
             digest = hashlib.sha1(d.text.encode("utf-8")).hexdigest()
-            h.update(f"{split}\0{d.name}\0{d.nbytes}\0{digest}\n".encode("utf-8"))
+            h.update(f"{split}\0{d.name}\0{d.nbytes}\0{digest}\n".encode())
     return h.hexdigest()[:24]
 
 
@@ -348,7 +348,7 @@ class PackedLoader:
             self._perm_epoch = self.epoch
         return self._perm
 
-    def __iter__(self) -> "PackedLoader":
+    def __iter__(self) -> PackedLoader:
         return self
 
     def __next__(self) -> torch.Tensor:
@@ -378,7 +378,7 @@ class PackedLoader:
 def val_batches(tokens: np.ndarray, seq_len: int, n: int, batch_size: int) -> list[torch.Tensor]:
     """Up to n batches `[B, T]` of consecutive windows from the start of `tokens [N]`, no shuffle
     (the last may hold fewer rows). A stream shorter than T gives one batch [1, N]."""
-    T = seq_len if len(tokens) >= seq_len else len(tokens)
+    T = min(seq_len, len(tokens))
     if T < 2:
         raise DataError(f"the validation split has {len(tokens)} tokens; need at least 2")
     W = min(len(tokens) // T, n * batch_size)
