@@ -184,13 +184,15 @@ def load_documents(source: str, text_field: str = "text", max_bytes: int = 0) ->
         if not text.strip():
             continue
         raw = text.encode("utf-8")
-        if max_bytes and total + len(raw) > max_bytes:
+        full = not max_bytes or total + len(raw) < max_bytes
+        if not full:
+            # a character split by the cap is dropped, so the total may fall up to 3 bytes short
             text = raw[:max_bytes - total].decode("utf-8", "ignore")
             raw = text.encode("utf-8")
         if raw:
             docs.append(Document(name, text, len(raw)))
             total += len(raw)
-        if max_bytes and total >= max_bytes:
+        if not full:
             break
     if not docs:
         raise DataError(f"data.source: {source} holds no non-empty documents (empty corpus)")
