@@ -129,3 +129,212 @@ def test_naive_gate_and_cumsum():
     torch.testing.assert_close(c[:, 64:], g[:, 64:].cumsum(1))
     r = chunk_local_cumsum(g, 16, reverse=True)
     torch.testing.assert_close(r[:, :16], g[:, :16].flip(1).cumsum(1).flip(1))
+
+
+# ---------------------------------------------------------------- Triton chunk_kda (CPU interpreter tier)
+# (B, T, H, G, K, V, chunk, dtype, with h0)
+TRITON_CASES = [
+    pytest.param(1, 1, 1, 1, 16, 16, 64, torch.float32, True, id="T1"),
+    pytest.param(2, 63, 1, 1, 16, 16, 64, torch.float32, True, id="T63-H1"),
+    pytest.param(1, 100, 2, 2, 16, 32, 64, torch.float32, True, id="T100-G2"),
+    pytest.param(1, 130, 1, 1, 32, 32, 64, torch.float32, False, id="T130-K32-noh0"),
+    pytest.param(1, 63, 1, 2, 24, 16, 64, torch.float32, True, id="T63-K24-G2"),
+    pytest.param(1, 50, 2, 1, 16, 16, 16, torch.float32, True, id="T50-C16"),
+    pytest.param(1, 70, 1, 1, 16, 16, 32, torch.float16, True, id="T70-C32-fp16"),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("B,T,H,G,K,V,C,dtype,h0", TRITON_CASES)
+def test_chunk_kda_matches_recurrent(B, T, H, G, K, V, C, dtype, h0):
+    from k3cli.ops.kda import chunk_kda
+    inputs = make_inputs(B, T, H, G, K, V, dtype=dtype, device=DEVICE, h0=h0)
+    # the reference sees the same (rounded) inputs, in fp32
+    ref_inputs = [None if x is None else x.float() for x in inputs]
+    ref = run_with_grads(naive_recurrent_kda, *ref_inputs)
+    out = run_with_grads(chunk_kda, *inputs, chunk_size=C)
+    assert out["o"].dtype == dtype and out["ht"].dtype == torch.float32
+    for name in ref:
+        assert out[name].shape == ref[name].shape, name
+        assert_close(name, out[name], ref[name])
+
+
+@needs_triton
+def test_chunk_kda_in_kernel_l2norm_and_gate():
+    from k3cli.ops.kda import chunk_kda
+    gen = torch.Generator().manual_seed(1)
+    B, T, H, K, V = 1, 40, 2, 16, 16
+    q = torch.randn(B, T, H, K, generator=gen).to(DEVICE).requires_grad_()
+    k = torch.randn(B, T, H, K, generator=gen).to(DEVICE).requires_grad_()
+    v = torch.randn(B, T, H, V, generator=gen).to(DEVICE).requires_grad_()
+    g_raw = torch.randn(B, T, H, K, generator=gen).to(DEVICE).requires_grad_()
+    beta = torch.rand(B, T, H, generator=gen).to(DEVICE).requires_grad_()
+    A_log = torch.randn(H, generator=gen).to(DEVICE).requires_grad_()
+    dt_bias = torch.randn(H, K, generator=gen).to(DEVICE).requires_grad_()
+    leaves = (q, k, v, g_raw, beta, A_log, dt_bias)
+    do = torch.randn(B, T, H, V, generator=gen).to(DEVICE)
+
+    def l2(x):
+        return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+    o_ref, _ = naive_recurrent_kda(l2(q), l2(k), v, naive_kda_gate(g_raw, A_log, dt_bias), beta)
+    ref = torch.autograd.grad((o_ref * do).sum(), leaves)
+    o, _ = chunk_kda(q, k, v, g_raw, beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                     A_log=A_log, dt_bias=dt_bias)
+    got = torch.autograd.grad((o * do).sum(), leaves)
+    assert_close("o", o, o_ref)
+    for name, x, r in zip(("dq", "dk", "dv", "dg_raw", "dbeta", "dA_log", "ddt_bias"), got, ref):
+        assert_close(name if name in TOL else "dg", x, r)
+
+
+def _perturb_after(t, *xs):
+    out = []
+    for x in xs:
+        y = x.clone()
+        y[:, t + 1:] = y[:, t + 1:].flip(1) * 0.5 - 0.1 if y.is_floating_point() else y[:, t + 1:]
+        out.append(y)
+    return out
+
+
+@needs_triton
+def test_chunk_kda_causality_bit_stable():
+    from k3cli.ops.kda import chunk_kda
+    q, k, v, g, beta, h0 = make_inputs(1, 100, 1, 1, 16, 16, device=DEVICE)
+    o, _ = chunk_kda(q, k, v, g, beta, initial_state=h0)
+    for t in (10, 63, 70):
+        q2, k2, v2, b2 = _perturb_after(t, q, k, v, beta)
+        g2 = g.clone()
+        g2[:, t + 1:] = -4.0 * torch.rand_like(g2[:, t + 1:])
+        o2, _ = chunk_kda(q2, k2, v2, g2, b2, initial_state=h0)
+        assert torch.equal(o[:, :t + 1], o2[:, :t + 1]), f"output at <= {t} changed"
+        assert not torch.equal(o[:, t + 1:], o2[:, t + 1:])
+
+
+@needs_triton
+def test_chunk_kda_batch_invariance():
+    from k3cli.ops.kda import chunk_kda
+    q, k, v, g, beta, h0 = make_inputs(3, 70, 2, 1, 16, 16, device=DEVICE)
+    o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o1, ht1 = chunk_kda(q[1:2], k[1:2], v[1:2], g[1:2], beta[1:2], initial_state=h0[1:2],
+                        output_final_state=True)
+    assert torch.equal(o[1:2], o1) and torch.equal(ht[1:2], ht1)
+
+
+VALIDATION_CASES = [
+    pytest.param(dict(k="short"), ValueError, "k shape", id="k-shape"),
+    pytest.param(dict(v="badB"), ValueError, "v shape", id="v-batch"),
+    pytest.param(dict(v="HV3"), ValueError, "multiple of q/k heads", id="gva-heads"),
+    pytest.param(dict(g="shape"), ValueError, "g shape", id="g-shape"),
+    pytest.param(dict(beta="shape"), ValueError, "beta", id="beta-shape"),
+    pytest.param(dict(q="int"), TypeError, "q dtype", id="q-int"),
+    pytest.param(dict(k="fp16"), TypeError, "share a dtype", id="mixed-dtype"),
+    pytest.param(dict(h0="fp16"), TypeError, "initial_state dtype", id="h0-dtype"),
+    pytest.param(dict(h0="shape"), ValueError, "initial_state shape", id="h0-shape"),
+    pytest.param(dict(lower_bound=-6.0), ValueError, "lower_bound", id="lower-bound-low"),
+    pytest.param(dict(lower_bound=0.0), ValueError, "lower_bound", id="lower-bound-zero"),
+    pytest.param(dict(chunk_size=48), ValueError, "chunk_size", id="chunk-size"),
+    pytest.param(dict(gate="noA"), ValueError, "A_log", id="gate-no-A_log"),
+    pytest.param(dict(q="list"), TypeError, "q must be a torch.Tensor", id="q-not-tensor"),
+]
+
+
+@pytest.mark.parametrize("bad,exc,msg", VALIDATION_CASES)
+def test_chunk_kda_validation(bad, exc, msg):
+    from k3cli.ops.kda import chunk_kda
+    q, k, v, g, beta, h0 = make_inputs(1, 8, 2, 1, 16, 16)
+    kw = dict(initial_state=h0)
+    if bad.get("k") == "short":
+        k = k[:, :4]
+    if bad.get("v") == "badB":
+        v = torch.cat([v, v])
+    if bad.get("v") == "HV3":
+        v = torch.randn(1, 8, 3, 16)
+    if bad.get("g") == "shape":
+        g = g[..., :8]
+    if bad.get("beta") == "shape":
+        beta = beta[..., None]
+    if bad.get("q") == "int":
+        q = q.long()
+    if bad.get("q") == "list":
+        q = q.tolist()
+    if bad.get("k") == "fp16":
+        k = k.half()
+    if bad.get("h0") == "fp16":
+        kw["initial_state"] = h0.half()
+    if bad.get("h0") == "shape":
+        kw["initial_state"] = h0[:, :, :8]
+    if "lower_bound" in bad:
+        kw["lower_bound"] = bad["lower_bound"]
+    if "chunk_size" in bad:
+        kw["chunk_size"] = bad["chunk_size"]
+    if bad.get("gate") == "noA":
+        kw["use_gate_in_kernel"] = True
+    with pytest.raises(exc, match=msg):
+        chunk_kda(q, k, v, g, beta, **kw)
+
+
+# ---------------------------------------------------------------- fused gate
+# (B, T, HV, K, chunk, cumsum, bias, dtype)
+GATE_CASES = [
+    pytest.param(2, 70, 3, 24, 16, True, True, torch.float32, id="T70-K24-C16-cumsum"),
+    pytest.param(1, 1, 1, 16, 64, True, True, torch.float32, id="T1"),
+    pytest.param(1, 100, 2, 16, 64, False, True, torch.float32, id="T100-nocumsum"),
+    pytest.param(1, 33, 2, 8, 64, True, False, torch.float16, id="T33-nobias-fp16"),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("B,T,HV,K,C,cumsum,bias,dtype", GATE_CASES)
+def test_kda_gate_matches_torch(B, T, HV, K, C, cumsum, bias, dtype):
+    from k3cli.ops.kda import kda_gate
+    gen = torch.Generator().manual_seed(0)
+    g_raw = (torch.randn(B, T, HV, K, generator=gen) * 2).to(DEVICE, dtype).requires_grad_()
+    A_log = torch.randn(HV, generator=gen).to(DEVICE).requires_grad_()
+    dt_bias = torch.randn(HV, K, generator=gen).to(DEVICE).requires_grad_() if bias else None
+    leaves = [g_raw, A_log] + ([dt_bias] if bias else [])
+    ref = naive_kda_gate(g_raw.float(), A_log, dt_bias)
+    ref = chunk_local_cumsum(ref, C) if cumsum else ref
+    out = kda_gate(g_raw, A_log, dt_bias, chunk_size=C, cumsum=cumsum)
+    assert out.dtype == torch.float32
+    assert_close("o", out, ref, tol=1e-5)
+    do = torch.randn(ref.shape, generator=gen).to(DEVICE)
+    g_ref = torch.autograd.grad((ref * do).sum(), leaves)
+    g_out = torch.autograd.grad((out * do).sum(), leaves)
+    for name, x, r in zip(("dg_raw", "dA_log", "ddt_bias"), g_out, g_ref):
+        assert_close(name, x, r, tol=1e-3 if dtype == torch.float16 else 1e-5)
+
+
+def test_kda_gate_validation():
+    from k3cli.ops.kda import kda_gate
+    g_raw = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="A_log"):
+        kda_gate(g_raw, torch.zeros(3))
+    with pytest.raises(ValueError, match="dt_bias"):
+        kda_gate(g_raw, torch.zeros(2), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="lower_bound"):
+        kda_gate(g_raw, torch.zeros(2), lower_bound=-7.0)
+
+
+# ---------------------------------------------------------------- GPU tier: bf16, full sizes
+# (B, T, H, G, K=V)
+GPU_CASES = [
+    pytest.param(2, 63, 1, 1, 16, id="T63-H1-K16"),
+    pytest.param(2, 1000, 4, 2, 64, id="T1000-H4-G2-K64"),
+    pytest.param(2, 2048, 16, 1, 128, id="T2048-H16-K128"),
+    pytest.param(2, 1000, 16, 2, 128, id="T1000-H16-G2-K128"),
+    pytest.param(3, 2048, 4, 1, 64, id="T2048-H4-K64"),
+    pytest.param(2, 63, 4, 2, 128, id="T63-H4-G2-K128"),
+    pytest.param(2, 1000, 1, 2, 16, id="T1000-H1-G2-K16"),
+]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("B,T,H,G,K", GPU_CASES)
+def test_chunk_kda_bf16_gpu(B, T, H, G, K):
+    from k3cli.ops.kda import chunk_kda
+    inputs = make_inputs(B, T, H, G, K, K, dtype=torch.bfloat16, device="cuda")
+    ref = run_with_grads(naive_recurrent_kda, *[x.float() for x in inputs])
+    out = run_with_grads(chunk_kda, *inputs)
+    for name in ref:
+        assert_close(name, out[name], ref[name])

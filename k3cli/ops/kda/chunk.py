@@ -64,7 +64,7 @@ def _check(name, x, ndim, device, dtypes=_FLOATS):
 
 def _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
               chunk_size):
-    _check("q", q, 4, q.device)
+    _check("q", q, 4, getattr(q, "device", None))
     B, T, H, K = q.shape
     _check("k", k, 4, q.device)
     _check("v", v, 4, q.device)

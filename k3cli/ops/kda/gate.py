@@ -1,0 +1,126 @@
+"""Fused KDA gate (SPEC §2.3): bias add -> lower-bound sigmoid -> chunk-local cumsum, one pass.
+
+g = L * sigmoid(exp(A_log) * (g_raw + dt_bias)), then optionally the inclusive cumsum inside each
+chunk of `chunk_size` tokens. Backward gives d g_raw, dA_log (sum over B, T, K) and d dt_bias
+(sum over B, T); per-program partial sums are reduced in torch (deterministic, no atomics).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _kda_gate_fwd_kernel(g_raw, a_log, dt_bias, out, lower_bound, T,
+                         HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, CUMSUM: tl.constexpr):
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    o_t = i_n * BT + tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m = (o_t < T)[:, None] & (o_k < K)[None, :]
+    p = (i_b * T + o_t).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+    b_x = tl.load(g_raw + p, mask=m, other=0.).to(tl.float32)
+    if HAS_BIAS:
+        b_x += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.).to(tl.float32)[None, :]
+    b_rate = tl.exp(tl.load(a_log + i_hv).to(tl.float32))
+    b_y = lower_bound * tl.sigmoid(b_rate * b_x)
+    b_y = tl.where(m, b_y, 0.)
+    if CUMSUM:
+        b_y = tl.cumsum(b_y, 0)
+    tl.store(out + p, b_y, mask=m)
+
+
+@triton.jit
+def _kda_gate_bwd_kernel(g_raw, a_log, dt_bias, dout, dg_raw, da_part, db_part, lower_bound, T, NT,
+                         HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, CUMSUM: tl.constexpr):
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    o_t = i_n * BT + tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m = (o_t < T)[:, None] & m_k[None, :]
+    p = (i_b * T + o_t).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+    b_x = tl.load(g_raw + p, mask=m, other=0.).to(tl.float32)
+    if HAS_BIAS:
+        b_x += tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.).to(tl.float32)[None, :]
+    b_rate = tl.exp(tl.load(a_log + i_hv).to(tl.float32))
+    b_dy = tl.load(dout + p, mask=m, other=0.).to(tl.float32)
+    if CUMSUM:
+        b_dy = tl.cumsum(b_dy, 0, reverse=True)
+    b_s = tl.sigmoid(b_rate * b_x)
+    # d/dz of L*sigmoid(z) at z = rate * x
+    b_dz = tl.where(m, b_dy * lower_bound * b_s * (1. - b_s), 0.)
+    b_dx = b_dz * b_rate
+    tl.store(dg_raw + p, b_dx.to(dg_raw.dtype.element_ty), mask=m)
+    i_part = (i_b * NT + i_n).to(tl.int64) * HV + i_hv
+    # dA_log = Σ dz * rate * x  (d rate / d A_log = rate)
+    tl.store(da_part + i_part, tl.sum(tl.sum(b_dz * b_x, 1), 0) * b_rate)
+    tl.store(db_part + i_part * K + o_k, tl.sum(b_dx, 0), mask=m_k)
+
+
+def _launch_meta(g_raw, chunk_size):
+    B, T, HV, K = g_raw.shape
+    BK = triton.next_power_of_2(K)
+    return B, T, HV, K, chunk_size, triton.cdiv(T, chunk_size), BK
+
+
+class KDAGateFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g_raw, A_log, dt_bias, lower_bound, chunk_size, cumsum):
+        g_raw = g_raw.contiguous()
+        B, T, HV, K, BT, NT, BK = _launch_meta(g_raw, chunk_size)
+        out = torch.empty(B, T, HV, K, device=g_raw.device, dtype=torch.float32)
+        _kda_gate_fwd_kernel[(NT, B * HV)](g_raw, A_log, dt_bias, out, lower_bound, T, HV=HV, K=K, BT=BT, BK=BK,
+                                           HAS_BIAS=dt_bias is not None, CUMSUM=cumsum)
+        ctx.save_for_backward(g_raw, A_log, dt_bias)
+        ctx.lower_bound, ctx.chunk_size, ctx.cumsum = lower_bound, chunk_size, cumsum
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        g_raw, A_log, dt_bias = ctx.saved_tensors
+        B, T, HV, K, BT, NT, BK = _launch_meta(g_raw, ctx.chunk_size)
+        dev = g_raw.device
+        dg_raw = torch.empty_like(g_raw)
+        da_part = torch.empty(B * NT, HV, device=dev, dtype=torch.float32)
+        db_part = torch.empty(B * NT, HV, K, device=dev, dtype=torch.float32)
+        _kda_gate_bwd_kernel[(NT, B * HV)](g_raw, A_log, dt_bias, dout.contiguous(), dg_raw, da_part, db_part,
+                                           ctx.lower_bound, T, NT, HV=HV, K=K, BT=BT, BK=BK,
+                                           HAS_BIAS=dt_bias is not None, CUMSUM=ctx.cumsum)
+        dA_log = da_part.sum(0).to(A_log.dtype)
+        ddt_bias = None if dt_bias is None else db_part.sum(0).to(dt_bias.dtype)
+        return dg_raw, dA_log, ddt_bias, None, None, None
+
+
+def kda_gate(g_raw, A_log, dt_bias=None, lower_bound=-5.0, chunk_size=64, cumsum=True):
+    """Fused lower-bound gate (+ chunk-local cumsum).
+
+    Args:
+        g_raw: [B, T, HV, K] gate projection output (any float dtype).
+        A_log: [HV] log rate; dt_bias: [HV, K] or None.
+        lower_bound: L in [-5, 0); chunk_size: cumsum restarts every chunk_size tokens (power of 2).
+        cumsum: False returns the per-step gate g itself.
+    Returns:
+        [B, T, HV, K] fp32: g, or its chunk-local inclusive cumsum.
+    """
+    if not isinstance(g_raw, torch.Tensor) or g_raw.dim() != 4:
+        raise ValueError(f"kda_gate: g_raw must be a [B, T, HV, K] tensor, got {getattr(g_raw, 'shape', g_raw)}")
+    B, T, HV, K = g_raw.shape
+    if not isinstance(A_log, torch.Tensor) or A_log.shape != (HV,):
+        raise ValueError(f"kda_gate: A_log must have shape (HV,) = {(HV,)}, got {getattr(A_log, 'shape', A_log)}")
+    if dt_bias is not None and (not isinstance(dt_bias, torch.Tensor) or dt_bias.shape != (HV, K)):
+        raise ValueError(f"kda_gate: dt_bias must have shape (HV, K) = {(HV, K)}, got {getattr(dt_bias, 'shape', dt_bias)}")
+    for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if x is not None and x.device != g_raw.device:
+            raise ValueError(f"kda_gate: {name} is on {x.device}, expected {g_raw.device} (the device of g_raw)")
+    if not g_raw.is_floating_point():
+        raise TypeError(f"kda_gate: g_raw must be floating point, got {g_raw.dtype}")
+    if not (-5.0 <= lower_bound < 0.0):
+        raise ValueError(f"kda_gate: lower_bound={lower_bound} must be in [-5, 0)")
+    if chunk_size < 1 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"kda_gate: chunk_size={chunk_size} must be a power of 2")
+    return KDAGateFunction.apply(g_raw, A_log.contiguous(), None if dt_bias is None else dt_bias.contiguous(),
+                                 float(lower_bound), int(chunk_size), bool(cumsum))
