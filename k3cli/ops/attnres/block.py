@@ -1,0 +1,319 @@
+"""Triton AttnRes, block form: `attnres_phase1` and `attnres_merge` (forward + backward).
+
+Phase 1 reuses the full form's forward kernel with one program per (query, token tile), queries
+fastest, so the S programs of a tile re-read its sources from L2 rather than from memory.
+Phase-1 backward runs one program per (source, token tile), walking the S queries; the query
+gradient is a reduction over sources and tokens and runs as a small split-K matmul (`dw_kernel`).
+The merge (phase 2) is one pass over the partial source and the phase-1 state.
+Derivations: README.md.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3cli.ops.attnres.fused import (INTERPRET, ROW_OPTIONS, Sources, _configs, _norm_bwd,
+                                     _prune_by_registers, _rms_score, _src_ptr, attnres_fwd_kernel,
+                                     block_d, check_vector, num_programs)
+
+
+@triton.autotune(configs=_configs(ROW_OPTIONS), key=["D", "USE_TABLE"],
+                 prune_configs_by={"early_config_prune": _prune_by_registers})
+@triton.jit
+def phase1_bwd_kernel(x, ptrs, wt, m, do, dl, dx, c,
+                      M, D, n, S, stride_n, eps,
+                      USE_TABLE: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """Program (i, i_t): source i, tokens of tile i_t, all S queries. Writes dx[i] and
+    c[q, i, t] = ds_{q,i,t} · r_{i,t} (the coefficient of v_i in dw̃_q)."""
+    i, i_t = tl.program_id(0), tl.program_id(1)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_d = tl.arange(0, BD)
+    m_t, m_d = o_t < M, o_d < D
+    m_td = m_t[:, None] & m_d[None, :]
+    o_td = o_t.to(tl.int64)[:, None] * D + o_d[None, :]
+    b_v = tl.load(_src_ptr(x, ptrs, i, stride_n, USE_TABLE) + o_td, mask=m_td, other=0.).to(tl.float32)
+    b_dv = tl.zeros([BT, BD], tl.float32)
+    j = S * 0
+    while j < S:
+        b_w = tl.load(wt + j * D + o_d, mask=m_d, other=0.)
+        b_r, b_s = _rms_score(b_v, b_w, m_t, D, eps)
+        b_m = tl.load(m + j * M + o_t, mask=m_t, other=0.)
+        b_e = tl.where(m_t, tl.exp(b_s - b_m), 0.)
+        b_do = tl.load(do + j.to(tl.int64) * M * D + o_td, mask=m_td, other=0.)
+        b_dl = tl.load(dl + j * M + o_t, mask=m_t, other=0.)
+        b_dsr = b_e * (b_dl + tl.sum(b_do * b_v, 1)) * b_r
+        b_dv += b_e[:, None] * b_do + b_dsr[:, None] * (b_w[None, :] - (b_s * b_r / D)[:, None] * b_v)
+        tl.store(c + (j * n + i).to(tl.int64) * M + o_t, b_dsr, mask=m_t)
+        j += 1
+    tl.store(dx + i.to(tl.int64) * M * D + o_td, b_dv.to(dx.dtype.element_ty), mask=m_td)
+
+
+@triton.jit
+def dw_kernel(x, ptrs, c, part, M, D, n, S, stride_n,
+              USE_TABLE: tl.constexpr, SP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+              PRECISION: tl.constexpr):
+    """part[i_s, q, d] = Σ over sources i and this split's tokens t of c[q, i, t] · v_i[t, d]."""
+    i_d, i_s, n_s = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    o_d = i_d * BD + tl.arange(0, BD)
+    o_q = tl.arange(0, SP)
+    m_d, m_q = o_d < D, o_q < S
+    acc = tl.zeros([SP, BD], tl.float32)
+    i = n * 0
+    while i < n:
+        base = _src_ptr(x, ptrs, i, stride_n, USE_TABLE)
+        t0 = i_s * BT
+        while t0 < M:
+            o_t = t0 + tl.arange(0, BT)
+            m_t = o_t < M
+            b_c = tl.load(c + (o_q[:, None] * n + i).to(tl.int64) * M + o_t[None, :],
+                          mask=m_q[:, None] & m_t[None, :], other=0.)
+            b_v = tl.load(base + o_t.to(tl.int64)[:, None] * D + o_d[None, :],
+                          mask=m_t[:, None] & m_d[None, :], other=0.).to(tl.float32)
+            acc += tl.dot(b_c, b_v, input_precision=PRECISION)
+            t0 += n_s * BT
+        i += 1
+    tl.store(part + (i_s * S + o_q[:, None]).to(tl.int64) * D + o_d[None, :], acc,
+             mask=m_q[:, None] & m_d[None, :])
+
+
+@triton.jit
+def merge_fwd_kernel(o, l, m, p, wt, h, y, nw, stat, M, D, eps, norm_eps,
+                     HAS_PARTIAL: tl.constexpr, HAS_NORM: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """h = (a·o + b·p) / (a·l + b) with a = e^{m − m'}, b = e^{s_p − m'}, m' = max(m, s_p); without
+    a partial h = o / l. stat rows: A = a / Z (scale of o), α_p = b / Z, rstd of h."""
+    i_t = tl.program_id(0)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_d = tl.arange(0, BD)
+    m_t, m_d = o_t < M, o_d < D
+    m_td = m_t[:, None] & m_d[None, :]
+    o_td = o_t.to(tl.int64)[:, None] * D + o_d[None, :]
+    b_o = tl.load(o + o_td, mask=m_td, other=0.).to(tl.float32)
+    b_l = tl.load(l + o_t, mask=m_t, other=1.).to(tl.float32)
+    if HAS_PARTIAL:
+        b_m = tl.load(m + o_t, mask=m_t, other=0.).to(tl.float32)
+        b_p = tl.load(p + o_td, mask=m_td, other=0.).to(tl.float32)
+        b_w = tl.load(wt + o_d, mask=m_d, other=0.)
+        b_r, b_s = _rms_score(b_p, b_w, m_t, D, eps)
+        b_mn = tl.maximum(b_m, b_s)
+        b_a, b_b = tl.exp(b_m - b_mn), tl.exp(b_s - b_mn)
+        b_z = b_l * b_a + b_b
+        b_A, b_alpha = b_a / b_z, b_b / b_z
+        b_h = b_o * b_A[:, None] + b_alpha[:, None] * b_p
+        tl.store(stat + M + o_t, b_alpha, mask=m_t)
+    else:
+        b_A = 1. / b_l
+        b_h = b_o * b_A[:, None]
+    tl.store(stat + o_t, b_A, mask=m_t)
+    tl.store(h + o_td, b_h.to(h.dtype.element_ty), mask=m_td)
+    if HAS_NORM:
+        b_rh = tl.rsqrt(tl.sum(b_h * b_h, 1) / D + norm_eps)
+        b_nw = tl.load(nw + o_d, mask=m_d, other=0.).to(tl.float32)
+        tl.store(y + o_td, (b_h * b_rh[:, None] * b_nw[None, :]).to(y.dtype.element_ty), mask=m_td)
+        tl.store(stat + 2 * M + o_t, b_rh, mask=m_t)
+
+
+@triton.jit
+def merge_bwd_kernel(p, wt, h, dh, dy, nw, stat, do, dl, dp, dw_part, dnw_part, M, D, eps,
+                     HAS_PARTIAL: tl.constexpr, HAS_NORM: tl.constexpr, HAS_DH: tl.constexpr,
+                     HAS_DY: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """Grid-stride over token tiles: do = A·dh, dl = −A·(dh·h), dp, and partial dw̃ / dnw rows."""
+    i_p, n_p = tl.program_id(0), tl.num_programs(0)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    b_w = tl.load(wt + o_d, mask=m_d, other=0.)
+    acc_dw = tl.zeros([BD], tl.float32)
+    acc_dnw = tl.zeros([BD], tl.float32)
+    n_tiles = tl.cdiv(M, BT)
+    i_t = i_p
+    while i_t < n_tiles:
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < M
+        m_td = m_t[:, None] & m_d[None, :]
+        o_td = o_t.to(tl.int64)[:, None] * D + o_d[None, :]
+        b_h = tl.load(h + o_td, mask=m_td, other=0.).to(tl.float32)
+        b_dh = tl.zeros([BT, BD], tl.float32)
+        if HAS_DH:
+            b_dh = tl.load(dh + o_td, mask=m_td, other=0.).to(tl.float32)
+        if HAS_NORM and HAS_DY:
+            b_dh, b_dnw = _norm_bwd(b_h, b_dh, dy, nw, stat + 2 * M, o_td, o_t, o_d, m_t, m_td, m_d, D,
+                                    HAS_DH)
+            acc_dnw += b_dnw
+        b_delta = tl.sum(b_dh * b_h, 1)
+        b_A = tl.load(stat + o_t, mask=m_t, other=0.)
+        tl.store(do + o_td, b_A[:, None] * b_dh, mask=m_td)
+        tl.store(dl + o_t, -b_A * b_delta, mask=m_t)
+        if HAS_PARTIAL:
+            b_alpha = tl.load(stat + M + o_t, mask=m_t, other=0.)
+            b_p = tl.load(p + o_td, mask=m_td, other=0.).to(tl.float32)
+            b_r, b_s = _rms_score(b_p, b_w, m_t, D, eps)
+            b_dsr = b_alpha * (tl.sum(b_dh * b_p, 1) - b_delta) * b_r
+            b_dp = b_alpha[:, None] * b_dh + b_dsr[:, None] * (b_w[None, :] - (b_s * b_r / D)[:, None] * b_p)
+            tl.store(dp + o_td, b_dp.to(dp.dtype.element_ty), mask=m_td)
+            acc_dw += tl.sum(b_dsr[:, None] * b_p, 0)
+        i_t += n_p
+    tl.store(dw_part + i_p * D + o_d, acc_dw, mask=m_d)
+    tl.store(dnw_part + i_p * D + o_d, acc_dnw, mask=m_d)
+
+
+def _row_launch(D: int) -> dict:
+    """BT and num_warps for the untuned row kernels (merge): one token, ~16 fp32 values per thread."""
+    BD = block_d(D)
+    if INTERPRET:
+        return dict(BT=16, BD=BD, num_warps=4)
+    return dict(BT=1, BD=BD, num_warps=max(1, min(16, BD // 512)))
+
+
+# ------------------------------------------------------------------ host launchers
+def phase1_fwd(src: Sources, wt: torch.Tensor, eps: float):
+    """-> m, l [S, B, T], o [S, B, T, D], all fp32."""
+    x, M, D, S = src.x, src.M, src.D, wt.shape[0]
+    o = torch.empty((S, *src.shape), dtype=torch.float32, device=x.device)
+    m = torch.empty((S, *src.shape[:2]), dtype=torch.float32, device=x.device)
+    l = torch.empty_like(m)
+    grid = lambda meta: (S, triton.cdiv(M, meta["BT"]))  # noqa: E731
+    attnres_fwd_kernel[grid](x, src.table, wt, o, o, wt, m, l, m, M, D, src.n, src.stride_n, eps, 0.,
+                             USE_TABLE=not src.stacked, NORMALIZE=False, HAS_NORM=False, BD=block_d(D))
+    return m, l, o
+
+
+def phase1_bwd(src: Sources, wt, m, do, dl, eps: float):
+    """-> dx [n, B, T, D] (sources' dtype), dw̃ [S, D] fp32."""
+    x, M, D, S, n = src.x, src.M, src.D, wt.shape[0], src.n
+    dx = torch.empty((n, *src.shape), dtype=x.dtype, device=x.device)
+    c = torch.empty(S, n, M, dtype=torch.float32, device=x.device)
+    grid = lambda meta: (n, triton.cdiv(M, meta["BT"]))  # noqa: E731
+    phase1_bwd_kernel[grid](x, src.table, wt, m, do, dl, dx, c, M, D, n, S, src.stride_n, eps,
+                            USE_TABLE=not src.stacked, BD=block_d(D))
+    SP = max(16, triton.next_power_of_2(S))
+    BDW = 64 if INTERPRET else 128
+    splits = num_programs(M, x.device)
+    part = torch.empty(splits, S, D, dtype=torch.float32, device=x.device)
+    # tf32 for half-precision sources (their own rounding dominates); exact fp32 otherwise
+    precision = "tf32" if x.dtype in (torch.float16, torch.bfloat16) else "ieee"
+    dw_kernel[(triton.cdiv(D, BDW), splits)](x, src.table, c, part, M, D, n, S, src.stride_n,
+                                            USE_TABLE=not src.stacked, SP=SP, BT=32, BD=BDW,
+                                            PRECISION=precision, num_warps=4)
+    return dx, part.sum(0)
+
+
+class Phase1Function(torch.autograd.Function):
+    """m is a stabiliser: marked non-differentiable. Holding it fixed is exact, because every later
+    use (the merge) is invariant to the choice of m (README.md)."""
+
+    @staticmethod
+    def forward(ctx, queries, gains, eps, src, *flat):
+        wt = queries.float() * gains.float()
+        m, l, o = phase1_fwd(src, wt, eps)
+        ctx.save_for_backward(queries, gains, m, *flat)
+        ctx.eps, ctx.src = eps, src
+        ctx.mark_non_differentiable(m)
+        return m, l, o
+
+    @staticmethod
+    def backward(ctx, dm, dl, do):
+        queries, gains, m, *flat = ctx.saved_tensors
+        wt = queries.float() * gains.float()
+        dl = torch.zeros_like(m) if dl is None else dl.float().contiguous()
+        do = torch.zeros(m.shape + (ctx.src.D,), dtype=torch.float32, device=m.device) if do is None \
+            else do.float().contiguous()
+        dx, dwt = phase1_bwd(ctx.src, wt, m, do, dl, ctx.eps)
+        dq = (dwt * gains.float()).to(queries.dtype)
+        dg = (dwt * queries.float()).to(gains.dtype)
+        return (dq, dg, None, None, *ctx.src.grads(dx))
+
+
+def attnres_phase1(sources, queries: torch.Tensor, gains: torch.Tensor, eps: float = 1e-6):
+    """Block form, phase 1: S queries against the n completed sources (same math as
+    `naive_attnres_phase1`).
+
+    Args:
+        sources: list of n tensors [B, T, D] or one stacked [n, B, T, D] (b_0 and the completed
+            block sums); 1 ≤ n ≤ 32.
+        queries, gains: [S, D].
+    Returns:
+        m [S, B, T] (non-differentiable), l [S, B, T], o [S, B, T, D] (unnormalised), all fp32.
+    """
+    src = Sources(sources)
+    if queries.dim() != 2 or queries.shape[1] != src.D:
+        raise ValueError(f"queries: expected [S, {src.D}], got {tuple(queries.shape)}")
+    check_vector("gains", gains, tuple(queries.shape), src.x.device)
+    check_vector("queries", queries, tuple(queries.shape), src.x.device)
+    return Phase1Function.apply(queries, gains, float(eps), src, *src.flat)
+
+
+class MergeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, l, o, m, partial, query, gain, norm_weight, eps, norm_eps, out_dtype):
+        M, D = l.numel(), o.shape[-1]
+        wt = query.float() * gain.float()
+        h = torch.empty(o.shape, dtype=out_dtype, device=o.device)
+        y = torch.empty_like(h) if norm_weight is not None else None
+        stat = torch.empty(3, M, dtype=torch.float32, device=o.device)
+        merge_fwd_kernel[(triton.cdiv(M, _row_launch(D)["BT"]),)](
+            o, l, m, o if partial is None else partial, wt, h, h if y is None else y,
+            wt if norm_weight is None else norm_weight, stat, M, D, eps, norm_eps,
+            HAS_PARTIAL=partial is not None, HAS_NORM=norm_weight is not None, **_row_launch(D))
+        ctx.save_for_backward(partial, query, gain, norm_weight, h, stat)
+        ctx.eps = eps
+        ctx.set_materialize_grads(False)
+        return h if y is None else (h, y)
+
+    @staticmethod
+    def backward(ctx, dh, dy=None):
+        partial, query, gain, norm_weight, h, stat = ctx.saved_tensors
+        M, D = stat.shape[1], h.shape[-1]
+        wt = query.float() * gain.float()
+        G = num_programs(M, h.device)
+        do = torch.empty(h.shape, dtype=torch.float32, device=h.device)
+        dl = torch.empty(h.shape[:-1], dtype=torch.float32, device=h.device)
+        dp = torch.empty_like(partial) if partial is not None else None
+        dw_part = torch.empty(G, D, dtype=torch.float32, device=h.device)
+        dnw_part = torch.empty(G, D, dtype=torch.float32, device=h.device)
+        if dh is None and dy is None:
+            dh = torch.zeros_like(h)
+        merge_bwd_kernel[(G,)](
+            h if partial is None else partial, wt, h, h if dh is None else dh.contiguous(),
+            h if dy is None else dy.contiguous(), wt if norm_weight is None else norm_weight, stat,
+            do, dl, do if dp is None else dp, dw_part, dnw_part, M, D, ctx.eps,
+            HAS_PARTIAL=partial is not None, HAS_NORM=norm_weight is not None, HAS_DH=dh is not None,
+            HAS_DY=dy is not None, **_row_launch(D))
+        dwt = dw_part.sum(0)
+        dq = (dwt * gain.float()).to(query.dtype) if partial is not None else None
+        dg = (dwt * query.float()).to(gain.dtype) if partial is not None else None
+        dnw = dnw_part.sum(0).to(norm_weight.dtype) if norm_weight is not None else None
+        return dl, do, None, dp, dq, dg, dnw, None, None, None
+
+
+def attnres_merge(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, partial: torch.Tensor | None,
+                  query: torch.Tensor, gain: torch.Tensor, eps: float = 1e-6,
+                  norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
+                  out_dtype: torch.dtype | None = None):
+    """Block form, phase 2: merge the block's partial sum into one query's phase-1 state and
+    normalise (same math as `naive_attnres_merge`).
+
+    Args:
+        m, l: [B, T] fp32; o: [B, T, D] fp32 — one query's slice of `attnres_phase1`'s output.
+        partial: [B, T, D] or None (first sublayer of a block).
+        query, gain: [D].
+        norm_weight: [D] or None; if given, also return y = RMSNorm(h) · norm_weight (eps norm_eps).
+        out_dtype: dtype of h (and y); default o's dtype (fp32). Pass the model dtype to halve the write.
+    Returns:
+        h [B, T, D], and y if norm_weight is given.
+    """
+    D = o.shape[-1]
+    if o.dim() != 3 or tuple(m.shape) != tuple(o.shape[:2]) or tuple(l.shape) != tuple(o.shape[:2]):
+        raise ValueError(f"m, l, o: expected [B, T], [B, T], [B, T, D]; got {tuple(m.shape)}, "
+                         f"{tuple(l.shape)}, {tuple(o.shape)}")
+    if o.dtype != torch.float32 or l.dtype != torch.float32 or m.dtype != torch.float32:
+        raise ValueError("m, l, o: expected fp32 (attnres_phase1's outputs)")
+    if D > 16384:
+        raise ValueError(f"o: D = {D} > 16384 (the row must fit in registers)")
+    check_vector("partial", partial, tuple(o.shape), o.device)
+    check_vector("query", query, (D,), o.device)
+    check_vector("gain", gain, (D,), o.device)
+    check_vector("norm_weight", norm_weight, (D,), o.device)
+    partial = None if partial is None else partial.contiguous()
+    out_dtype = o.dtype if out_dtype is None else out_dtype
+    return MergeFunction.apply(l.contiguous(), o.contiguous(), m.contiguous(), partial, query, gain,
+                               norm_weight, float(eps), float(norm_eps), out_dtype)

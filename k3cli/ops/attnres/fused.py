@@ -1,0 +1,325 @@
+"""Triton AttnRes, full form: `fused_attnres` (forward + backward; derivation in README.md).
+
+One program per token tile: BT tokens × the whole hidden row (BD = next power of two ≥ D, masked),
+so each source is read from memory exactly once and the online softmax over sources runs in
+registers. Sources come either as one stacked buffer [n, B, T, D] (slot i at base + i·stride) or as
+a list of [B, T, D] tensors whose addresses travel in an int64 pointer table loaded in-kernel.
+
+Loops over sources are `while` loops: under TRITON_INTERPRET=1 with numpy ≥ 2.4, `range(n)` over a
+runtime int fails (the interpreter calls int() on a 1-element array); `while` works in both modes.
+
+Block-form kernels (phase 1, merge) live in block.py and share the helpers here.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_SOURCES = 32
+# the whole row lives in registers: BD = 16384 fp32 is 64 values per thread at 8 warps
+MAX_D = 16384
+
+
+def _configs(options: list[tuple[int, int]]) -> list[triton.Config]:
+    """(BT, num_warps) options on GPU; exactly one config under the interpreter."""
+    if INTERPRET:
+        return [triton.Config({"BT": 16}, num_warps=4)]
+    return [triton.Config({"BT": bt}, num_warps=w) for bt, w in options]
+
+
+def _prune_by_registers(configs, named_args, **kwargs):
+    # keep tiles of 8..64 fp32 values per thread: fewer wastes threads, more spills
+    bd = kwargs.get("BD", named_args.get("BD"))
+    kept = [c for c in configs if 8 <= c.kwargs["BT"] * bd // (32 * c.num_warps) <= 64]
+    return kept or configs[:1]
+
+
+# (BT, num_warps) candidates; the pruner keeps the ones that fit the row width
+ROW_OPTIONS = [(1, 4), (1, 8), (1, 16), (2, 8), (2, 16), (4, 16)]
+
+
+@triton.jit
+def _src_ptr(x, ptrs, i, stride_n, USE_TABLE: tl.constexpr):
+    """Base pointer of source i: an address from the int64 table, or slot i of the stacked buffer."""
+    if USE_TABLE:
+        return tl.load(ptrs + i).to(tl.pointer_type(x.dtype.element_ty))
+    else:
+        return x + i.to(tl.int64) * stride_n
+
+
+@triton.jit
+def _rms_score(b_v, b_w, m_t, D, eps):
+    """Per token: rstd r = 1/sqrt(mean(v²)+eps) and score s = r · (w̃ · v); 0 on masked tokens."""
+    b_r = tl.where(m_t, tl.rsqrt(tl.sum(b_v * b_v, 1) / D + eps), 0.)
+    return b_r, tl.sum(b_v * b_w[None, :], 1) * b_r
+
+
+@triton.jit
+def _norm_bwd(b_h, b_dh, dy, nw, stat_rh, o_td, o_t, o_d, m_t, m_td, m_d, D,
+              HAS_DH: tl.constexpr):
+    """Add RMSNorm's backward (y = h·r_h·nw) to dh; return (dh_total, this tile's dnw)."""
+    b_dy = tl.load(dy + o_td, mask=m_td, other=0.).to(tl.float32)
+    b_rh = tl.load(stat_rh + o_t, mask=m_t, other=0.)
+    b_nw = tl.load(nw + o_d, mask=m_d, other=0.).to(tl.float32)
+    b_dnw = tl.sum(b_dy * b_h * b_rh[:, None], 0)
+    b_gy = b_dy * b_nw[None, :]
+    b_c = tl.sum(b_gy * b_h, 1) / D
+    b_dn = b_rh[:, None] * (b_gy - b_h * (b_rh * b_rh * b_c)[:, None])
+    if HAS_DH:
+        b_dn += b_dh
+    return b_dn, b_dnw
+
+
+@triton.autotune(configs=_configs(ROW_OPTIONS), key=["D", "NORMALIZE", "HAS_NORM", "USE_TABLE"],
+                 prune_configs_by={"early_config_prune": _prune_by_registers})
+@triton.jit
+def attnres_fwd_kernel(x, ptrs, wt, out, y, nw, m_out, l_out, stat,
+                       M, D, n, stride_n, eps, norm_eps,
+                       USE_TABLE: tl.constexpr, NORMALIZE: tl.constexpr, HAS_NORM: tl.constexpr,
+                       BT: tl.constexpr, BD: tl.constexpr):
+    """Program (i_q, i_t): query i_q against all n sources for tokens [i_t·BT, i_t·BT + BT).
+
+    NORMALIZE (full form): write h = o / l (sources' dtype), lse = m + log l, and with HAS_NORM
+    y = RMSNorm(h)·nw and its rstd. Otherwise (phase 1): write fp32 m, l, o of query i_q.
+    """
+    i_q, i_t = tl.program_id(0), tl.program_id(1)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_d = tl.arange(0, BD)
+    m_t, m_d = o_t < M, o_d < D
+    m_td = m_t[:, None] & m_d[None, :]
+    o_td = o_t.to(tl.int64)[:, None] * D + o_d[None, :]
+    b_w = tl.load(wt + i_q * D + o_d, mask=m_d, other=0.)
+    b_m = tl.full([BT], float("-inf"), tl.float32)
+    b_l = tl.zeros([BT], tl.float32)
+    b_o = tl.zeros([BT, BD], tl.float32)
+    i = n * 0
+    while i < n:
+        b_v = tl.load(_src_ptr(x, ptrs, i, stride_n, USE_TABLE) + o_td, mask=m_td, other=0.).to(tl.float32)
+        b_r, b_s = _rms_score(b_v, b_w, m_t, D, eps)
+        b_mn = tl.maximum(b_m, b_s)
+        b_a = tl.exp(b_m - b_mn)
+        b_p = tl.exp(b_s - b_mn)
+        b_l = b_l * b_a + b_p
+        b_o = b_o * b_a[:, None] + b_p[:, None] * b_v
+        b_m = b_mn
+        i += 1
+    if NORMALIZE:
+        b_h = b_o / b_l[:, None]
+        tl.store(out + o_td, b_h.to(out.dtype.element_ty), mask=m_td)
+        tl.store(stat + o_t, b_m + tl.log(b_l), mask=m_t)
+        if HAS_NORM:
+            b_rh = tl.rsqrt(tl.sum(b_h * b_h, 1) / D + norm_eps)
+            b_nw = tl.load(nw + o_d, mask=m_d, other=0.).to(tl.float32)
+            tl.store(y + o_td, (b_h * b_rh[:, None] * b_nw[None, :]).to(y.dtype.element_ty), mask=m_td)
+            tl.store(stat + M + o_t, b_rh, mask=m_t)
+    else:
+        base = i_q.to(tl.int64) * M
+        tl.store(out + base * D + o_td, b_o, mask=m_td)
+        tl.store(m_out + base + o_t, b_m, mask=m_t)
+        tl.store(l_out + base + o_t, b_l, mask=m_t)
+
+
+@triton.autotune(configs=_configs(ROW_OPTIONS), key=["D", "HAS_NORM", "HAS_DH", "HAS_DY", "USE_TABLE"],
+                 prune_configs_by={"early_config_prune": _prune_by_registers})
+@triton.jit
+def attnres_bwd_kernel(x, ptrs, wt, h, dh, dy, nw, stat, dx, dw_part, dnw_part,
+                       M, D, n, stride_n, eps,
+                       USE_TABLE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_DH: tl.constexpr,
+                       HAS_DY: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """Grid-stride over token tiles; program p writes dx for its tiles and its partial sums of
+    dw̃ and dnw (row p of dw_part / dnw_part, reduced on the host)."""
+    i_p, n_p = tl.program_id(0), tl.num_programs(0)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    b_w = tl.load(wt + o_d, mask=m_d, other=0.)
+    acc_dw = tl.zeros([BD], tl.float32)
+    acc_dnw = tl.zeros([BD], tl.float32)
+    n_tiles = tl.cdiv(M, BT)
+    i_t = i_p
+    while i_t < n_tiles:
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < M
+        m_td = m_t[:, None] & m_d[None, :]
+        o_td = o_t.to(tl.int64)[:, None] * D + o_d[None, :]
+        b_h = tl.load(h + o_td, mask=m_td, other=0.).to(tl.float32)
+        b_dh = tl.zeros([BT, BD], tl.float32)
+        if HAS_DH:
+            b_dh = tl.load(dh + o_td, mask=m_td, other=0.).to(tl.float32)
+        if HAS_NORM and HAS_DY:
+            b_dh, b_dnw = _norm_bwd(b_h, b_dh, dy, nw, stat + M, o_td, o_t, o_d, m_t, m_td, m_d, D, HAS_DH)
+            acc_dnw += b_dnw
+        b_lse = tl.load(stat + o_t, mask=m_t, other=0.)
+        b_delta = tl.sum(b_dh * b_h, 1)
+        i = n * 0
+        while i < n:
+            b_v = tl.load(_src_ptr(x, ptrs, i, stride_n, USE_TABLE) + o_td, mask=m_td, other=0.).to(tl.float32)
+            b_r, b_s = _rms_score(b_v, b_w, m_t, D, eps)
+            b_a = tl.where(m_t, tl.exp(b_s - b_lse), 0.)
+            b_dsr = b_a * (tl.sum(b_dh * b_v, 1) - b_delta) * b_r
+            b_dv = b_a[:, None] * b_dh + b_dsr[:, None] * (b_w[None, :] - (b_s * b_r / D)[:, None] * b_v)
+            tl.store(dx + i.to(tl.int64) * M * D + o_td, b_dv.to(dx.dtype.element_ty), mask=m_td)
+            acc_dw += tl.sum(b_dsr[:, None] * b_v, 0)
+            i += 1
+        i_t += n_p
+    tl.store(dw_part + i_p * D + o_d, acc_dw, mask=m_d)
+    if HAS_NORM and HAS_DY:
+        tl.store(dnw_part + i_p * D + o_d, acc_dnw, mask=m_d)
+
+
+# ------------------------------------------------------------------ host side, shared with block.py
+class Sources:
+    """Sources resolved for a launch: `x` is the stacked buffer or sources[0], `ptrs` the address
+    table (list input) or None; `flat` the list of tensors autograd sees."""
+
+    def __init__(self, sources, name: str = "sources"):
+        if isinstance(sources, torch.Tensor):
+            if sources.dim() != 4:
+                raise ValueError(f"{name}: expected [n, B, T, D] or a list of [B, T, D], got {tuple(sources.shape)}")
+            x = sources if sources[0].is_contiguous() else sources.contiguous()
+            self.stacked, self.x, self.flat, self.ptrs = True, x, [x], None
+            self.n, self.shape, self.stride_n = x.shape[0], tuple(x.shape[1:]), x.stride(0)
+        else:
+            srcs = [s.contiguous() for s in sources]
+            if not srcs:
+                raise ValueError(f"{name}: needs at least one source")
+            for i, s in enumerate(srcs):
+                if s.dim() != 3 or s.shape != srcs[0].shape:
+                    raise ValueError(f"{name}[{i}]: expected [B, T, D] = {tuple(srcs[0].shape)}, got {tuple(s.shape)}")
+                if s.dtype != srcs[0].dtype or s.device != srcs[0].device:
+                    raise ValueError(f"{name}[{i}]: dtype/device {s.dtype}/{s.device} differs from "
+                                     f"{name}[0] ({srcs[0].dtype}/{srcs[0].device})")
+            self.stacked, self.x, self.flat = False, srcs[0], srcs
+            self.ptrs = address_table(srcs)
+            self.n, self.shape, self.stride_n = len(srcs), tuple(srcs[0].shape), 0
+        if not 1 <= self.n <= MAX_SOURCES:
+            raise ValueError(f"{name}: {self.n} sources; supported 1..{MAX_SOURCES}")
+        if not self.x.is_floating_point():
+            raise ValueError(f"{name}: expected a float dtype, got {self.x.dtype}")
+        self.D = self.shape[-1]
+        self.M = self.shape[0] * self.shape[1]
+        if self.D > MAX_D:
+            raise ValueError(f"{name}: D = {self.D} > {MAX_D} (the row must fit in registers)")
+
+    @property
+    def table(self) -> torch.Tensor:
+        # the kernel ignores ptrs when USE_TABLE is off; any tensor does as a placeholder
+        return self.ptrs if self.ptrs is not None else self.x
+
+    def grads(self, dx: torch.Tensor):
+        """dx [n, B, T, D] -> the gradient(s) matching how the sources were passed."""
+        return (dx,) if self.stacked else tuple(dx.unbind(0))
+
+
+def address_table(srcs: list[torch.Tensor]) -> torch.Tensor:
+    """int64 data pointers of srcs, on their device (pinned + non-blocking: no host sync on CUDA)."""
+    t = torch.tensor([s.data_ptr() for s in srcs], dtype=torch.int64)
+    if srcs[0].device.type == "cuda":
+        return t.pin_memory().to(srcs[0].device, non_blocking=True)
+    return t
+
+
+def check_vector(name: str, t: torch.Tensor | None, shape: tuple, device) -> None:
+    if t is None:
+        return
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name}: on {t.device}, sources on {device}")
+
+
+def block_d(D: int) -> int:
+    return triton.next_power_of_2(D)
+
+
+def num_programs(M: int, device: torch.device) -> int:
+    """Grid size of the grid-stride backward kernels: ~4 programs per SM, ≥ 16 tokens each."""
+    if device.type == "cuda":
+        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 2
+    return max(1, min(target, triton.cdiv(M, 16)))
+
+
+def attnres_fwd(src: Sources, wt: torch.Tensor, eps: float, norm_weight, norm_eps: float):
+    """Full form forward launcher. Returns h, y (or None), stat [2, M] fp32 (lse, rstd of h)."""
+    x, M, D = src.x, src.M, src.D
+    h = torch.empty(src.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty_like(h) if norm_weight is not None else None
+    stat = torch.empty(2, M, dtype=torch.float32, device=x.device)
+    grid = lambda meta: (1, triton.cdiv(M, meta["BT"]))  # noqa: E731
+    attnres_fwd_kernel[grid](x, src.table, wt, h, h if y is None else y,
+                             wt if norm_weight is None else norm_weight, stat, stat, stat,
+                             M, D, src.n, src.stride_n, eps, norm_eps,
+                             USE_TABLE=not src.stacked, NORMALIZE=True, HAS_NORM=norm_weight is not None,
+                             BD=block_d(D))
+    return h, y, stat
+
+
+def attnres_bwd(src: Sources, wt, h, dh, dy, norm_weight, stat, eps: float):
+    """Full form backward launcher. Returns dx [n, B, T, D], dw̃ [D] fp32, dnw [D] fp32 or None."""
+    x, M, D = src.x, src.M, src.D
+    G = num_programs(M, x.device)
+    dx = torch.empty((src.n, *src.shape), dtype=x.dtype, device=x.device)
+    dw_part = torch.empty(G, D, dtype=torch.float32, device=x.device)
+    has_dy = norm_weight is not None and dy is not None
+    dnw_part = torch.empty(G, D, dtype=torch.float32, device=x.device) if has_dy else dw_part
+    attnres_bwd_kernel[(G,)](x, src.table, wt, h, h if dh is None else dh, h if dy is None else dy,
+                             wt if norm_weight is None else norm_weight, stat, dx, dw_part, dnw_part,
+                             M, D, src.n, src.stride_n, eps,
+                             USE_TABLE=not src.stacked, HAS_NORM=norm_weight is not None,
+                             HAS_DH=dh is not None, HAS_DY=dy is not None, BD=block_d(D))
+    dnw = dnw_part.sum(0) if has_dy else (torch.zeros_like(wt) if norm_weight is not None else None)
+    return dx, dw_part.sum(0), dnw
+
+
+class FusedAttnResFunction(torch.autograd.Function):
+    """Inputs: query, gain [D]; norm_weight [D] or None; eps, norm_eps; the resolved `Sources`;
+    then its tensors again (so autograd tracks them and each receives its gradient)."""
+
+    @staticmethod
+    def forward(ctx, query, gain, norm_weight, eps, norm_eps, src, *flat):
+        wt = query.float() * gain.float()
+        h, y, stat = attnres_fwd(src, wt, eps, norm_weight, norm_eps)
+        ctx.save_for_backward(query, gain, norm_weight, h, stat, *flat)
+        ctx.eps, ctx.src = eps, src
+        ctx.set_materialize_grads(False)
+        return h if y is None else (h, y)
+
+    @staticmethod
+    def backward(ctx, dh, dy=None):
+        query, gain, norm_weight, h, stat, *flat = ctx.saved_tensors
+        src = ctx.src
+        if dh is None and dy is None:
+            return (None,) * (6 + len(flat))
+        wt = query.float() * gain.float()
+        dh = None if dh is None else dh.contiguous()
+        dy = None if dy is None else dy.contiguous()
+        dx, dwt, dnw = attnres_bwd(src, wt, h, dh, dy, norm_weight, stat, ctx.eps)
+        dq = (dwt * gain.float()).to(query.dtype)
+        dg = (dwt * query.float()).to(gain.dtype)
+        dnw = None if dnw is None else dnw.to(norm_weight.dtype)
+        return (dq, dg, dnw, None, None, None, *src.grads(dx))
+
+
+def fused_attnres(sources, query: torch.Tensor, gain: torch.Tensor, eps: float = 1e-6,
+                  norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6):
+    """Full-form AttnRes mix in one pass over the sources (SPEC §5; same math as `naive_attnres`).
+
+    Args:
+        sources: list of n tensors [B, T, D] (read in place through a pointer table; each gets its
+            gradient) or one stacked [n, B, T, D] buffer (one gradient [n, B, T, D]); 1 ≤ n ≤ 32.
+        query, gain: [D]; scores are (query ⊙ gain) · RMS(v_i), softmax over i in fp32.
+        eps: RMS eps of the scores.
+        norm_weight: [D] or None; if given, also return y = RMSNorm(h) · norm_weight (eps norm_eps).
+    Returns:
+        h [B, T, D] in the sources' dtype, and y [B, T, D] if norm_weight is given.
+    """
+    src = Sources(sources)
+    check_vector("query", query, (src.D,), src.x.device)
+    check_vector("gain", gain, (src.D,), src.x.device)
+    check_vector("norm_weight", norm_weight, (src.D,), src.x.device)
+    return FusedAttnResFunction.apply(query, gain, norm_weight, float(eps), float(norm_eps), src, *src.flat)
