@@ -8,7 +8,8 @@ training starts from uniform averaging — which, after the sublayers' own RMSNo
 exactly the plain residual stack. A final mix (own w, γ) over all sources feeds the final norm.
 
 The functions here are the torch references a fused kernel (k3cli/ops/attnres) is tested against.
-Shapes: sources [N, B, T, D]; queries/gains [D] (one sublayer) or [S, D] (a block's sublayers).
+Shapes: sources [N, B, T, D] or a list of N [B, T, D]; queries/gains [D] (one sublayer) or [S, D]
+(a block's sublayers).
 """
 from __future__ import annotations
 
@@ -27,30 +28,48 @@ def _wd(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def naive_attnres(sources: torch.Tensor, query: torch.Tensor, gain: torch.Tensor, eps: float = 1e-6,
+def source_keys(sources: Sequence[torch.Tensor], eps: float = 1e-6) -> list[torch.Tensor]:
+    """RMS(v) without gain for each source [B, T, D], in fp32 (fp64 stays fp64)."""
+    return [rms_norm(v.to(_wd(v)), None, eps) for v in sources]
+
+
+def naive_attnres(sources: Sequence[torch.Tensor], query: torch.Tensor, gain: torch.Tensor,
+                  eps: float = 1e-6, keys: Sequence[torch.Tensor] | None = None,
                   return_weights: bool = False):
-    """One depth mix. sources [N, B, T, D]; query, gain [D] -> h [B, T, D] in sources.dtype
-    (and, with return_weights, α [N, B, T] in fp32 summing to 1 over N)."""
-    wd = _wd(sources)
-    v = sources.to(wd)
-    s = torch.einsum("d,nbtd->nbt", (query * gain).to(wd), rms_norm(v, None, eps))   # (N, B, T)
+    """One depth mix: h = Σ_i softmax_i(w̃ · RMS(v_i)) v_i.
+
+    sources: [N, B, T, D] or a list of N [B, T, D]; query, gain [D]; keys: `source_keys(sources)` if
+    already computed (the mixer caches them: each source is a key for every later sublayer).
+    Returns h [B, T, D] in the sources' dtype (and, with return_weights, α [N, B, T] fp32).
+    """
+    wd = _wd(sources[0])
+    keys = source_keys(sources, eps) if keys is None else keys
+    w = (query * gain).to(wd)
+    # a matvec per source and an accumulated weighted sum: einsum over [N, B, T, D] lowers to
+    # B·T tiny bmms and was ~4× slower on CPU for k3-toy
+    s = torch.stack([key @ w for key in keys])                                           # (N, B, T)
     alpha = s.softmax(0)
-    h = torch.einsum("nbt,nbtd->btd", alpha, v).to(sources.dtype)
+    h = sum(alpha[i, ..., None] * v.to(wd) for i, v in enumerate(sources))              # (B, T, D)
+    h = h.to(sources[0].dtype)
     return (h, alpha) if return_weights else h
 
 
-def attnres_phase1(blocks: torch.Tensor, queries: torch.Tensor, gains: torch.Tensor, eps: float = 1e-6):
+def attnres_phase1(blocks: Sequence[torch.Tensor], queries: torch.Tensor, gains: torch.Tensor,
+                   eps: float = 1e-6, keys: Sequence[torch.Tensor] | None = None):
     """Phase 1 of block AttnRes: all S queries of a block against its n completed sources at once.
 
-    blocks [n, B, T, D]; queries, gains [S, D] -> online-softmax state per query:
-    m [S, B, T] (max score), l [S, B, T] (Σ exp(s − m)), o [S, B, T, D] (Σ exp(s − m) · v), fp32.
+    blocks [n, B, T, D] or a list of n [B, T, D]; queries, gains [S, D]; keys as in naive_attnres.
+    Returns the online-softmax state per query, fp32: m [S, B, T] (max score),
+    l [S, B, T] (Σ exp(s − m)), o [S, B, T, D] (Σ exp(s − m) · v).
     """
-    wd = _wd(blocks)
-    v = blocks.to(wd)
-    s = torch.einsum("qd,nbtd->qnbt", (queries * gains).to(wd), rms_norm(v, None, eps))  # (S, n, B, T)
+    wd = _wd(blocks[0])
+    keys = source_keys(blocks, eps) if keys is None else keys
+    w = (queries * gains).to(wd)
+    s = torch.stack([key @ w.T for key in keys]).permute(3, 0, 1, 2)                    # (S, n, B, T)
     m = s.amax(1)                                                                         # (S, B, T)
     p = (s - m[:, None]).exp()
-    return m, p.sum(1), torch.einsum("qnbt,nbtd->qbtd", p, v)
+    o = sum(p[:, j, ..., None] * v.to(wd) for j, v in enumerate(blocks))                 # (S, B, T, D)
+    return m, p.sum(1), o
 
 
 def attnres_merge(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, partial: torch.Tensor | None,
@@ -63,7 +82,7 @@ def attnres_merge(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, partial: to
     if partial is None:
         return o / l[..., None]
     p = partial.to(o.dtype)
-    s = torch.einsum("d,btd->bt", (query * gain).to(o.dtype), rms_norm(p, None, eps))     # (B, T)
+    s = rms_norm(p, None, eps) @ (query * gain).to(o.dtype)                               # (B, T)
     m_new = torch.maximum(m, s)
     a, b = (m - m_new).exp(), (s - m_new).exp()
     return (o * a[..., None] + b[..., None] * p) / (l * a + b)[..., None]
@@ -106,41 +125,49 @@ class AttnResMixer(nn.Module):
             return self._block_naive(emb, sublayers)
         return self._block_two_phase(emb, sublayers)
 
-    def _mix(self, sources: list[torch.Tensor], l: int | None) -> torch.Tensor:
+    def _mix(self, sources: list[torch.Tensor], keys: list[torch.Tensor], l: int | None) -> torch.Tensor:
         q, g = (self.out_query, self.out_gain) if l is None else (self.query[l], self.gain[l])
-        return naive_attnres(torch.stack(sources), q, g, self.eps)
+        return naive_attnres(sources, q, g, self.eps, keys=keys)
 
     def _full(self, emb, sublayers):
-        sources = [emb]
+        sources, keys = [emb], source_keys([emb], self.eps)
         for l, f in enumerate(sublayers):
-            sources.append(f(self._mix(sources, l)))
-        return self._mix(sources, None)
+            v = f(self._mix(sources, keys, l))
+            sources.append(v)
+            keys += source_keys([v], self.eps)
+        return self._mix(sources, keys, None)
 
     def _block_naive(self, emb, sublayers):
         N, S = self.num_sublayers, self.block_size
-        blocks, partial = [emb], None
+        blocks, keys, partial = [emb], source_keys([emb], self.eps), None
         for l, f in enumerate(sublayers):
-            v = f(self._mix(blocks + ([] if partial is None else [partial]), l))
+            if partial is None:
+                h = self._mix(blocks, keys, l)
+            else:
+                h = self._mix(blocks + [partial], keys + source_keys([partial], self.eps), l)
+            v = f(h)
             partial = v if partial is None else partial + v
             if (l + 1) % S == 0 or l + 1 == N:
                 blocks.append(partial)
+                keys += source_keys([partial], self.eps)
                 partial = None
-        return self._mix(blocks, None)
+        return self._mix(blocks, keys, None)
 
     def _block_two_phase(self, emb, sublayers):
         N, S = self.num_sublayers, self.block_size
-        blocks = [emb]
+        blocks, keys = [emb], source_keys([emb], self.eps)
         for start in range(0, N, S):
             stop = min(start + S, N)
-            m, lsum, o = attnres_phase1(torch.stack(blocks), self.query[start:stop],
-                                        self.gain[start:stop], self.eps)
+            m, lsum, o = attnres_phase1(blocks, self.query[start:stop], self.gain[start:stop],
+                                        self.eps, keys=keys)
             partial = None
             for r, l in enumerate(range(start, stop)):
                 h = attnres_merge(m[r], lsum[r], o[r], partial, self.query[l], self.gain[l], self.eps)
                 v = sublayers[l](h.to(emb.dtype))
                 partial = v if partial is None else partial + v
             blocks.append(partial)
-        return self._mix(blocks, None)
+            keys += source_keys([partial], self.eps)
+        return self._mix(blocks, keys, None)
 
     def extra_repr(self) -> str:
         return f"mode={self.mode}, block_size={self.block_size}, impl={self.impl}, eps={self.eps}"

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from k3cli.layers.ffn import SwiGLUMLP
-from k3cli.layers.mla import GatedMLA
 from k3cli.layers.kda import KDAAttention
+from k3cli.layers.mla import GatedMLA
 from k3cli.layers.moe import LatentMoE
 from k3cli.layers.norm import RMSNorm
 from k3cli.models.k3_config import ModelConfig
@@ -61,7 +61,7 @@ class DecoderBlock(nn.Module):
         self.ffn = ffn
 
     @classmethod
-    def from_spec(cls, config: ModelConfig, attn: str, ffn: str) -> "DecoderBlock":
+    def from_spec(cls, config: ModelConfig, attn: str, ffn: str) -> DecoderBlock:
         return cls(build_attn(config, attn), build_ffn(config, ffn), config.hidden_size, config.norm_eps)
 
     def attn_sublayer(self, h: torch.Tensor) -> torch.Tensor:

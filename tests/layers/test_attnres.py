@@ -109,6 +109,18 @@ def test_block_S1_equals_full(N, impl):
         check(f"d{name}", g[name], g_ref[name], "grad")
 
 
+def test_full_mixer_equals_hand_loop():
+    N = 4
+    emb = torch.randn(2, 3, D, dtype=torch.float64)
+    subs = make_sublayers(N)
+    mixer = make_mixer(N, "full")
+    sources = [emb]
+    for l, f in enumerate(subs):
+        sources.append(f(naive_attnres(torch.stack(sources), mixer.query[l], mixer.gain[l])))
+    ref = naive_attnres(torch.stack(sources), mixer.out_query, mixer.out_gain)
+    check("y", mixer(emb, subs), ref, "h")
+
+
 def test_block_differs_from_full_when_S_gt_1():
     emb = torch.randn(1, 3, D, dtype=torch.float64)
     subs = make_sublayers(4)
