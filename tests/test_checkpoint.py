@@ -150,3 +150,22 @@ def test_prune_never_deletes_newest_verified(tmp_path):
     (paths[1] / MODEL_FILE).write_bytes(bytes(data))
     prune_checkpoints(tmp_path, keep_last=1)
     assert paths[0].is_dir() and find_latest_checkpoint(tmp_path) == paths[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_round_trip_restores_device_state_and_rng(tmp_path):
+    model, opt, sched, loader = setup()
+    model.cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss = model(next(loader).cuda())
+    loss.backward()
+    opt.step()
+    path = save_checkpoint(tmp_path, 1, model, opt, None, loader.state_dict())
+    expected = torch.rand(4, device="cuda")
+    model2 = Tiny().cuda()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    load_checkpoint(path, model2, opt2)
+    assert torch.equal(torch.rand(4, device="cuda"), expected)
+    assert all(s["exp_avg"].is_cuda for s in opt2.state.values())
+    assert torch.equal(model2.emb.weight, model.emb.weight)
