@@ -93,15 +93,29 @@ def _import_datasets():
     return datasets
 
 
-def _rows(rows, where: str, text_field: str, columns) -> Iterator[tuple[str, str]]:
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _rows(ds, where: str, text_field: str) -> Iterator[tuple[str, str]]:
+    """(name, text) of each row of a `datasets` table; reading errors become one-line DataErrors."""
+    columns = ds.column_names  # None when a streamed source has not declared its features
     if columns is not None and text_field not in columns:
         raise DataError(f"{where} has no column '{text_field}' (columns: {', '.join(columns)}); "
                         f"set data.text_field")
-    for i, row in enumerate(rows):
-        text = row.get(text_field)
-        if text is not None and not isinstance(text, str):
-            raise DataError(f"{where} row {i}: '{text_field}' is {type(text).__name__}, expected text")
-        yield f"{where}#{i}", text or ""
+    try:
+        for i, row in enumerate(ds):
+            if i == 0 and text_field not in row:
+                raise DataError(f"{where} has no column '{text_field}' (columns: {', '.join(row)}); "
+                                f"set data.text_field")
+            text = row[text_field]
+            if text is not None and not isinstance(text, str):
+                raise DataError(f"{where} row {i}: '{text_field}' is {type(text).__name__}, expected text")
+            yield f"{where}#{i}", text or ""
+    except DataError:
+        raise
+    except Exception as e:  # malformed JSON / parquet, a dropped connection: many exception types
+        raise DataError(f"cannot read {where}: {_first_line(e)}") from None
 
 
 def _table_docs(path: Path, name: str, text_field: str) -> Iterator[tuple[str, str]]:
@@ -110,12 +124,9 @@ def _table_docs(path: Path, name: str, text_field: str) -> Iterator[tuple[str, s
     try:
         # streaming reads the local file directly: no network, no Arrow copy in the HF cache
         ds = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True)
-        yield from _rows(ds, name, text_field, ds.column_names)
-    except DataError:
-        raise
-    except Exception as e:  # malformed JSON / parquet surface as many exception types
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise DataError(f"cannot read {path}: {first}") from None
+    except Exception as e:
+        raise DataError(f"cannot read {path}: {_first_line(e)}") from None
+    yield from _rows(ds, name, text_field)
 
 
 def _file_docs(path: Path, name: str, text_field: str) -> Iterator[tuple[str, str]]:
@@ -164,10 +175,9 @@ def _hub_docs(spec: str, text_field: str) -> Iterator[tuple[str, str]]:
     try:
         ds = datasets.load_dataset(name, config or None, split="train", streaming=not offline)
     except Exception as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         mode = " (offline mode: only data sets already in the local HF cache)" if offline else ""
-        raise DataError(f"data.source hf:{spec}: cannot load{mode}: {first}") from None
-    yield from _rows(ds, f"hf:{spec}", text_field, ds.column_names)
+        raise DataError(f"data.source hf:{spec}: cannot load{mode}: {_first_line(e)}") from None
+    yield from _rows(ds, f"hf:{spec}", text_field)
 
 
 def load_documents(source: str, text_field: str = "text", max_bytes: int = 0) -> list[Document]:

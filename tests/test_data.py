@@ -177,7 +177,7 @@ def test_folder_of_txt_jsonl_parquet(tmp_path):
     write_txt(root / "txt", 3)
     (root / "b.jsonl").write_text(
         "\n".join(json.dumps(r) for r in [{"text": "json one"}, {"text": ""}, {"text": "json ü"}]))
-    pq.write_table(pa.table({"text": ["pq one", "pq two"], "n": [1, 2]}), root / "c.parquet")
+    pq.write_table(pa.table({"text": ["pq one", "pq two"], "body": ["b1", "b2"]}), root / "c.parquet")
     (root / "notes.md").write_text("ignored: not a corpus file type")
     (root / ".hidden").mkdir()
     (root / ".hidden" / "x.txt").write_text("ignored: hidden")
@@ -185,6 +185,7 @@ def test_folder_of_txt_jsonl_parquet(tmp_path):
     assert [d.name for d in docs] == ["b.jsonl#0", "b.jsonl#2", "c.parquet#0", "c.parquet#1",
                                       "txt/d000.txt", "txt/d001.txt", "txt/d002.txt"]
     assert docs[1].text == "json ü" and docs[1].nbytes == len("json ü".encode())
+    assert [d.text for d in load_documents(str(root / "c.parquet"), text_field="body")] == ["b1", "b2"]
 
 
 def test_max_bytes_caps_the_corpus(tmp_path):
@@ -196,7 +197,8 @@ def test_max_bytes_caps_the_corpus(tmp_path):
 
 @pytest.mark.parametrize("kind", ["missing", "suffix", "empty-folder", "empty-docs",
                                   pytest.param("no-field", marks=needs_datasets),
-                                  pytest.param("bad-json", marks=needs_datasets)])
+                                  pytest.param("bad-json", marks=needs_datasets),
+                                  pytest.param("non-text", marks=needs_datasets)])
 def test_source_errors_are_one_clear_line(tmp_path, kind):
     target, match = tmp_path / "nope", "does not exist"
     if kind == "suffix":
@@ -216,6 +218,9 @@ def test_source_errors_are_one_clear_line(tmp_path, kind):
     elif kind == "bad-json":
         target, match = tmp_path / "y.jsonl", "cannot read"
         target.write_text('{"text": "hi"\nnot json at all\n')
+    elif kind == "non-text":
+        target, match = tmp_path / "z.jsonl", "row 1: 'text' is int"
+        target.write_text('{"text": "hi"}\n{"text": 3}\n')
     with pytest.raises(DataError, match=match) as e:
         load_documents(str(target))
     assert "\n" not in str(e.value)
