@@ -1,0 +1,191 @@
+"""KDA kernel timings for the CLI (`k3 bench-kernel ...` wraps `bench_kda`).
+
+Per shape: first-call time (compile + autotune), forward and forward+backward medians with the
+20th/80th percentile spread (warm-up excluded), Mtok/s, forward I/O bytes/s against a
+device-to-device copy ceiling measured in the same run, the torch reference (`naive_chunk_kda`)
+measured in the same run, and fla's `chunk_kda` only if `import fla` works. The fla figures from
+/work/shared/BENCHMARKS.md (H200, fla-core 0.6.0) ride along as `fla_doc_*`: documented, not measured.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from k3cli.ops.kda.naive import chunk_local_cumsum, naive_chunk_kda, naive_kda_gate
+
+# (B, T, H, HV, K=V)
+SHAPES = {
+    "ci": [(1, 128, 2, 2, 16), (1, 100, 1, 2, 32)],
+    "toy": [(8, 2048, 8, 8, 16)],
+    "k3": [(8, 2048, 16, 16, 128), (4, 4096, 16, 16, 128), (2, 8192, 16, 16, 128), (1, 16384, 16, 16, 128),
+           (1, 32768, 32, 32, 128), (4, 4096, 32, 32, 128), (4, 4096, 8, 16, 128), (8, 2048, 8, 8, 16),
+           (16, 2048, 8, 8, 32)],
+}
+# BENCHMARKS.md, fla 0.6.0 on H200: (fwd ms, fwd+bwd ms); toy fwd is quoted as 0.92-1.12 (upper end kept)
+FLA_DOC = {(8, 2048, 16, 16, 128): (0.893, 4.79), (4, 4096, 16, 16, 128): (1.228, 4.92),
+           (2, 8192, 16, 16, 128): (1.096, 5.36), (1, 16384, 16, 16, 128): (1.393, 6.28),
+           (1, 32768, 32, 32, 128): (3.880, 19.85), (4, 4096, 32, 32, 128): (1.946, 9.94),
+           (4, 4096, 8, 16, 128): (0.929, 4.97), (8, 2048, 8, 8, 16): (1.12, 2.70),
+           (16, 2048, 8, 8, 32): (0.93, None)}
+# the torch reference materialises O(T * 16 * K) per head; skip it above this many elements
+_TORCH_REF_LIMIT = 2 ** 31
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_fn(fn, device, reps: int = 10) -> tuple[float, float, float]:
+    """(median, p20, p80) in ms; CUDA uses triton.testing.do_bench (warm-up excluded)."""
+    if device.type == "cuda":
+        import triton
+        med, p20, p80 = triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
+        return med, p20, p80
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    ts.sort()
+    return statistics.median(ts), ts[int(0.2 * (len(ts) - 1))], ts[int(0.8 * (len(ts) - 1))]
+
+
+def copy_ceiling_gbps(device) -> float:
+    """Device-to-device copy bandwidth (read + write bytes per second), measured now."""
+    n = (1 << 29) if device.type == "cuda" else (1 << 24)
+    x = torch.empty(n, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    ms, _, _ = time_fn(lambda: y.copy_(x), device)
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+def _first_call(fn, device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _fla_chunk_kda():
+    try:
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+    except Exception:
+        return None
+    return fla_chunk_kda
+
+
+def _inputs(B, T, H, HV, K, dtype, device):
+    gen = torch.Generator().manual_seed(0)
+    q = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).to(device, dtype)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).to(device, dtype)
+    v = torch.randn(B, T, HV, K, generator=gen).to(device, dtype)
+    g = (-5.0 * torch.sigmoid(torch.randn(B, T, HV, K, generator=gen) - 1.0)).to(device)
+    beta = torch.sigmoid(torch.randn(B, T, HV, generator=gen)).to(device, dtype)
+    return q, k, v, g, beta
+
+
+def _fwd_bwd_fns(fn, args, device, out_like=2):
+    """fwd (no autograd) and fwd+bwd closures; the cotangent is shaped like args[out_like]."""
+    leaves = [a.detach().clone().requires_grad_(True) for a in args]
+    do = torch.randn(args[out_like].shape, device=device, dtype=torch.float32).to(args[out_like].dtype)
+
+    def fwd():
+        with torch.no_grad():
+            return fn(*args)
+
+    def fwd_bwd():
+        o = fn(*leaves)[0]
+        return torch.autograd.grad(o, leaves, do)
+
+    return fwd, fwd_bwd
+
+
+def _bench_chunk(shape, device, against_fla):
+    from k3cli.ops.kda import chunk_kda
+    B, T, H, HV, K = shape
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    args = _inputs(B, T, H, HV, K, dtype, device)
+    fwd, fwd_bwd = _fwd_bwd_fns(chunk_kda, args, device)
+    row = {"kernel": "chunk_kda", "B": B, "T": T, "H": H, "HV": HV, "K": K, "V": K, "dtype": str(dtype),
+           "first_call_fwd_s": _first_call(fwd, device), "first_call_fwd_bwd_s": _first_call(fwd_bwd, device)}
+    row["fwd_ms"], row["fwd_p20_ms"], row["fwd_p80_ms"] = time_fn(fwd, device)
+    row["fwd_bwd_ms"], row["fwd_bwd_p20_ms"], row["fwd_bwd_p80_ms"] = time_fn(fwd_bwd, device)
+    esz = args[0].element_size()
+    io_bytes = B * T * (2 * H * K * esz + HV * K * esz + HV * K * 4 + HV * esz + HV * K * esz)
+    row["fwd_mtok_s"] = B * T / (row["fwd_ms"] * 1e-3) / 1e6
+    row["fwd_io_gbps"] = io_bytes / (row["fwd_ms"] * 1e-3) / 1e9
+    ref_fwd = ref_fb = None
+    if B * T * HV * 16 * K <= _TORCH_REF_LIMIT:
+        try:
+            rf, rfb = _fwd_bwd_fns(naive_chunk_kda, args, device)
+            ref_fwd = time_fn(rf, device, reps=3)[0]
+            ref_fb = time_fn(rfb, device, reps=3)[0]
+        except torch.OutOfMemoryError:
+            pass
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    row["torch_ref_fwd_ms"], row["torch_ref_fwd_bwd_ms"] = ref_fwd, ref_fb
+    row["speedup_vs_torch_fwd"] = None if ref_fwd is None else ref_fwd / row["fwd_ms"]
+    row["speedup_vs_torch_fwd_bwd"] = None if ref_fb is None else ref_fb / row["fwd_bwd_ms"]
+    fla = _fla_chunk_kda() if against_fla else None
+    row["fla_fwd_ms"] = row["fla_fwd_bwd_ms"] = None
+    if fla is not None:
+        ff, ffb = _fwd_bwd_fns(lambda *a: fla(*a), args, device)
+        row["fla_fwd_ms"] = time_fn(ff, device)[0]
+        row["fla_fwd_bwd_ms"] = time_fn(ffb, device)[0]
+    doc = FLA_DOC.get(shape, (None, None))
+    row["fla_doc_fwd_ms"], row["fla_doc_fwd_bwd_ms"] = doc
+    return row
+
+
+def _bench_gate(shape, device):
+    from k3cli.ops.kda import kda_gate
+    B, T, _, HV, K = shape
+    gen = torch.Generator().manual_seed(0)
+    g_raw = torch.randn(B, T, HV, K, generator=gen).to(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    A_log = torch.zeros(HV, device=device)
+    bias = torch.zeros(HV, K, device=device)
+    fwd, fwd_bwd = _fwd_bwd_fns(lambda a, b, c: (kda_gate(a, b, c),), (g_raw, A_log, bias), device, 0)
+    row = {"kernel": "kda_gate", "B": B, "T": T, "HV": HV, "K": K, "dtype": str(g_raw.dtype),
+           "first_call_fwd_s": _first_call(fwd, device), "first_call_fwd_bwd_s": _first_call(fwd_bwd, device)}
+    row["fwd_ms"], row["fwd_p20_ms"], row["fwd_p80_ms"] = time_fn(fwd, device)
+    row["fwd_bwd_ms"], row["fwd_bwd_p20_ms"], row["fwd_bwd_p80_ms"] = time_fn(fwd_bwd, device)
+    io_bytes = B * T * HV * K * (g_raw.element_size() + 4)
+    row["fwd_mtok_s"] = B * T / (row["fwd_ms"] * 1e-3) / 1e6
+    row["fwd_io_gbps"] = io_bytes / (row["fwd_ms"] * 1e-3) / 1e9
+    rf, rfb = _fwd_bwd_fns(lambda a, b, c: (chunk_local_cumsum(naive_kda_gate(a, b, c), 64),),
+                           (g_raw, A_log, bias), device, 0)
+    row["torch_ref_fwd_ms"] = time_fn(rf, device, reps=3)[0]
+    row["torch_ref_fwd_bwd_ms"] = time_fn(rfb, device, reps=3)[0]
+    row["speedup_vs_torch_fwd"] = row["torch_ref_fwd_ms"] / row["fwd_ms"]
+    row["speedup_vs_torch_fwd_bwd"] = row["torch_ref_fwd_bwd_ms"] / row["fwd_bwd_ms"]
+    return row
+
+
+def bench_kda(kernel: str = "chunk_kda", shapes: str = "toy", against_fla: bool = False) -> list[dict]:
+    """Benchmark a KDA kernel on a shape set ("ci" | "toy" | "k3"); one dict per shape.
+
+    CUDA runs bf16 with triton.testing.do_bench; CPU (TRITON_INTERPRET=1) runs fp32 with a
+    perf_counter loop and is only meaningful as a smoke test.
+    """
+    if kernel not in ("chunk_kda", "kda_gate"):
+        raise ValueError(f"bench_kda: unknown kernel {kernel!r}; valid: 'chunk_kda', 'kda_gate'")
+    if shapes not in SHAPES:
+        raise ValueError(f"bench_kda: unknown shape set {shapes!r}; valid: {sorted(SHAPES)}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ceiling = copy_ceiling_gbps(device)
+    rows = []
+    for shape in SHAPES[shapes]:
+        row = _bench_chunk(shape, device, against_fla) if kernel == "chunk_kda" else _bench_gate(shape, device)
+        row["copy_ceiling_gbps"] = ceiling
+        row["fwd_io_frac_of_copy"] = row["fwd_io_gbps"] / ceiling
+        rows.append(row)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
