@@ -100,6 +100,10 @@ def test_tokenizer_vocab_and_eot(tok):
     assert tok.token_to_id(EOT) == EOT_ID and tok.get_vocab_size() <= 320
 
 
+def test_tokenizer_training_is_deterministic(tok):
+    assert train_tokenizer(corpus(60), vocab_size=320, min_frequency=2).to_str() == tok.to_str()
+
+
 def test_tokenizer_vocab_too_small():
     with pytest.raises(DataError, match="needs >= 257"):
         train_tokenizer(corpus(4), vocab_size=100)
