@@ -54,7 +54,8 @@ def _src_ptr(x, ptrs, i, stride_n, USE_TABLE: tl.constexpr):
 @triton.jit
 def _rms_score(b_v, b_w, m_t, D, eps):
     """Per token: rstd r = 1/sqrt(mean(v²)+eps) and score s = r · (w̃ · v); 0 on masked tokens."""
-    b_r = tl.where(m_t, tl.rsqrt(tl.sum(b_v * b_v, 1) / D + eps), 0.)
+    # padded tokens (all zeros) would give rsqrt(0) when eps = 0: give them r = 0
+    b_r = tl.where(m_t, tl.rsqrt(tl.where(m_t, tl.sum(b_v * b_v, 1) / D + eps, 1.)), 0.)
     return b_r, tl.sum(b_v * b_w[None, :], 1) * b_r
 
 
