@@ -21,7 +21,8 @@ from torch import nn
 from k3cli.layers.norm import rms_norm
 
 MODES = ("full", "block")
-IMPLS = ("naive", "two_phase")
+IMPLS = ("auto", "naive", "two_phase", "fused")
+MAX_FUSED_SOURCES = 32  # the Triton kernels' pointer-table limit (k3cli/ops/attnres/fused.py)
 
 
 def _wd(x: torch.Tensor) -> torch.dtype:
@@ -90,10 +91,15 @@ def attnres_merge(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, partial: to
 
 class AttnResMixer(nn.Module):
     """Drives the N = 2L sublayers with depth mixes. Parameters: query [N, D] (zeros), gain [N, D]
-    (ones), out_query [D], out_gain [D] for the final mix."""
+    (ones), out_query [D], out_gain [D] for the final mix.
+
+    impl: `naive` (block: one softmax over all sources per sublayer), `two_phase` (block: phase 1 +
+    merge in torch), `fused` (the Triton kernels of k3cli/ops/attnres), `auto` (fused on CUDA when
+    importable, else two_phase). Full mode has one form; `fused` / `auto` pick its kernel the same way.
+    """
 
     def __init__(self, hidden_size: int, num_sublayers: int, mode: str = "block", block_size: int = 2,
-                 eps: float = 1e-6, impl: str = "two_phase"):
+                 eps: float = 1e-6, impl: str = "auto"):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"unknown AttnRes mode '{mode}'; valid: {', '.join(MODES)}")
@@ -119,23 +125,40 @@ class AttnResMixer(nn.Module):
         own pre-norm). Returns the final mix [B, T, D] (before the model's final RMSNorm)."""
         if len(sublayers) != self.num_sublayers:
             raise ValueError(f"AttnResMixer built for {self.num_sublayers} sublayers, got {len(sublayers)}")
+        ops = self._triton_ops(emb)
         if self.mode == "full":
-            return self._full(emb, sublayers)
+            return self._full(emb, sublayers, ops)
         if self.impl == "naive":
             return self._block_naive(emb, sublayers)
-        return self._block_two_phase(emb, sublayers)
+        return self._block_two_phase(emb, sublayers, ops)
 
-    def _mix(self, sources: list[torch.Tensor], keys: list[torch.Tensor], l: int | None) -> torch.Tensor:
+    def _triton_ops(self, emb: torch.Tensor):
+        """The Triton kernels (fused_attnres, attnres_phase1, attnres_merge), or None for torch."""
+        if self.impl in ("naive", "two_phase") or (self.impl == "auto" and not emb.is_cuda):
+            return None
+        try:
+            from k3cli.ops.attnres import attnres_merge, attnres_phase1, fused_attnres
+        except ImportError as e:
+            if self.impl == "fused":
+                raise RuntimeError(f"AttnRes impl=fused but the Triton kernels are unavailable: {e}") from None
+            return None
+        return fused_attnres, attnres_phase1, attnres_merge
+
+    def _mix(self, sources: list[torch.Tensor], keys: list[torch.Tensor] | None, l: int | None,
+             ops=None) -> torch.Tensor:
         q, g = (self.out_query, self.out_gain) if l is None else (self.query[l], self.gain[l])
+        if ops is not None and len(sources) <= MAX_FUSED_SOURCES:
+            return ops[0](sources, q, g, self.eps)
         return naive_attnres(sources, q, g, self.eps, keys=keys)
 
-    def _full(self, emb, sublayers):
-        sources, keys = [emb], source_keys([emb], self.eps)
+    def _full(self, emb, sublayers, ops):
+        # the torch form caches RMS(v) per source (each is a key for every later sublayer)
+        sources, keys = [emb], (None if ops else source_keys([emb], self.eps))
         for l, f in enumerate(sublayers):
-            v = f(self._mix(sources, keys, l))
+            v = f(self._mix(sources, keys, l, ops))
             sources.append(v)
-            keys += source_keys([v], self.eps)
-        return self._mix(sources, keys, None)
+            keys = None if ops else keys + source_keys([v], self.eps)
+        return self._mix(sources, keys, None, ops)
 
     def _block_naive(self, emb, sublayers):
         N, S = self.num_sublayers, self.block_size
@@ -153,21 +176,28 @@ class AttnResMixer(nn.Module):
                 partial = None
         return self._mix(blocks, keys, None)
 
-    def _block_two_phase(self, emb, sublayers):
+    def _block_two_phase(self, emb, sublayers, ops):
         N, S = self.num_sublayers, self.block_size
-        blocks, keys = [emb], source_keys([emb], self.eps)
+        blocks, keys = [emb], (None if ops else source_keys([emb], self.eps))
         for start in range(0, N, S):
             stop = min(start + S, N)
-            m, lsum, o = attnres_phase1(blocks, self.query[start:stop], self.gain[start:stop],
-                                        self.eps, keys=keys)
+            qs, gs = self.query[start:stop], self.gain[start:stop]
+            if ops is not None and len(blocks) <= MAX_FUSED_SOURCES:
+                m, lsum, o = ops[1](blocks, qs, gs, self.eps)
+            else:
+                m, lsum, o = attnres_phase1(blocks, qs, gs, self.eps, keys=keys)
             partial = None
             for r, l in enumerate(range(start, stop)):
-                h = attnres_merge(m[r], lsum[r], o[r], partial, self.query[l], self.gain[l], self.eps)
+                if ops is not None and o.dtype == torch.float32:
+                    h = ops[2](m[r], lsum[r], o[r], partial, self.query[l], self.gain[l], self.eps,
+                               out_dtype=emb.dtype)
+                else:
+                    h = attnres_merge(m[r], lsum[r], o[r], partial, self.query[l], self.gain[l], self.eps)
                 v = sublayers[l](h.to(emb.dtype))
                 partial = v if partial is None else partial + v
             blocks.append(partial)
-            keys += source_keys([partial], self.eps)
-        return self._mix(blocks, keys, None)
+            keys = None if ops else keys + source_keys([partial], self.eps)
+        return self._mix(blocks, keys, None, ops)
 
     def extra_repr(self) -> str:
         return f"mode={self.mode}, block_size={self.block_size}, impl={self.impl}, eps={self.eps}"

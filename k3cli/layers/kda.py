@@ -74,8 +74,6 @@ class KDAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] (pre-normed) -> [B, T, D]."""
-        from k3cli.ops.kda.naive import naive_kda_gate
-
         B, T, _ = x.shape
         H, HV, K, V = self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -87,28 +85,39 @@ class KDAAttention(nn.Module):
         k = F.normalize(k.view(B, T, H, K), p=2, dim=-1, eps=1e-6)                # (B, T, H, K)
         v = v.view(B, T, HV, V)                                                    # (B, T, HV, V)
         g_raw = self.f_b(self.f_a(x)).view(B, T, HV, K)                            # (B, T, HV, K)
-        g = naive_kda_gate(g_raw, self.A_log, self.dt_bias.view(HV, K), self.lower_bound)
         beta = torch.sigmoid(self.b_proj(x))                                       # (B, T, HV)
-        o, _ = self._op(q)(q, k, v, g, beta)                                       # (B, T, HV, V)
+        o = self._kda(q, k, v, g_raw, beta)                                        # (B, T, HV, V)
         o = self.o_norm(o)
         if self.output_gate:
             o = o * torch.sigmoid(self.g_b(self.g_a(x))).view(B, T, HV, V)
         return self.o_proj(o.reshape(B, T, HV * V))
 
-    def _op(self, q: torch.Tensor):
-        """The chunked KDA op chosen by `backend`: auto → Triton on CUDA if importable, else torch."""
-        from k3cli.ops.kda.naive import naive_chunk_kda
+    def _kda(self, q, k, v, g_raw, beta) -> torch.Tensor:
+        """Gate + chunked KDA by `backend`: auto → Triton on CUDA if importable, else the torch reference.
 
-        def torch_op(*args):
-            return naive_chunk_kda(*args, chunk_size=self.chunk_size)
+        q, k [B, T, H, K] (L2-normalised); v [B, T, HV, V]; g_raw [B, T, HV, K]; beta [B, T, HV].
+        """
+        HV, K = self.num_v_heads, self.head_k_dim
+        dt_bias = self.dt_bias.view(HV, K)
+        chunk_kda = self._triton_op(q)
+        if chunk_kda is not None:
+            # the fused gate kernel runs inside chunk_kda (SPEC §2.3)
+            return chunk_kda(q, k, v, g_raw, beta, use_gate_in_kernel=True, A_log=self.A_log,
+                             dt_bias=dt_bias, lower_bound=self.lower_bound, chunk_size=self.chunk_size)[0]
+        from k3cli.ops.kda.naive import naive_chunk_kda, naive_kda_gate
 
+        g = naive_kda_gate(g_raw, self.A_log, dt_bias, self.lower_bound)           # (B, T, HV, K) fp32
+        return naive_chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size)[0]
+
+    def _triton_op(self, q: torch.Tensor):
+        """Triton `chunk_kda`, or None for the torch reference."""
         if self.backend == "torch" or (self.backend == "auto" and not q.is_cuda):
-            return torch_op
+            return None
         try:
             from k3cli.ops.kda.chunk import chunk_kda
         except ImportError as e:
             if self.backend == "triton":
                 raise RuntimeError(f"kda.backend=triton but the Triton chunk_kda is unavailable: {e}") \
                     from None
-            return torch_op
+            return None
         return chunk_kda
