@@ -13,6 +13,7 @@ Shapes: sources [N, B, T, D] or a list of N [B, T, D]; queries/gains [D] (one su
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -29,11 +30,22 @@ def _wd(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _fp32_math(fn):
+    """Run fn with autocast off: scores and softmax stay fp32 (autocast would run the matvecs in bf16)."""
+    @functools.wraps(fn)
+    def wrapper(first, *args, **kwargs):
+        dev = (first[0] if isinstance(first, (list, tuple)) else first).device.type
+        with torch.autocast(dev, enabled=False):
+            return fn(first, *args, **kwargs)
+    return wrapper
+
+
 def source_keys(sources: Sequence[torch.Tensor], eps: float = 1e-6) -> list[torch.Tensor]:
     """RMS(v) without gain for each source [B, T, D], in fp32 (fp64 stays fp64)."""
     return [rms_norm(v.to(_wd(v)), None, eps) for v in sources]
 
 
+@_fp32_math
 def naive_attnres(sources: Sequence[torch.Tensor], query: torch.Tensor, gain: torch.Tensor,
                   eps: float = 1e-6, keys: Sequence[torch.Tensor] | None = None,
                   return_weights: bool = False):
@@ -55,6 +67,7 @@ def naive_attnres(sources: Sequence[torch.Tensor], query: torch.Tensor, gain: to
     return (h, alpha) if return_weights else h
 
 
+@_fp32_math
 def attnres_phase1(blocks: Sequence[torch.Tensor], queries: torch.Tensor, gains: torch.Tensor,
                    eps: float = 1e-6, keys: Sequence[torch.Tensor] | None = None):
     """Phase 1 of block AttnRes: all S queries of a block against its n completed sources at once.
@@ -73,6 +86,7 @@ def attnres_phase1(blocks: Sequence[torch.Tensor], queries: torch.Tensor, gains:
     return m, p.sum(1), o
 
 
+@_fp32_math
 def attnres_merge(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, partial: torch.Tensor | None,
                   query: torch.Tensor, gain: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Phase 2: merge one more source (the block's partial sum) into a phase-1 state and normalise.

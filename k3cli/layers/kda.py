@@ -25,6 +25,16 @@ def _dt_bias_init(n: int, dt_min: float = 1e-3, dt_max: float = 0.1) -> torch.Te
     return dt + torch.log(-torch.expm1(-dt))
 
 
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(Σ x² + eps) over the last dim in fp32 (fp64 stays fp64), cast back to x.dtype.
+
+    The same form as chunk_kda's in-kernel option; explicit dtypes so that under autocast q and k keep
+    v's dtype (F.normalize's norm would promote them to fp32).
+    """
+    xf = x if x.dtype == torch.float64 else x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def _short_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Depthwise causal conv + SiLU. x [B, T, C], weight [C, 1, n] -> [B, T, C]."""
     n = weight.shape[-1]
@@ -81,8 +91,8 @@ class KDAAttention(nn.Module):
             q = _short_conv(q, self.q_conv.weight)
             k = _short_conv(k, self.k_conv.weight)
             v = _short_conv(v, self.v_conv.weight)
-        q = F.normalize(q.view(B, T, H, K), p=2, dim=-1, eps=1e-6)                # (B, T, H, K)
-        k = F.normalize(k.view(B, T, H, K), p=2, dim=-1, eps=1e-6)                # (B, T, H, K)
+        q = _l2norm(q.view(B, T, H, K))                                            # (B, T, H, K)
+        k = _l2norm(k.view(B, T, H, K))                                            # (B, T, H, K)
         v = v.view(B, T, HV, V)                                                    # (B, T, HV, V)
         g_raw = self.f_b(self.f_a(x)).view(B, T, HV, K)                            # (B, T, HV, K)
         beta = torch.sigmoid(self.b_proj(x))                                       # (B, T, HV)

@@ -51,7 +51,9 @@ class LatentMoE(nn.Module):
     def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (ids [T, K] long, weights [T, K] fp32, or fp64 for fp64 x)."""
         wd = torch.float64 if x_TD.dtype == torch.float64 else torch.float32
-        scores_TE = torch.sigmoid(F.linear(x_TD.to(wd), self.router.weight.to(wd)))
+        # fp32 router even under autocast: near-tied scores would flip expert choices in bf16
+        with torch.autocast(x_TD.device.type, enabled=False):
+            scores_TE = torch.sigmoid(F.linear(x_TD.to(wd), self.router.weight.to(wd)))
         # the bias only picks experts; it never enters the weights and gets no gradient
         ids_TK = torch.topk(scores_TE.detach() + self.router_bias.to(wd), self.top_k, dim=-1).indices
         top_TK = scores_TE.gather(1, ids_TK)

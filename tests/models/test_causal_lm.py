@@ -84,6 +84,18 @@ def test_batch_invariance(preset, attnres):
             check(f"seq {i}", m(x[i:i + 1]).logits[0], batched[i], "logits")
 
 
+@pytest.mark.parametrize("preset,attnres", [("kda-toy", "off"), ("k3-toy", "block")])
+def test_bf16_autocast_runs(preset, attnres):
+    m = model(preset, attnres, "model.num_hidden_layers=2")  # k3: KDA + MLA; bf16 on CPU is slow
+    x = ids(2, 12)
+    with torch.no_grad():
+        ref = m(x, labels=x).loss
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = m(x, labels=x).loss
+    loss.backward()
+    assert loss.dtype == torch.float32 and abs(loss.item() - ref.item()) < 0.05
+
+
 def test_loss_is_shifted_cross_entropy():
     m = model("kda-toy", "off", "model.num_hidden_layers=1", dtype=torch.float64)
     x = ids(2, 9)
