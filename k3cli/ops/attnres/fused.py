@@ -32,14 +32,15 @@ def _configs(options: list[tuple[int, int]]) -> list[triton.Config]:
 
 
 def _prune_by_registers(configs, named_args, **kwargs):
-    # keep tiles of 8..64 fp32 values per thread: fewer wastes threads, more spills
+    # keep 4..32 fp32 row values per thread: ptxas (sm_90, bf16) showed no spills for the forward
+    # in that range and at most 56 B of stack for the backward at BD = 8192 (notes/attnres_gpu.md)
     bd = kwargs.get("BD", named_args.get("BD"))
-    kept = [c for c in configs if 8 <= c.kwargs["BT"] * bd // (32 * c.num_warps) <= 64]
+    kept = [c for c in configs if 4 <= c.kwargs["BT"] * bd // (32 * c.num_warps) <= 32]
     return kept or configs[:1]
 
 
 # (BT, num_warps) candidates; the pruner keeps the ones that fit the row width
-ROW_OPTIONS = [(1, 4), (1, 8), (1, 16), (2, 8), (2, 16), (4, 16)]
+ROW_OPTIONS = [(1, 4), (1, 8), (1, 16), (1, 32), (2, 8), (2, 16), (4, 4), (8, 4)]
 
 
 @triton.jit
@@ -97,9 +98,14 @@ def attnres_fwd_kernel(x, ptrs, wt, out, y, nw, m_out, l_out, stat,
     b_m = tl.full([BT], float("-inf"), tl.float32)
     b_l = tl.zeros([BT], tl.float32)
     b_o = tl.zeros([BT, BD], tl.float32)
+    # software prefetch: source i + 1 is in flight while source i is reduced (the while loop is
+    # not pipelined by the compiler, and one row per program leaves too few bytes in flight)
+    b_next = tl.load(_src_ptr(x, ptrs, n * 0, stride_n, USE_TABLE) + o_td, mask=m_td, other=0.)
     i = n * 0
     while i < n:
-        b_v = tl.load(_src_ptr(x, ptrs, i, stride_n, USE_TABLE) + o_td, mask=m_td, other=0.).to(tl.float32)
+        b_v = b_next.to(tl.float32)
+        b_next = tl.load(_src_ptr(x, ptrs, tl.minimum(i + 1, n - 1), stride_n, USE_TABLE) + o_td,
+                         mask=m_td & (i + 1 < n), other=0.)
         b_r, b_s = _rms_score(b_v, b_w, m_t, D, eps)
         b_mn = tl.maximum(b_m, b_s)
         b_a = tl.exp(b_m - b_mn)
@@ -155,9 +161,12 @@ def attnres_bwd_kernel(x, ptrs, wt, h, dh, dy, nw, stat, dx, dw_part, dnw_part,
             acc_dnw += b_dnw
         b_lse = tl.load(stat + o_t, mask=m_t, other=0.)
         b_delta = tl.sum(b_dh * b_h, 1)
+        b_next = tl.load(_src_ptr(x, ptrs, n * 0, stride_n, USE_TABLE) + o_td, mask=m_td, other=0.)
         i = n * 0
         while i < n:
-            b_v = tl.load(_src_ptr(x, ptrs, i, stride_n, USE_TABLE) + o_td, mask=m_td, other=0.).to(tl.float32)
+            b_v = b_next.to(tl.float32)
+            b_next = tl.load(_src_ptr(x, ptrs, tl.minimum(i + 1, n - 1), stride_n, USE_TABLE) + o_td,
+                             mask=m_td & (i + 1 < n), other=0.)
             b_r, b_s = _rms_score(b_v, b_w, m_t, D, eps)
             b_a = tl.where(m_t, tl.exp(b_s - b_lse), 0.)
             b_dsr = b_a * (tl.sum(b_dh * b_v, 1) - b_delta) * b_r
