@@ -9,10 +9,24 @@ import os
 import pytest
 import torch
 
-from k3cli.ops.attnres import (attnres_merge, attnres_phase1, fused_attnres, naive_attnres,
-                               naive_attnres_block, naive_attnres_merge, naive_attnres_phase1)
-from k3cli.ops.attnres.verify import (compare, error_row, make_inputs, rounded, run_block, run_full,
-                                      verify_attnres)
+from k3cli.ops.attnres import (
+    attnres_merge,
+    attnres_phase1,
+    fused_attnres,
+    naive_attnres,
+    naive_attnres_block,
+    naive_attnres_merge,
+    naive_attnres_phase1,
+)
+from k3cli.ops.attnres.verify import (
+    compare,
+    error_row,
+    make_inputs,
+    rounded,
+    run_block,
+    run_full,
+    verify_attnres,
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
@@ -35,7 +49,7 @@ def assert_close(name, x, ref, dtype=torch.float32):
 # ---------------------------------------------------------------- torch references
 def test_naive_weights_sum_to_one():
     srcs, _, q, g, _ = make_inputs(6, 2, 5, 48, seed=1)
-    h, alpha = naive_attnres(srcs, q[0], g[0], return_weights=True)
+    _, alpha = naive_attnres(srcs, q[0], g[0], return_weights=True)
     torch.testing.assert_close(alpha.sum(0), torch.ones_like(alpha[0]), rtol=0, atol=1e-12)
     assert alpha.std() > 0.05, "scores should be far from uniform in this fixture"
 
@@ -72,7 +86,7 @@ FULL_CASES = [
 @needs_triton
 @pytest.mark.parametrize("n,B,T,D,norm,stacked", FULL_CASES)
 def test_fused_full_matches_naive(n, B, T, D, norm, stacked):
-    inputs = make_inputs(n, B, T, D, seed=n + D)
+    inputs = make_inputs(n, B, T, D, seed=n + D, device=DEVICE)
     got = run_full("triton", inputs, torch.float32, stacked=stacked, norm=norm)
     ref = run_full("naive", inputs, torch.float64, stacked=stacked, norm=norm)
     assert set(ref) <= set(got)
@@ -82,7 +96,7 @@ def test_fused_full_matches_naive(n, B, T, D, norm, stacked):
 @needs_triton
 @pytest.mark.parametrize("form", ["full", "block"])
 def test_fp16_matches_naive(form):
-    inputs = rounded(make_inputs(6, 2, 9, 100, S=3, seed=4), torch.float16)
+    inputs = rounded(make_inputs(6, 2, 9, 100, S=3, seed=4, device=DEVICE), torch.float16)
     run = run_full if form == "full" else run_block
     assert_rows(compare(run("triton", inputs, torch.float16), run("naive", inputs, torch.float64),
                         torch.float16))
@@ -92,7 +106,7 @@ def test_fp16_matches_naive(form):
 @pytest.mark.parametrize("used", ["y-only", "h-only"])
 def test_fused_norm_one_output_used(used):
     """Only one of (h, y) reaches the loss: the other gradient is None in backward."""
-    srcs, _, q, g, nw = make_inputs(4, 1, 8, 48, seed=5)
+    srcs, _, q, g, nw = make_inputs(4, 1, 8, 48, seed=5, device=DEVICE)
     grads = []
     for fn, dt in ((fused_attnres, torch.float32), (naive_attnres, torch.float64)):
         xs = [s.to(dt).requires_grad_(True) for s in srcs]
@@ -108,23 +122,23 @@ def test_fused_norm_one_output_used(used):
 @needs_triton
 def test_fused_weights_sum_to_one():
     """Identical sources: any weights that sum to 1 return the source itself."""
-    v = make_inputs(1, 2, 5, 100, seed=6)[0][0].float()
-    q = torch.randn(100)
-    h = fused_attnres([v, v.clone(), v.clone()], q, torch.ones(100))
+    v = make_inputs(1, 2, 5, 100, seed=6, device=DEVICE)[0][0].float()
+    q = torch.randn(100, device=DEVICE)
+    h = fused_attnres([v, v.clone(), v.clone()], q, torch.ones(100, device=DEVICE))
     torch.testing.assert_close(h, v, rtol=2e-6, atol=2e-6)
 
 
 @needs_triton
 def test_fused_zero_query_is_uniform_average():
-    srcs = [s.float() for s in make_inputs(5, 1, 4, 48, seed=7)[0]]
-    h = fused_attnres(srcs, torch.zeros(48), torch.ones(48), eps=0.0)
+    srcs = [s.float() for s in make_inputs(5, 1, 4, 48, seed=7, device=DEVICE)[0]]
+    h = fused_attnres(srcs, torch.zeros(48, device=DEVICE), torch.ones(48, device=DEVICE), eps=0.0)
     torch.testing.assert_close(h, torch.stack(srcs).mean(0), rtol=2e-6, atol=2e-6)
 
 
 @needs_triton
 def test_list_and_stacked_agree():
-    srcs = [s.float() for s in make_inputs(4, 2, 5, 48, seed=8)[0]]
-    q, g = torch.randn(48) * 0.3, torch.ones(48)
+    srcs = [s.float() for s in make_inputs(4, 2, 5, 48, seed=8, device=DEVICE)[0]]
+    q, g = torch.randn(48, device=DEVICE) * 0.3, torch.ones(48, device=DEVICE)
     torch.testing.assert_close(fused_attnres(srcs, q, g), fused_attnres(torch.stack(srcs), q, g), rtol=0, atol=0)
 
 
@@ -142,7 +156,7 @@ BLOCK_CASES = [
 @needs_triton
 @pytest.mark.parametrize("n,S,B,T,D,norm,stacked", BLOCK_CASES)
 def test_two_phase_matches_naive(n, S, B, T, D, norm, stacked):
-    inputs = make_inputs(n, B, T, D, S, seed=10 * n + S)
+    inputs = make_inputs(n, B, T, D, S, seed=10 * n + S, device=DEVICE)
     got = run_block("triton", inputs, torch.float32, stacked=stacked, norm=norm)
     ref = run_block("naive", inputs, torch.float64, stacked=stacked, norm=norm)
     assert set(ref) <= set(got)
@@ -152,7 +166,7 @@ def test_two_phase_matches_naive(n, S, B, T, D, norm, stacked):
 @needs_triton
 @pytest.mark.parametrize("S", [1, 2, 3, 4])
 def test_two_phase_equals_one_softmax(S):
-    srcs, partial, q, g, _ = make_inputs(3, 2, 7, 100, S, seed=20 + S)
+    srcs, partial, q, g, _ = make_inputs(3, 2, 7, 100, S, seed=20 + S, device=DEVICE)
     f32 = [s.float() for s in srcs]
     m, l, o = attnres_phase1(f32, q.float(), g.float())
     for r in range(S):
@@ -163,7 +177,7 @@ def test_two_phase_equals_one_softmax(S):
 
 @needs_triton
 def test_block_size_one_equals_full():
-    srcs, _, q, g, nw = make_inputs(5, 1, 9, 48, seed=30)
+    srcs, _, q, g, nw = make_inputs(5, 1, 9, 48, seed=30, device=DEVICE)
     srcs, q, g, nw = [s.float() for s in srcs], q.float(), g.float(), nw.float()
     m, l, o = attnres_phase1(srcs, q, g)
     h, y = attnres_merge(m[0], l[0], o[0], None, q[0], g[0], norm_weight=nw)
@@ -204,6 +218,7 @@ def test_block_stack_matches_naive(N, S):
     W = torch.randn(N, D, D, generator=gen, dtype=torch.float64) / D ** 0.5
     Q = torch.randn(N + 1, D, generator=gen, dtype=torch.float64) / D ** 0.5
     G = 1 + 0.1 * torch.randn(N + 1, D, generator=gen, dtype=torch.float64)
+    emb, W, Q, G = (t.to(DEVICE) for t in (emb, W, Q, G))
     res = []
     for impl, dt in (("triton", torch.float32), ("naive", torch.float64)):
         leaves = [t.to(dt).requires_grad_(True) for t in (emb, W, Q, G)]
@@ -217,15 +232,16 @@ def test_block_stack_matches_naive(N, S):
 # ---------------------------------------------------------------- validation
 @needs_triton
 def test_input_errors_name_the_argument():
-    srcs = [torch.randn(1, 4, 48) for _ in range(3)]
+    srcs = [torch.randn(1, 4, 48, device=DEVICE) for _ in range(3)]
     with pytest.raises(ValueError, match="query"):
-        fused_attnres(srcs, torch.zeros(47), torch.ones(48))
+        fused_attnres(srcs, torch.zeros(47, device=DEVICE), torch.ones(48, device=DEVICE))
     with pytest.raises(ValueError, match=r"sources\[1\]"):
-        fused_attnres([srcs[0], torch.randn(1, 4, 32)], torch.zeros(48), torch.ones(48))
+        fused_attnres([srcs[0], torch.randn(1, 4, 32, device=DEVICE)], torch.zeros(48, device=DEVICE),
+                      torch.ones(48, device=DEVICE))
     with pytest.raises(ValueError, match="sources: 33 sources"):
-        fused_attnres([srcs[0]] * 33, torch.zeros(48), torch.ones(48))
+        fused_attnres([srcs[0]] * 33, torch.zeros(48, device=DEVICE), torch.ones(48, device=DEVICE))
     with pytest.raises(ValueError, match="gains"):
-        attnres_phase1(srcs, torch.zeros(2, 48), torch.ones(3, 48))
+        attnres_phase1(srcs, torch.zeros(2, 48, device=DEVICE), torch.ones(3, 48, device=DEVICE))
 
 
 # ---------------------------------------------------------------- GPU tier

@@ -45,7 +45,7 @@ def _time(fn, device) -> tuple[float, float]:
 def _fla():
     try:
         from fla.ops.attnres import fused_attnres as fla_fused_attnres
-    except Exception:   # fla absent or without AttnRes: the comparison is skipped
+    except ImportError:   # fla absent or without AttnRes: the comparison is skipped
         return None
     return fla_fused_attnres
 
@@ -72,52 +72,54 @@ def bench_attnres(shapes: str = "ci", against_fla: bool = False, device: str | N
     fla = _fla() if against_fla else None
     rows = []
     for L, N, D in SHAPES[shapes]:
-        gen = torch.Generator(device=dev).manual_seed(0)
-        stacked = torch.randn(L, 1, N, D, device=dev, dtype=dtype, generator=gen)
-        listed = [stacked[i].clone() for i in range(L)]
-        query = (2.0 / math.sqrt(D)) * torch.randn(D, device=dev, generator=gen)
-        gain = torch.ones(D, device=dev)
-        dh = torch.randn(1, N, D, device=dev, dtype=dtype, generator=gen)
-        elt = stacked.element_size()
-        io = (L + 1) * N * D * elt
-        src, dst = torch.empty(L * N * D, device=dev, dtype=dtype), torch.empty(L * N * D, device=dev, dtype=dtype)
-        copy_ms, _ = _time(lambda: dst.copy_(src), dev)
-        copy_gbps = 2 * L * N * D * elt / copy_ms / 1e6
-        del src, dst
-
-        row = dict(form="full", L=L, N=N, D=D, dtype=str(dtype).replace("torch.", ""), copy_GBps=copy_gbps)
-        row["fwd_ms"], row["fwd_spread_ms"] = _time(lambda: fused_attnres(stacked, query, gain), dev)
-        row["fwd_list_ms"], _ = _time(lambda: fused_attnres(listed, query, gain), dev)
-        row["naive_fwd_ms"], _ = _time(lambda: naive_attnres(stacked, query, gain), dev)
-        leaves = [t.requires_grad_(True) for t in listed] + [query.requires_grad_(True),
-                                                             gain.requires_grad_(True)]
-        row["fwdbwd_ms"], row["fwdbwd_spread_ms"] = _time(
-            _fwd_bwd(lambda: fused_attnres(listed, query, gain), leaves, dh), dev)
-        row["naive_fwdbwd_ms"], _ = _time(_fwd_bwd(lambda: naive_attnres(listed, query, gain), leaves, dh), dev)
-        for t in leaves:
-            t.requires_grad_(False).grad = None
-        row["fwd_GBps"] = io / row["fwd_ms"] / 1e6
-        row["fwd_frac_copy"] = row["fwd_GBps"] / copy_gbps
-        # backward floor: read sources, h, dh; write every source gradient
-        row["fwdbwd_GBps"] = (io + (2 * L + 2) * N * D * elt) / row["fwdbwd_ms"] / 1e6
-        row["vs_naive_fwd"] = row["naive_fwd_ms"] / row["fwd_ms"]
-        row["vs_naive_fwdbwd"] = row["naive_fwdbwd_ms"] / row["fwdbwd_ms"]
-        ref = FLA_REFERENCE_MS.get((L, N, D))
-        row["fla_ref_fwd_ms"] = ref
-        row["vs_fla_ref_fwd"] = ref / row["fwd_ms"] if ref else None
-        row["fla_fwd_ms"] = None
-        if fla is not None:
-            try:
-                row["fla_fwd_ms"], _ = _time(lambda: fla(stacked, query, gain), dev)
-            except Exception as e:      # unknown fla signature: report, don't fail the bench
-                row["fla_error"] = f"{type(e).__name__}: {e}"[:200]
-        rows.append(row)
-        rows.append(_bench_block(listed, stacked, dh, L, N, D, dtype, gen, dev, copy_gbps))
-        del stacked, listed, dh
+        rows += _bench_shape(L, N, D, dtype, dev, fla)
     return rows
 
 
-def _bench_block(listed, stacked, dh, L, N, D, dtype, gen, dev, copy_gbps) -> dict:
+def _bench_shape(L: int, N: int, D: int, dtype, dev, fla) -> list[dict]:
+    gen = torch.Generator(device=dev).manual_seed(0)
+    stacked = torch.randn(L, 1, N, D, device=dev, dtype=dtype, generator=gen)
+    listed = [stacked[i].clone() for i in range(L)]
+    query = (2.0 / math.sqrt(D)) * torch.randn(D, device=dev, generator=gen)
+    gain = torch.ones(D, device=dev)
+    dh = torch.randn(1, N, D, device=dev, dtype=dtype, generator=gen)
+    elt = stacked.element_size()
+    io = (L + 1) * N * D * elt
+    src, dst = torch.empty(L * N * D, device=dev, dtype=dtype), torch.empty(L * N * D, device=dev, dtype=dtype)
+    copy_ms, _ = _time(lambda: dst.copy_(src), dev)
+    copy_gbps = 2 * L * N * D * elt / copy_ms / 1e6
+    src = dst = None
+
+    row = {"form": "full", "L": L, "N": N, "D": D, "dtype": str(dtype).replace("torch.", ""),
+           "copy_GBps": copy_gbps}
+    row["fwd_ms"], row["fwd_spread_ms"] = _time(lambda: fused_attnres(stacked, query, gain), dev)
+    row["fwd_list_ms"], _ = _time(lambda: fused_attnres(listed, query, gain), dev)
+    row["naive_fwd_ms"], _ = _time(lambda: naive_attnres(stacked, query, gain), dev)
+    leaves = [t.requires_grad_(True) for t in listed] + [query.requires_grad_(True), gain.requires_grad_(True)]
+    row["fwdbwd_ms"], row["fwdbwd_spread_ms"] = _time(
+        _fwd_bwd(lambda: fused_attnres(listed, query, gain), leaves, dh), dev)
+    row["naive_fwdbwd_ms"], _ = _time(_fwd_bwd(lambda: naive_attnres(listed, query, gain), leaves, dh), dev)
+    for t in leaves:
+        t.requires_grad_(False).grad = None
+    row["fwd_GBps"] = io / row["fwd_ms"] / 1e6
+    row["fwd_frac_copy"] = row["fwd_GBps"] / copy_gbps
+    # backward floor: read sources, h, dh; write every source gradient
+    row["fwdbwd_GBps"] = (io + (2 * L + 2) * N * D * elt) / row["fwdbwd_ms"] / 1e6
+    row["vs_naive_fwd"] = row["naive_fwd_ms"] / row["fwd_ms"]
+    row["vs_naive_fwdbwd"] = row["naive_fwdbwd_ms"] / row["fwdbwd_ms"]
+    ref = FLA_REFERENCE_MS.get((L, N, D))
+    row["fla_ref_fwd_ms"] = ref
+    row["vs_fla_ref_fwd"] = ref / row["fwd_ms"] if ref else None
+    row["fla_fwd_ms"] = None
+    if fla is not None:
+        try:
+            row["fla_fwd_ms"], _ = _time(lambda: fla(stacked, query, gain), dev)
+        except (TypeError, ValueError, RuntimeError) as e:   # unknown fla signature: report it
+            row["fla_error"] = f"{type(e).__name__}: {e}"[:200]
+    return [row, _bench_block(listed, dh, L, N, D, dtype, gen, dev, copy_gbps)]
+
+
+def _bench_block(listed, dh, L, N, D, dtype, gen, dev, copy_gbps) -> dict:
     """One block step: phase 1 of BLOCK_S queries over the L completed sources, then BLOCK_S merges
     (the first without, the others with the partial sum); forward+backward through all outputs."""
     S = BLOCK_S
@@ -133,7 +135,8 @@ def _bench_block(listed, stacked, dh, L, N, D, dtype, gen, dev, copy_gbps) -> di
             return torch.stack(hs).sum(0)
         return run
 
-    row = dict(form=f"block S={S}", L=L, N=N, D=D, dtype=str(dtype).replace("torch.", ""), copy_GBps=copy_gbps)
+    row = {"form": f"block S={S}", "L": L, "N": N, "D": D, "dtype": str(dtype).replace("torch.", ""),
+           "copy_GBps": copy_gbps}
     row["fwd_ms"], row["fwd_spread_ms"] = _time(step(attnres_phase1, attnres_merge), dev)
     row["naive_fwd_ms"], _ = _time(step(naive_attnres_phase1, naive_attnres_merge), dev)
     leaves = listed + [queries.requires_grad_(True), gains.requires_grad_(True), partial.requires_grad_(True)]
@@ -157,7 +160,8 @@ def format_rows(rows: list[dict]) -> str:
     keys = ["form", "L", "N", "D", "fwd_ms", "fwd_spread_ms", "fwd_list_ms", "fwd_GBps", "fwd_frac_copy",
             "copy_GBps", "naive_fwd_ms", "vs_naive_fwd", "fwdbwd_ms", "naive_fwdbwd_ms", "vs_naive_fwdbwd",
             "fla_ref_fwd_ms", "vs_fla_ref_fwd", "fla_fwd_ms"]
-    fmt = lambda v: "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))  # noqa: E731
+    def fmt(v):
+        return "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
     lines = [" | ".join(keys)]
     lines += [" | ".join(fmt(r.get(k)) for k in keys) for r in rows]
     return "\n".join(lines)

@@ -13,9 +13,20 @@ import torch
 import triton
 import triton.language as tl
 
-from k3cli.ops.attnres.fused import (INTERPRET, ROW_OPTIONS, Sources, _configs, _norm_bwd,
-                                     _prune_by_registers, _rms_score, _src_ptr, attnres_fwd_kernel,
-                                     block_d, check_vector, num_programs)
+from k3cli.ops.attnres.fused import (
+    INTERPRET,
+    ROW_OPTIONS,
+    Sources,
+    _configs,
+    _norm_bwd,
+    _prune_by_registers,
+    _rms_score,
+    _src_ptr,
+    attnres_fwd_kernel,
+    block_d,
+    check_vector,
+    num_programs,
+)
 
 
 @triton.autotune(configs=_configs(ROW_OPTIONS), key=["D", "USE_TABLE"],
@@ -94,7 +105,7 @@ def merge_fwd_kernel(o, l, m, p, wt, h, y, nw, stat, M, D, eps, norm_eps,
         b_m = tl.load(m + o_t, mask=m_t, other=0.).to(tl.float32)
         b_p = tl.load(p + o_td, mask=m_td, other=0.).to(tl.float32)
         b_w = tl.load(wt + o_d, mask=m_d, other=0.)
-        b_r, b_s = _rms_score(b_p, b_w, m_t, D, eps)
+        _, b_s = _rms_score(b_p, b_w, m_t, D, eps)
         b_mn = tl.maximum(b_m, b_s)
         b_a, b_b = tl.exp(b_m - b_mn), tl.exp(b_s - b_mn)
         b_z = b_l * b_a + b_b
@@ -161,8 +172,8 @@ def _row_launch(D: int) -> dict:
     (the backward holds ~6 row arrays; ptxas: no spills at BD = 4096 with 16 warps)."""
     BD = block_d(D)
     if INTERPRET:
-        return dict(BT=16, BD=BD, num_warps=4)
-    return dict(BT=1, BD=BD, num_warps=max(1, min(32, BD // 256)))
+        return {"BT": 16, "BD": BD, "num_warps": 4}
+    return {"BT": 1, "BD": BD, "num_warps": max(1, min(32, BD // 256))}
 
 
 # ------------------------------------------------------------------ host launchers
@@ -172,7 +183,7 @@ def phase1_fwd(src: Sources, wt: torch.Tensor, eps: float):
     o = torch.empty((S, *src.shape), dtype=torch.float32, device=x.device)
     m = torch.empty((S, *src.shape[:2]), dtype=torch.float32, device=x.device)
     l = torch.empty_like(m)
-    grid = lambda meta: (S, triton.cdiv(M, meta["BT"]))  # noqa: E731
+    grid = lambda meta: (S, triton.cdiv(M, meta["BT"]))
     attnres_fwd_kernel[grid](x, src.table, wt, o, o, wt, m, l, m, M, D, src.n, src.stride_n, eps, 0.,
                              USE_TABLE=not src.stacked, NORMALIZE=False, HAS_NORM=False, BD=block_d(D))
     return m, l, o
@@ -183,7 +194,7 @@ def phase1_bwd(src: Sources, wt, m, do, dl, eps: float):
     x, M, D, S, n = src.x, src.M, src.D, wt.shape[0], src.n
     dx = torch.empty((n, *src.shape), dtype=x.dtype, device=x.device)
     c = torch.empty(S, n, M, dtype=torch.float32, device=x.device)
-    grid = lambda meta: (n, triton.cdiv(M, meta["BT"]))  # noqa: E731
+    grid = lambda meta: (n, triton.cdiv(M, meta["BT"]))
     phase1_bwd_kernel[grid](x, src.table, wt, m, do, dl, dx, c, M, D, n, S, src.stride_n, eps,
                             USE_TABLE=not src.stacked, BD=block_d(D))
     SP = max(16, triton.next_power_of_2(S))
@@ -213,7 +224,7 @@ class Phase1Function(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dm, dl, do):
-        queries, gains, m, *flat = ctx.saved_tensors
+        queries, gains, m, *_ = ctx.saved_tensors
         wt = queries.float() * gains.float()
         dl = torch.zeros_like(m) if dl is None else dl.float().contiguous()
         do = torch.zeros(m.shape + (ctx.src.D,), dtype=torch.float32, device=m.device) if do is None \

@@ -106,7 +106,7 @@ def attnres_fwd_kernel(x, ptrs, wt, out, y, nw, m_out, l_out, stat,
         b_v = b_next.to(tl.float32)
         b_next = tl.load(_src_ptr(x, ptrs, tl.minimum(i + 1, n - 1), stride_n, USE_TABLE) + o_td,
                          mask=m_td & (i + 1 < n), other=0.)
-        b_r, b_s = _rms_score(b_v, b_w, m_t, D, eps)
+        _, b_s = _rms_score(b_v, b_w, m_t, D, eps)
         b_mn = tl.maximum(b_m, b_s)
         b_a = tl.exp(b_m - b_mn)
         b_p = tl.exp(b_s - b_mn)
@@ -260,7 +260,7 @@ def attnres_fwd(src: Sources, wt: torch.Tensor, eps: float, norm_weight, norm_ep
     h = torch.empty(src.shape, dtype=x.dtype, device=x.device)
     y = torch.empty_like(h) if norm_weight is not None else None
     stat = torch.empty(2, M, dtype=torch.float32, device=x.device)
-    grid = lambda meta: (1, triton.cdiv(M, meta["BT"]))  # noqa: E731
+    grid = lambda meta: (1, triton.cdiv(M, meta["BT"]))
     attnres_fwd_kernel[grid](x, src.table, wt, h, h if y is None else y,
                              wt if norm_weight is None else norm_weight, stat, stat, stat,
                              M, D, src.n, src.stride_n, eps, norm_eps,

@@ -44,7 +44,7 @@ def make_inputs(n: int, B: int, T: int, D: int, S: int = 1, seed: int = 0, devic
     query = 2.0 / math.sqrt(D) * torch.randn(S, D, generator=gen, dtype=torch.float64)
     gain = 1 + 0.2 * torch.randn(S, D, generator=gen, dtype=torch.float64)
     norm_weight = 1 + 0.2 * torch.randn(D, generator=gen, dtype=torch.float64)
-    mv = lambda t: t.to(device)  # noqa: E731
+    mv = lambda t: t.to(device)
     return [mv(s) for s in srcs], mv(partial), mv(query), mv(gain), mv(norm_weight)
 
 
