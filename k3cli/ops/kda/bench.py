@@ -189,3 +189,27 @@ def bench_kda(kernel: str = "chunk_kda", shapes: str = "toy", against_fla: bool 
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def bench_stages(shape, chunk_size: int = 64) -> dict:
+    """Per-launch medians (ms) of chunk_kda's stages at one (B, T, H, HV, K) shape, CUDA only."""
+    import triton
+
+    from k3cli.ops.kda.chunk_bwd import kda_bwd_intra, kda_bwd_state
+    from k3cli.ops.kda.chunk_fwd import kda_fwd_intra, kda_fwd_state
+    device = torch.device("cuda")
+    q, k, v, g, b = _inputs(*shape, torch.bfloat16, device)
+    sc, C, V = shape[4] ** -0.5, chunk_size, shape[4]
+    do = torch.randn_like(v)
+    w, u, a, tm = kda_fwd_intra(q, k, v, g, b, sc, C, torch.float32)
+    _, _, h, vn = kda_fwd_state(q, k, g, w, u, a, sc, C, None, v.dtype, False, store_o=False, store_h=True)
+    dh, dvn, _ = kda_bwd_state(q, k, g, w, a, do, None, sc, C, False, V)
+    bench = triton.testing.do_bench
+    return {
+        "fwd_intra": bench(lambda: kda_fwd_intra(q, k, v, g, b, sc, C, torch.float32)),
+        "fwd_state": bench(lambda: kda_fwd_state(q, k, g, w, u, a, sc, C, None, v.dtype, False)),
+        "fwd_state_recompute": bench(lambda: kda_fwd_state(q, k, g, w, u, a, sc, C, None, v.dtype, False,
+                                                           store_o=False, store_h=True)),
+        "bwd_state": bench(lambda: kda_bwd_state(q, k, g, w, a, do, None, sc, C, False, V)),
+        "bwd_intra": bench(lambda: kda_bwd_intra(q, k, v, g, b, tm, h, dh, do, vn, dvn, sc, C)),
+    }
