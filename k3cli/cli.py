@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from enum import Enum
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -97,16 +99,141 @@ def config_presets():
     console.print("attnres overlays: " + ", ".join(list_presets("attnres")))
 
 
+class WandbMode(str, Enum):
+    off = "off"
+    offline = "offline"
+    online = "online"
+
+
 @app.command()
 def train(
     preset: PresetOpt = "k3-toy",
     config: ConfigOpt = None,
     sets: SetOpt = None,
     attnres: AttnResOpt = None,
+    data: Annotated[Optional[str], typer.Option(
+        help="Corpus: stdlib (the Python standard library's source), a .txt/.jsonl/.parquet file or "
+             "folder, or hf:NAME. Default: the preset's data.source.")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="Optimiser steps (default: the preset's train.steps).")] = None,
+    out: Annotated[Optional[Path], typer.Option(
+        help="Run directory. Default: runs/PRESET-ATTNRES-TIMESTAMP.")] = None,
+    resume: Annotated[Optional[str], typer.Option(
+        help="'auto': continue from the newest complete checkpoint of --out (or of the newest "
+             "runs/PRESET-ATTNRES-* directory).")] = None,
+    until: Annotated[Optional[int], typer.Option(
+        help="Stop after this step (with a checkpoint) without changing the schedule; resume later.")] = None,
+    device: Annotated[Optional[str], typer.Option(help="auto | cpu | cuda (default: train.device).")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Random seed (default: train.seed).")] = None,
+    time_limit: Annotated[Optional[float], typer.Option(
+        "--time-limit", help="Stop with a checkpoint after this many seconds.")] = None,
+    wandb: Annotated[WandbMode, typer.Option(help="Log to Weights & Biases (needs the wandb extra).")] = WandbMode.off,
 ):
-    """Train a model on real text (default: the Python standard library's source)."""
-    resolve(preset, config, sets, attnres)
-    fail("`k3 train` is not implemented yet (issue 4)", code=1)
+    """Train a model on real text (default: the Python standard library's own source)."""
+    from k3cli.train import TrainingStopped, train as run_training
+
+    if resume not in (None, "auto"):
+        fail(f"--resume takes 'auto', got '{resume}'")
+    flags = {"data.source": data, "train.steps": steps, "train.device": device, "train.seed": seed,
+             "train.time_limit_s": time_limit}
+    extra = [f"{k}={v}" for k, v in flags.items() if v is not None]
+    mode = attnres.value if attnres else None
+    run_dir = out
+    if resume and run_dir is None:
+        run_dir = _newest_run(preset, mode)
+    if resume and run_dir is not None and (run_dir / "config.yaml").is_file():
+        # the run's own config is the base: the resumed run continues exactly the same job
+        cfg = _resolve_file(str(run_dir / "config.yaml"), config, (sets or []) + extra, attnres)
+    else:
+        cfg = resolve(preset, config, (sets or []) + extra, attnres)
+    if run_dir is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        run_dir = Path("runs") / f"{Path(preset).stem}-{cfg.model.attnres.mode}-{stamp}"
+    elif not resume and (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+        fail(f"{run_dir} already holds checkpoints; pass --resume auto to continue it, or choose another --out")
+
+    err_console.print(f"run directory: {run_dir}", highlight=False)
+    progress = TrainProgress(console) if console.is_terminal else None
+    try:
+        result = run_training(cfg, run_dir, resume=bool(resume), log=_logger(progress), progress=progress,
+                              wandb_mode=wandb.value, stop_at=until)
+    except TrainingStopped as e:
+        fail(str(e), code=e.code)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        fail(str(e))
+    console.print(f"done: step {result.step}, train loss {result.train_loss:.4f}"
+                  + (f", val loss {result.val_loss:.4f}" if result.val_loss is not None else "")
+                  + f"; run directory {result.run_dir}", highlight=False)
+
+
+@app.command("eval")
+def eval_cmd(
+    run: Annotated[Optional[str], typer.Option(help="Run directory (uses its newest complete checkpoint).")] = None,
+    ckpt: Annotated[Optional[str], typer.Option(help="A checkpoint directory (runs/X/checkpoints/step_N).")] = None,
+    batches: Annotated[Optional[int], typer.Option(help="Validation batches (default: eval.batches).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Sequences per batch (default: eval.batch_size).")] = None,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
+    as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON to stdout.")] = False,
+):
+    """Validation loss, perplexity, bits per byte and tokens/s of a trained run."""
+    from k3cli.evaluate import evaluate_run
+    from k3cli.report import print_eval
+
+    try:
+        res = evaluate_run(run, ckpt, batches, batch_size, device, log=lambda m: err_console.print(m, highlight=False))
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        fail(str(e))
+    if as_json:
+        sys.stdout.write(json.dumps(res, indent=2) + "\n")
+    else:
+        print_eval(console, res)
+
+
+def _resolve_file(path, config, sets, attnres):
+    try:
+        return load_config(path, config, sets, attnres.value if attnres else None)
+    except ConfigError as e:
+        fail(str(e))
+
+
+def _newest_run(preset: str, mode: Optional[str]) -> Optional[Path]:
+    pattern = f"{Path(preset).stem}-{mode or '*'}-*"
+    runs = sorted(Path("runs").glob(pattern), key=lambda p: p.stat().st_mtime)
+    return runs[-1] if runs else None
+
+
+def _logger(progress):
+    def log(msg: str) -> None:
+        if progress is not None:
+            progress.console.print(msg, highlight=False)
+        else:
+            print(msg, flush=True)
+    return log
+
+
+class TrainProgress:
+    """A Rich progress bar with loss and tokens/s, used when stdout is a terminal."""
+
+    def __init__(self, console: Console):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.console = console
+        self._p = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                           TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+                           TimeRemainingColumn(), console=console)
+        self._task = None
+
+    def start(self, total: int, completed: int = 0) -> None:
+        self._p.start()
+        self._task = self._p.add_task("train", total=total, completed=completed, loss="-", tps="-")
+
+    def update(self, step: int, loss: float, tokens_per_s: float | None = None) -> None:
+        fields = {"loss": f"{loss:.4f}"}
+        if tokens_per_s is not None:
+            fields["tps"] = f"{tokens_per_s:.0f}"
+        self._p.update(self._task, completed=step, **fields)
+
+    def stop(self) -> None:
+        self._p.stop()
 
 
 def main() -> None:  # pragma: no cover

@@ -425,8 +425,11 @@ class PreparedData:
 
 
 def prepare_data(data_cfg, vocab_size: int, seq_len: int, cache_dir: str | os.PathLike | None = None,
-                 progress: Callable[[str], None] | None = None) -> PreparedData:
-    """Read, split, tokenise (cached) and pack `data_cfg.source` (a `DataConfig`) for training."""
+                 progress: Callable[[str], None] | None = None, tokenizer=None) -> PreparedData:
+    """Read, split, tokenise (cached) and pack `data_cfg.source` (a `DataConfig`) for training.
+
+    With `tokenizer` (e.g. a run's saved one, for eval) no tokenizer is trained and the token
+    cache is keyed by that tokenizer's content too."""
     say = progress or (lambda msg: None)
     say(f"reading {data_cfg.source}")
     docs = load_documents(data_cfg.source, data_cfg.text_field, data_cfg.max_bytes)
@@ -439,7 +442,12 @@ def prepare_data(data_cfg, vocab_size: int, seq_len: int, cache_dir: str | os.Pa
     root = cache_root(cache_dir)
     tok_path = root / "tokenizers" / f"{fp}.json"
     tokenizer_cached = tok_path.is_file()
-    if tokenizer_cached:
+    if tokenizer is not None:
+        same = tokenizer_cached and load_tokenizer(tok_path).to_str() == tokenizer.to_str()
+        tok, tokenizer_cached = tokenizer, True
+        if not same:  # token streams of another tokenizer must not share the cache entry
+            fp = f"{fp}-{hashlib.sha256(tok.to_str().encode()).hexdigest()[:12]}"
+    elif tokenizer_cached:
         tok = load_tokenizer(tok_path)
         say(f"tokenizer from cache {tok_path}")
     else:

@@ -28,3 +28,17 @@ def print_layout(console: Console, data: dict, title: str) -> None:
                   f"active per token {human(p['active'])} ({p['active']:,})")
     console.print(f"  embedding {human(p['embedding'])}, lm_head {human(p['lm_head'])}, "
                   f"blocks {human(p['blocks'])}, attnres {human(p['attnres'])}")
+
+
+def print_eval(console: Console, res: dict) -> None:
+    table = Table(title=f"eval: {res['checkpoint']} (step {res['step']})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("validation loss (nats/token)", f"{res['val_loss']:.4f}")
+    table.add_row("unigram entropy of the val set (baseline)", f"{res['unigram_entropy']:.4f}")
+    table.add_row("perplexity", f"{res['perplexity']:.2f}")
+    table.add_row("bits per byte", f"{res['bits_per_byte']:.4f}")
+    table.add_row("bytes per token", f"{res['bytes_per_token']:.3f}")
+    table.add_row("tokens", f"{res['tokens']:,}")
+    table.add_row(f"tokens/s ({res['device']})", f"{res['tokens_per_s']:,.0f}")
+    console.print(table)

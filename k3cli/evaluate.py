@@ -1,0 +1,79 @@
+"""`k3 eval`: validation loss, perplexity, bits per byte and throughput of a trained run."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from k3cli.checkpoint import find_latest_checkpoint, load_checkpoint
+from k3cli.config import ConfigError, RunConfig, load_config
+from k3cli.data import load_tokenizer, prepare_data
+from k3cli.models.causal_lm import CausalLM
+from k3cli.train import evaluate_loss, flush_denormals, resolve_device
+
+
+def locate(run: str | None, ckpt: str | None) -> tuple[Path, Path]:
+    """(run_dir, checkpoint_dir) from `--run DIR` (newest complete checkpoint) or `--ckpt PATH`."""
+    if (run is None) == (ckpt is None):
+        raise ConfigError("give exactly one of --run DIR or --ckpt PATH")
+    if ckpt is not None:
+        path = Path(ckpt)
+        if not (path / "COMPLETE").is_file():
+            raise ConfigError(f"not a complete checkpoint directory: {ckpt}")
+        return path.parent.parent, path
+    run_dir = Path(run)
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"not a k3 run directory (no config.yaml): {run}")
+    path = find_latest_checkpoint(run_dir)
+    if path is None:
+        raise ConfigError(f"run {run} has no complete checkpoint yet")
+    return run_dir, path
+
+
+def load_model(run_dir: Path, ckpt: Path, device: torch.device) -> tuple[RunConfig, CausalLM, int]:
+    cfg = load_config(str(run_dir / "config.yaml"))
+    model = CausalLM(cfg.model).to(device)
+    state = load_checkpoint(ckpt, model, restore_rng=False)
+    model.eval()
+    return cfg, model, state["step"]
+
+
+def unigram_entropy(tokens) -> float:
+    """Entropy (nats/token) of the empirical token distribution: the loss of the best model
+    that ignores context, the baseline a trained model must beat."""
+    counts = torch.bincount(torch.as_tensor(np.asarray(tokens, dtype=np.int64))).double()
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log()).sum())
+
+
+def evaluate_run(run: str | None = None, ckpt: str | None = None, batches: int | None = None,
+                 batch_size: int | None = None, device: str = "auto", log=print) -> dict:
+    run_dir, ckpt_dir = locate(run, ckpt)
+    dev = resolve_device(device)
+    flush_denormals(dev)
+    cfg, model, step = load_model(run_dir, ckpt_dir, dev)
+    tok = load_tokenizer(run_dir)
+    data = prepare_data(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, tokenizer=tok, progress=log)
+    n, bs = batches or cfg.eval.batches, batch_size or cfg.eval.batch_size
+    val = data.val_batches(n, bs)
+    autocast = torch.bfloat16 if dev.type == "cuda" else None
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    loss = evaluate_loss(model, val, dev, autocast)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    tokens = sum(b.numel() for b in val)
+    return {
+        "unigram_entropy": unigram_entropy(data.val_tokens),
+        "run": str(run_dir), "checkpoint": str(ckpt_dir), "step": step,
+        "val_loss": loss, "perplexity": math.exp(loss),
+        "bits_per_byte": loss / math.log(2) / data.bytes_per_token_val,
+        "bytes_per_token": data.bytes_per_token_val,
+        "tokens": tokens, "tokens_per_s": tokens / dt, "device": str(dev),
+    }

@@ -1,0 +1,167 @@
+"""Training and eval end to end on a tiny model and a tiny real-text corpus written to tmp_path."""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from k3cli.checkpoint import find_latest_checkpoint, list_checkpoints
+from k3cli.cli import app
+from k3cli.config import load_config
+from k3cli.train import TrainingStopped, lr_lambda, param_groups, train
+from k3cli.models.causal_lm import CausalLM
+
+runner = CliRunner()
+
+TINY = [
+    "model.vocab_size=300", "model.hidden_size=32", "model.num_hidden_layers=2",
+    "model.kda={num_heads: 2, num_v_heads: 4, head_k_dim: 8, head_v_dim: 8, chunk_size: 8}",
+    "model.mla={num_heads: 2, q_lora_rank: 16, kv_lora_rank: 8, qk_head_dim: 8, v_head_dim: 8}",
+    "model.moe={num_routed_experts: 4, top_k: 2, num_shared_experts: 1, d_ff: 16, latent_dim: 16}",
+    "train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4", "train.steps=6",
+    "train.warmup_steps=2", "train.ckpt_every=2", "train.eval_every=3", "train.log_every=1",
+    "train.keep_last=2", "eval.batches=2", "eval.batch_size=2", "train.device=cpu",
+]
+
+WORDS = ("the state decays per key dimension and the delta rule writes the residual of the prediction "
+         "mixture of experts route tokens to latent experts while attention over depth mixes sublayers").split()
+
+
+@pytest.fixture
+def corpus(tmp_path, monkeypatch):
+    monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path / "cache"))
+    d = tmp_path / "corpus"
+    d.mkdir()
+    g = torch.Generator().manual_seed(0)
+    for i in range(40):
+        idx = torch.randint(len(WORDS), (120,), generator=g).tolist()
+        (d / f"doc{i:02d}.txt").write_text(" ".join(WORDS[j] for j in idx) + "\n")
+    return d
+
+
+def tiny_cfg(corpus, *extra, preset="k3-toy"):
+    return load_config(preset, overrides=TINY + [f"data.source={corpus}", *extra])
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_lr_schedule_warmup_then_cosine():
+    assert lr_lambda(0, 10, 100, 0.1) == pytest.approx(0.1)
+    assert lr_lambda(9, 10, 100, 0.1) == pytest.approx(1.0)
+    assert lr_lambda(100, 10, 100, 0.1) == pytest.approx(0.1)
+    assert 0.1 < lr_lambda(55, 10, 100, 0.1) < 1.0
+
+
+def test_no_weight_decay_on_norms_biases_gates_and_attnres_queries():
+    cfg = load_config("k3-toy", overrides=TINY, attnres="block")
+    model = CausalLM(cfg.model)
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    nd = {names[id(p)] for p in no_decay["params"]}
+    d = {names[id(p)] for p in decay["params"]}
+    assert any("A_log" in n for n in nd) and any("dt_bias" in n for n in nd)
+    assert any("norm" in n for n in nd)
+    assert not any(k in n for n in d for k in ("A_log", "dt_bias", "norm"))
+    assert all(model.get_parameter(n).ndim >= 2 for n in d)
+    mixer = [n for n, _ in model.named_parameters() if n.startswith("attnres")]
+    assert mixer and all(n in nd for n in mixer)
+
+
+@pytest.mark.parametrize("preset", ["k3-toy", "kda-toy"])
+def test_exact_resume_is_bitwise(corpus, tmp_path, preset):
+    cfg = tiny_cfg(corpus, preset=preset)
+    a = train(cfg, tmp_path / "a", log=lambda m: None)
+    train(tiny_cfg(corpus, preset=preset), tmp_path / "b", log=lambda m: None, stop_at=3)
+    assert find_latest_checkpoint(tmp_path / "b").name == "step_00000003"
+    b = train(tiny_cfg(corpus, preset=preset), tmp_path / "b", resume=True, log=lambda m: None)
+    assert a.step == b.step == 6
+    ma, mb = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    assert [m["loss"] for m in ma] == [m["loss"] for m in mb]
+    assert [m["grad_norm"] for m in ma] == [m["grad_norm"] for m in mb]
+    wa = load_file(find_latest_checkpoint(tmp_path / "a") / "model.safetensors")
+    wb = load_file(find_latest_checkpoint(tmp_path / "b") / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+def test_run_dir_contents_and_pruning(corpus, tmp_path):
+    run = tmp_path / "run"
+    train(tiny_cfg(corpus), run, log=lambda m: None)
+    assert {"config.yaml", "tokenizer.json", "metrics.jsonl", "checkpoints"} <= {p.name for p in run.iterdir()}
+    assert [p.name for _, p in list_checkpoints(run)] == ["step_00000004", "step_00000006"]  # keep_last=2
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert {"loss", "lr", "grad_norm", "moe_imbalance"} <= rows[0].keys()
+    assert "val_loss" in rows[2] and "val_loss" in rows[5]
+    assert load_config(str(run / "config.yaml")).model.hidden_size == 32
+
+
+def test_nan_loss_stops_with_code_3_and_keeps_last_checkpoint(corpus, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    train(tiny_cfg(corpus), run, log=lambda m: None, stop_at=2)
+    good = find_latest_checkpoint(run)
+    before = (good / "model.safetensors").read_bytes()
+    real_forward = CausalLM.forward
+
+    def poisoned(self, input_ids, labels=None):
+        out = real_forward(self, input_ids, labels)
+        out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(CausalLM, "forward", poisoned)
+    with pytest.raises(TrainingStopped) as e:
+        train(tiny_cfg(corpus), run, resume=True, log=lambda m: None)
+    assert e.value.code == 3 and "non-finite loss" in str(e.value) and good.name in str(e.value)
+    assert find_latest_checkpoint(run) == good
+    assert (good / "model.safetensors").read_bytes() == before
+
+
+def test_cli_train_then_eval_json(corpus, tmp_path):
+    run = tmp_path / "cli-run"
+    args = ["train", "--preset", "k3-toy", "--attnres", "block", "--out", str(run), "--data", str(corpus)]
+    for s in TINY:
+        args += ["--set", s]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "done: step 6" in r.output
+    r = runner.invoke(app, ["eval", "--run", str(run), "--json", "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    assert res["step"] == 6
+    assert math.isfinite(res["val_loss"]) and res["val_loss"] < math.log(300)
+    assert 0 < res["unigram_entropy"] < math.log(300)
+    assert res["perplexity"] == pytest.approx(math.exp(res["val_loss"]))
+    assert res["bits_per_byte"] == pytest.approx(res["val_loss"] / math.log(2) / res["bytes_per_token"])
+    # the same run dir without --resume is refused, and nothing in it is touched
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2 and "--resume auto" in r.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+@pytest.mark.parametrize("source,msg", [("/nonexistent/corpus", "does not exist"), ("EMPTY", "empty")],
+                         ids=["missing-path", "empty-corpus"])
+def test_bad_data_is_one_line_exit_2(tmp_path, source, msg):
+    if source == "EMPTY":
+        source = tmp_path / "empty"
+        source.mkdir()
+        (source / "a.txt").write_text("")
+    r = runner.invoke(app, ["train", "--preset", "k3-toy", "--data", str(source), "--out", str(tmp_path / "r")]
+                      + sum((["--set", s] for s in TINY), []))
+    assert r.exit_code == 2, r.output
+    assert msg in r.stderr.lower()
+    assert len(r.stderr.strip().splitlines()) <= 2  # "run directory: ..." + the error line
+    assert "Traceback" not in r.output
+
+
+def test_eval_errors(tmp_path):
+    r = runner.invoke(app, ["eval", "--run", str(tmp_path)])
+    assert r.exit_code == 2 and "no config.yaml" in r.stderr
+    r = runner.invoke(app, ["eval"])
+    assert r.exit_code == 2 and "exactly one of --run" in r.stderr
