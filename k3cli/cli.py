@@ -99,6 +99,100 @@ def config_presets():
     console.print("attnres overlays: " + ", ".join(list_presets("attnres")))
 
 
+class VerifyKernel(str, Enum):
+    chunk_kda = "chunk_kda"
+    kda_gate = "kda_gate"
+    attnres = "attnres"
+    all = "all"
+
+
+class BenchKernel(str, Enum):
+    chunk_kda = "chunk_kda"
+    kda_gate = "kda_gate"
+    attnres = "attnres"
+    all = "all"
+
+
+class DType(str, Enum):
+    auto = "auto"
+    fp32 = "fp32"
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+
+@app.command("verify-equivalence")
+def verify_equivalence(
+    kernel: Annotated[VerifyKernel, typer.Option(help="Kernel to check against its fp32 torch reference.")] = VerifyKernel.all,
+    shapes: Annotated[str, typer.Option(help="ci (tiny; fine on CPU) | full (GPU sizes).")] = "ci",
+    dtype: Annotated[DType, typer.Option(
+        help="Input dtype; auto = bf16 on CUDA, fp32 on CPU (the Triton interpreter mis-handles bf16).")] = DType.auto,
+    as_json: Annotated[bool, typer.Option("--json", help="Print rows as JSON to stdout.")] = False,
+):
+    """Run each Triton kernel and its torch reference on the same inputs; compare outputs and every gradient.
+
+    Exit code 4 when any row exceeds its tolerance. Without a GPU the kernels run in the Triton
+    interpreter (slow: keep --shapes ci)."""
+    from k3cli.kernels import VERIFY_KERNELS, prepare_device, run_verify
+    from k3cli.report import print_verify
+
+    if shapes not in ("ci", "full"):
+        fail(f"--shapes must be ci or full, got '{shapes}'")
+    device = prepare_device()
+    dt = dtype.value if dtype != DType.auto else ("bf16" if device == "cuda" else "fp32")
+    if device == "cpu" and dt == "bf16":
+        fail("bf16 needs a GPU: the Triton interpreter gives wrong results for bf16 tensors; use fp32 or fp16")
+    import torch
+
+    tdt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dt]
+    kernels = list(VERIFY_KERNELS) if kernel == VerifyKernel.all else [kernel.value]
+    rows = run_verify(kernels, shapes, tdt)
+    failed = [r for r in rows if not r[5]]
+    if as_json:
+        keys = ("kernel", "name", "rel_rms", "max_abs", "tol", "passed")
+        sys.stdout.write(json.dumps([dict(zip(keys, r)) for r in rows], indent=2) + "\n")
+    else:
+        print_verify(console, rows, f"verify-equivalence on {device} ({dt}, shapes {shapes})")
+    if failed:
+        fail(f"{len(failed)} of {len(rows)} checks exceed their tolerance", code=4)
+
+
+@app.command("bench-kernel")
+def bench_kernel(
+    kernel: Annotated[BenchKernel, typer.Option(help="Kernel to time.")] = BenchKernel.all,
+    shapes: Annotated[str, typer.Option(help="ci (tiny, CPU interpreter) | toy | k3 (BENCHMARKS.md shapes).")] = "k3",
+    against_fla: Annotated[Optional[str], typer.Option(
+        "--against", help="'fla': also time flash-linear-attention when it is importable.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print rows as JSON to stdout.")] = False,
+):
+    """Time kernels against the torch reference (and fla) measured in the same run.
+
+    Forward and forward+backward medians with spread (warm-up excluded), Mtok/s, achieved GB/s
+    against a device copy measured in the same run. fla† columns are BENCHMARKS.md's H200 figures,
+    for orientation only; ratios are only meaningful against peers timed in the same run."""
+    from k3cli.kernels import BENCH_KERNELS, prepare_device, run_bench
+    from k3cli.report import print_bench
+
+    if shapes not in ("ci", "toy", "k3"):
+        fail(f"--shapes must be ci, toy or k3, got '{shapes}'")
+    if against_fla not in (None, "fla"):
+        fail(f"--against takes 'fla', got '{against_fla}'")
+    device = prepare_device()
+    if device == "cpu" and shapes != "ci":
+        fail("without a GPU only --shapes ci runs (through the Triton interpreter)")
+    kernels = list(BENCH_KERNELS) if kernel == BenchKernel.all else [kernel.value]
+    if shapes == "toy" and "attnres" in kernels:
+        kernels.remove("attnres")
+        if not kernels:
+            fail("attnres has no toy shape set; use --shapes ci or k3")
+    results = run_bench(kernels, shapes, against_fla == "fla")
+    if as_json:
+        sys.stdout.write(json.dumps({"device": device, "results": results}, indent=2, default=str) + "\n")
+        return
+    if device == "cpu":
+        console.print("[yellow]CPU: the kernels ran in the Triton interpreter; these times are not GPU figures.[/]")
+    print_bench(console, results)
+
+
 class WandbMode(str, Enum):
     off = "off"
     offline = "offline"

@@ -42,3 +42,45 @@ def print_eval(console: Console, res: dict) -> None:
     table.add_row("tokens", f"{res['tokens']:,}")
     table.add_row(f"tokens/s ({res['device']})", f"{res['tokens_per_s']:,.0f}")
     console.print(table)
+
+
+def print_verify(console: Console, rows: list[tuple], title: str) -> None:
+    if not console.is_terminal:
+        console = Console(width=160)
+    table = Table(title=title)
+    for col, just in (("kernel", "left"), ("output / gradient", "left"), ("rel RMS err", "right"),
+                      ("max abs err", "right"), ("tolerance", "right"), ("", "left")):
+        table.add_column(col, justify=just)
+    for kernel, name, rel, mx, tol, ok in rows:
+        table.add_row(kernel, name, f"{rel:.2e}", f"{mx:.2e}", f"{tol:.1e}", "[green]pass[/]" if ok else "[red]FAIL[/]")
+    console.print(table)
+    n_ok = sum(1 for r in rows if r[5])
+    console.print(f"{n_ok} passed, {len(rows) - n_ok} failed")
+
+
+def _fmt(v, spec: str) -> str:
+    if v is None:
+        return "-"
+    try:
+        return format(v, spec)
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def print_bench(console: Console, results: dict[str, list[dict]]) -> None:
+    from k3cli.kernels import BENCH_COLUMNS
+
+    if not console.is_terminal:  # logs (CI, redirected output): keep every column readable
+        console = Console(width=240)
+    for kernel, rows in results.items():
+        if not rows:
+            continue
+        cols = BENCH_COLUMNS.get(kernel) or [(k, k, "" if not isinstance(v, float) else ".4g")
+                                             for k, v in rows[0].items() if not isinstance(v, (dict, list))]
+        table = Table(title=kernel)
+        for _, header, _ in cols:
+            table.add_column(header, justify="right")
+        for r in rows:
+            table.add_row(*[_fmt(r.get(key), spec) for key, _, spec in cols])
+        console.print(table)
+    console.print("fla† = flash-linear-attention figures from BENCHMARKS.md (H200), not measured in this run.")

@@ -1,0 +1,89 @@
+"""The kernel registry behind `k3 verify-equivalence` and `k3 bench-kernel`.
+
+Each op folder under `k3cli/ops/` provides plain `verify_*` / `bench_*` functions; this module
+picks the device, switches the Triton interpreter on where there is no GPU, and gives the
+commands one table format.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+VERIFY_KERNELS = ("chunk_kda", "kda_gate", "attnres")
+BENCH_KERNELS = ("chunk_kda", "kda_gate", "attnres")
+
+
+def prepare_device() -> str:
+    """'cuda' when a GPU is visible; otherwise 'cpu' with the Triton interpreter switched on.
+
+    The interpreter flag is read when a `@triton.jit` function is defined, so this must run
+    before any `k3cli.ops` module is imported.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        import sys
+
+        if any(m.startswith("k3cli.ops.") and m != "k3cli.ops.__init__" for m in sys.modules):
+            raise RuntimeError("no CUDA device, and the Triton kernels were imported without "
+                               "TRITON_INTERPRET=1; set it before starting Python")
+        os.environ["TRITON_INTERPRET"] = "1"
+    return "cpu"
+
+
+def _verify_fns() -> dict[str, Callable]:
+    from k3cli.ops.attnres.verify import verify_attnres
+    from k3cli.ops.kda.verify import verify_kda
+
+    return {
+        "chunk_kda": lambda shapes, dtype: verify_kda("chunk_kda", shapes, dtype),
+        "kda_gate": lambda shapes, dtype: verify_kda("kda_gate", shapes, dtype),
+        "attnres": lambda shapes, dtype: verify_attnres(shapes, dtype),
+    }
+
+
+def run_verify(kernels: list[str], shapes: str, dtype) -> list[tuple]:
+    """Rows (kernel, name, rel_rms, max_abs, tol, passed) for every output and gradient."""
+    fns = _verify_fns()
+    rows = []
+    for k in kernels:
+        rows += [(k, *row) for row in fns[k](shapes, dtype)]
+    return rows
+
+
+# columns shown per kernel: (row key, header, format)
+BENCH_COLUMNS = {
+    "chunk_kda": [("B", "B", "d"), ("T", "T", "d"), ("H", "H", "d"), ("HV", "HV", "d"), ("K", "K=V", "d"),
+                  ("fwd_ms", "fwd ms", ".3f"), ("fwd_p20_ms", "p20", ".3f"), ("fwd_p80_ms", "p80", ".3f"),
+                  ("fwd_bwd_ms", "fwd+bwd ms", ".3f"), ("fwd_mtok_s", "fwd Mtok/s", ".1f"),
+                  ("fwd_io_gbps", "fwd GB/s", ".0f"), ("fwd_io_frac_of_copy", "of copy", ".1%"),
+                  ("speedup_vs_torch_fwd", "× torch fwd", ".1f"),
+                  ("speedup_vs_torch_fwd_bwd", "× torch f+b", ".1f"),
+                  ("fla_fwd_ms", "fla fwd ms", ".3f"), ("fla_fwd_bwd_ms", "fla f+b ms", ".3f"),
+                  ("fla_doc_fwd_ms", "fla† fwd", ".3f"), ("fla_doc_fwd_bwd_ms", "fla† f+b", ".3f"),
+                  ("first_call_fwd_s", "1st call s", ".1f")],
+    "kda_gate": None,  # every key of the row
+    "attnres": [("form", "form", "s"), ("L", "L", "d"), ("N", "N", "d"), ("D", "D", "d"),
+                ("fwd_ms", "fwd ms", ".3f"), ("fwd_spread_ms", "spread", ".3f"),
+                ("fwd_GBps", "fwd GB/s", ".0f"), ("fwd_frac_copy", "of copy", ".1%"),
+                ("naive_fwd_ms", "naive fwd", ".3f"), ("vs_naive_fwd", "× naive fwd", ".1f"),
+                ("fwdbwd_ms", "f+b ms", ".3f"), ("vs_naive_fwdbwd", "× naive f+b", ".1f"),
+                ("fla_fwd_ms", "fla fwd", ".3f"), ("fla_ref_fwd_ms", "fla† fwd", ".3f"),
+                ("vs_fla_ref_fwd", "× fla†", ".2f")],
+}
+
+
+def run_bench(kernels: list[str], shapes: str, against_fla: bool) -> dict[str, list[dict]]:
+    from k3cli.ops.attnres.bench import bench_attnres
+    from k3cli.ops.kda.bench import bench_kda
+
+    out = {}
+    for k in kernels:
+        if k in ("chunk_kda", "kda_gate"):
+            out[k] = bench_kda(k, "ci" if shapes == "ci" else shapes, against_fla)
+        elif k == "attnres":
+            out[k] = bench_attnres("ci" if shapes == "ci" else "k3", against_fla)
+    return out

@@ -1,0 +1,68 @@
+"""`k3 verify-equivalence` and `k3 bench-kernel` wiring (the kernels' own accuracy is tested in tests/ops)."""
+
+import json
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from k3cli.cli import app
+
+runner = CliRunner()
+needs_triton = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not __import__("torch").cuda.is_available(),
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 set before Python starts")
+
+
+@needs_triton
+def test_verify_gate_passes_and_prints_table():
+    r = runner.invoke(app, ["verify-equivalence", "--kernel", "kda_gate", "--dtype", "fp32"])
+    assert r.exit_code == 0, r.output
+    assert "dg_raw" in r.output and "passed, 0 failed" in r.output
+
+
+@needs_triton
+def test_verify_json_rows():
+    r = runner.invoke(app, ["verify-equivalence", "--kernel", "kda_gate", "--dtype", "fp32", "--json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)
+    assert rows and all(row["passed"] and row["rel_rms"] <= row["tol"] for row in rows)
+    assert {"dg_raw", "dA_log", "ddt_bias"} <= {row["name"].split("/")[-1] for row in rows}
+
+
+def test_verify_failure_exits_4(monkeypatch):
+    import k3cli.kernels as kernels
+
+    monkeypatch.setattr(kernels, "run_verify", lambda ks, shapes, dt: [
+        ("chunk_kda", "case/o", 1e-3, 1e-3, 5e-3, True), ("chunk_kda", "case/dq", 0.5, 1.0, 8e-3, False)])
+    r = runner.invoke(app, ["verify-equivalence", "--kernel", "chunk_kda", "--dtype", "fp32"])
+    assert r.exit_code == 4
+    assert "1 of 2 checks exceed their tolerance" in r.stderr
+
+
+@needs_triton
+def test_bench_gate_ci_json():
+    r = runner.invoke(app, ["bench-kernel", "--kernel", "kda_gate", "--shapes", "ci", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    rows = data["results"]["kda_gate"]
+    assert rows and all(row["fwd_ms"] > 0 for row in rows)
+
+
+def test_bad_kernel_args_exit_2():
+    assert runner.invoke(app, ["bench-kernel", "--shapes", "huge"]).exit_code == 2
+    assert runner.invoke(app, ["bench-kernel", "--against", "xformers"]).exit_code == 2
+    assert runner.invoke(app, ["verify-equivalence", "--kernel", "nope"]).exit_code == 2
+    r = runner.invoke(app, ["verify-equivalence", "--shapes", "medium"])
+    assert r.exit_code == 2 and "--shapes must be ci or full" in r.stderr
+
+
+def test_cpu_refuses_gpu_only_requests():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only behaviour")
+    r = runner.invoke(app, ["bench-kernel", "--shapes", "k3"])
+    assert r.exit_code == 2 and "only --shapes ci" in r.stderr
+    r = runner.invoke(app, ["verify-equivalence", "--dtype", "bf16"])
+    assert r.exit_code == 2 and "bf16 needs a GPU" in r.stderr
