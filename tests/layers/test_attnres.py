@@ -39,7 +39,7 @@ def run(mixer, emb, subs):
     mixer.zero_grad()
     emb = emb.detach().clone().requires_grad_(True)
     y = mixer(emb, subs)
-    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(2), dtype=y.dtype))
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(2), dtype=y.dtype).to(y.device))
     return y.detach(), {"emb": emb.grad, **{n: p.grad.clone() for n, p in mixer.named_parameters()}}
 
 

@@ -40,7 +40,7 @@ def run(m, x, fn):
     m.zero_grad()
     x = x.detach().clone().requires_grad_(True)
     y = fn(m, x)
-    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype))
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype).to(y.device))
     return y.detach(), {"x": x.grad, **{n: p.grad.clone() for n, p in m.named_parameters()}}
 
 

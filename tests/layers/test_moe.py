@@ -28,7 +28,7 @@ def run(m, x, dispatch):
     m.zero_grad()
     x = x.detach().clone().requires_grad_(True)
     y = m(x, dispatch=dispatch)
-    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype))
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype).to(y.device))
     grads = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in m.named_parameters()}
     return y.detach(), {"x": x.grad, **grads}
 

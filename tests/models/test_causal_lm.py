@@ -158,26 +158,40 @@ def test_unknown_kinds_are_clear_errors():
 GPU_CASES = [("kda-toy", "off"), ("k3-toy", "block"), ("k3-toy", "full")]
 
 
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("preset,attnres", GPU_CASES, ids=[f"{p}-{a}" for p, a in GPU_CASES])
-def test_cuda_kernels_equal_torch_references(preset, attnres):
-    """auto on CUDA (Triton chunk_kda + AttnRes kernels) vs the torch references, fp32, then bf16 autocast."""
+def test_cuda_kernels_match_torch_references(preset, attnres):
+    """auto on CUDA (Triton chunk_kda + AttnRes kernels) vs the torch references, fp32, then bf16 autocast.
+
+    Relative limits for TF32 Triton dots; the per-layer GPU tests hold the tighter ones. Routing is
+    pinned by a large bias ladder, since a TF32-sized change flips near-tied experts (then logits
+    differ by ~2e-2, which would hide a real error).
+    """
     ref = model(preset, attnres, "model.kda.backend=torch").cuda()
     if ref.attnres is not None:
         ref.attnres.impl = "two_phase"
     fast = model(preset, attnres).cuda()
+    for m in (ref, fast):
+        for moe in m.moe_layers():
+            moe.router_bias.copy_(torch.linspace(10.0, 0.0, moe.num_experts))
     x = ids(2, 100).cuda()
-    losses = []
+    outs = []
     for m in (ref, fast):
         out = m(x, labels=x)
         out.loss.backward()
-        losses.append(out.loss.item())
-    assert abs(losses[0] - losses[1]) < 1e-4
-    for (n, p), q in zip(ref.named_parameters(), fast.parameters()):
-        err = ((q.grad - p.grad).norm() / p.grad.norm().clamp_min(1e-12)).item()
-        assert err < 1e-2, f"d{n}: relative error {err:.3g}"
+        outs.append(out)
+    errs = {"loss": abs(outs[0].loss.item() - outs[1].loss.item()),
+            "logits": rel_err(outs[1].logits, outs[0].logits)}
+    errs |= {f"d{n}": rel_err(q.grad, p.grad) for (n, p), q in zip(ref.named_parameters(), fast.parameters())}
+    worst = max((k for k in errs if k.startswith("d")), key=errs.get)
+    print(f"{preset}-{attnres}: loss {errs['loss']:.2e} logits {errs['logits']:.2e} worst {worst} {errs[worst]:.2e}")
+    assert errs["loss"] < 1e-3 and errs["logits"] < 1e-2 and errs[worst] < 5e-2
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss = fast(x, labels=x).loss
     loss.backward()
-    assert torch.isfinite(loss) and abs(loss.item() - losses[1]) < 0.05
+    assert torch.isfinite(loss) and abs(loss.item() - outs[1].loss.item()) < 0.05
