@@ -244,6 +244,14 @@ def test_input_errors_name_the_argument():
         attnres_phase1(srcs, torch.zeros(2, 48, device=DEVICE), torch.ones(3, 48, device=DEVICE))
 
 
+@needs_triton
+def test_verify_ci_rows_pass():
+    """The CLI's `verify_attnres` on its CI shapes: every output and gradient row passes."""
+    rows = verify_attnres("ci", torch.float32, device=DEVICE)
+    assert {r[0].split("/")[-1] for r in rows} >= {"h", "y", "dquery", "dgain", "dnorm", "dsrc0", "dpartial"}
+    assert_rows(rows)
+
+
 # ---------------------------------------------------------------- GPU tier
 @gpu
 @pytest.mark.gpu
