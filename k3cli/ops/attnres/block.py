@@ -15,6 +15,7 @@ import triton.language as tl
 
 from k3cli.ops.attnres.fused import (
     INTERPRET,
+    MAX_D,
     ROW_OPTIONS,
     Sources,
     _configs,
@@ -319,8 +320,8 @@ def attnres_merge(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, partial: to
                          f"{tuple(l.shape)}, {tuple(o.shape)}")
     if o.dtype != torch.float32 or l.dtype != torch.float32 or m.dtype != torch.float32:
         raise ValueError("m, l, o: expected fp32 (attnres_phase1's outputs)")
-    if D > 16384:
-        raise ValueError(f"o: D = {D} > 16384 (the row must fit in registers)")
+    if D > MAX_D:
+        raise ValueError(f"o: D = {D} > {MAX_D} (the row must fit in registers)")
     check_vector("partial", partial, tuple(o.shape), o.device)
     check_vector("query", query, (D,), o.device)
     check_vector("gain", gain, (D,), o.device)
