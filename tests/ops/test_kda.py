@@ -141,6 +141,9 @@ TRITON_CASES = [
     pytest.param(1, 63, 1, 2, 24, 16, 64, torch.float32, True, id="T63-K24-G2"),
     pytest.param(1, 50, 2, 1, 16, 16, 16, torch.float32, True, id="T50-C16"),
     pytest.param(1, 70, 1, 1, 16, 16, 32, torch.float16, True, id="T70-C32-fp16"),
+    # K > 64: the backward splits the key dim into 64-wide blocks (K = 96: a masked second block)
+    pytest.param(1, 70, 1, 2, 96, 32, 64, torch.float32, True, id="T70-K96-G2-kblocks"),
+    pytest.param(1, 40, 1, 1, 128, 128, 64, torch.float32, True, id="T40-K128"),
 ]
 
 

@@ -199,17 +199,18 @@ def bench_stages(shape, chunk_size: int = 64) -> dict:
     from k3cli.ops.kda.chunk_fwd import kda_fwd_intra, kda_fwd_state
     device = torch.device("cuda")
     q, k, v, g, b = _inputs(*shape, torch.bfloat16, device)
-    sc, C, V = shape[4] ** -0.5, chunk_size, shape[4]
+    sc, C = shape[4] ** -0.5, chunk_size
     do = torch.randn_like(v)
-    w, u, a, tm = kda_fwd_intra(q, k, v, g, b, sc, C, torch.float32)
-    _, _, h, vn = kda_fwd_state(q, k, g, w, u, a, sc, C, None, v.dtype, False, store_o=False, store_h=True)
-    dh, dvn, _ = kda_bwd_state(q, k, g, w, a, do, None, sc, C, False, V)
+    B, T, _, HV, _ = shape
+    it = kda_fwd_intra(q, k, v, g, b, sc, C, torch.float32)
+    _, _, h, vn = kda_fwd_state(it, B, T, HV, C, None, v.dtype, False, store_o=False, store_h=True)
+    dh, dvn, _ = kda_bwd_state(it, do, None, B, T, HV, C, False)
     bench = triton.testing.do_bench
     return {
         "fwd_intra": bench(lambda: kda_fwd_intra(q, k, v, g, b, sc, C, torch.float32)),
-        "fwd_state": bench(lambda: kda_fwd_state(q, k, g, w, u, a, sc, C, None, v.dtype, False)),
-        "fwd_state_recompute": bench(lambda: kda_fwd_state(q, k, g, w, u, a, sc, C, None, v.dtype, False,
+        "fwd_state": bench(lambda: kda_fwd_state(it, B, T, HV, C, None, v.dtype, False)),
+        "fwd_state_recompute": bench(lambda: kda_fwd_state(it, B, T, HV, C, None, v.dtype, False,
                                                            store_o=False, store_h=True)),
-        "bwd_state": bench(lambda: kda_bwd_state(q, k, g, w, a, do, None, sc, C, False, V)),
-        "bwd_intra": bench(lambda: kda_bwd_intra(q, k, v, g, b, tm, h, dh, do, vn, dvn, sc, C)),
+        "bwd_state": bench(lambda: kda_bwd_state(it, do, None, B, T, HV, C, False)),
+        "bwd_intra": bench(lambda: kda_bwd_intra(q, k, v, g, b, it.tm, h, dh, do, vn, dvn, sc, C)),
     }

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from k3cli.ops.kda.chunk_bwd import kda_bwd_intra, kda_bwd_state
-from k3cli.ops.kda.chunk_fwd import kda_fwd_intra, kda_fwd_state
+from k3cli.ops.kda.chunk_fwd import Intra, kda_fwd_intra, kda_fwd_state
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _CHUNK_SIZES = (16, 32, 64)
@@ -25,26 +25,27 @@ class ChunkKDAFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         h0 = None if initial_state is None else initial_state.contiguous()
+        B, T, HV = v.shape[:3]
         # W, U in fp32 keep the pseudo-value subtraction U - W S accurate for bf16 inputs
-        w, u, aqk, tm = kda_fwd_intra(q, k, v, g, beta, scale, chunk_size, torch.float32)
-        o, ht, _, _ = kda_fwd_state(q, k, g, w, u, aqk, scale, chunk_size, h0, v.dtype, output_final_state)
-        ctx.save_for_backward(q, k, v, g, beta, h0, w, u, aqk, tm)
+        it = kda_fwd_intra(q, k, v, g, beta, scale, chunk_size, torch.float32)
+        o, ht, _, _ = kda_fwd_state(it, B, T, HV, chunk_size, h0, v.dtype, output_final_state)
+        ctx.save_for_backward(q, k, v, g, beta, h0, *it)
         ctx.scale, ctx.chunk_size = scale, chunk_size
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, h0, w, u, aqk, tm = ctx.saved_tensors
+        q, k, v, g, beta, h0, *saved = ctx.saved_tensors
+        it = Intra(*saved)
         scale, C = ctx.scale, ctx.chunk_size
         B, T, H, K = q.shape
-        HV, V = v.shape[2], v.shape[3]
+        HV = v.shape[2]
         # recompute the chunk start states S_n and pseudo-values Vn instead of storing them
-        _, _, h, vn = kda_fwd_state(q, k, g, w, u, aqk, scale, C, h0, v.dtype, False,
-                                    store_o=False, store_h=True)
+        _, _, h, vn = kda_fwd_state(it, B, T, HV, C, h0, v.dtype, False, store_o=False, store_h=True)
         do = do.contiguous()
         dht = None if dht is None else dht.contiguous().float()
-        dh, dvn, dh0 = kda_bwd_state(q, k, g, w, aqk, do, dht, scale, C, h0 is not None, V)
-        dq, dk, dv, dg, dbeta = kda_bwd_intra(q, k, v, g, beta, tm, h, dh, do, vn, dvn, scale, C)
+        dh, dvn, dh0 = kda_bwd_state(it, do, dht, B, T, HV, C, h0 is not None)
+        dq, dk, dv, dg, dbeta = kda_bwd_intra(q, k, v, g, beta, it.tm, h, dh, do, vn, dvn, scale, C)
         # GVA: value head hv used q/k head hv // G, so sum each group's gradients
         dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
         dk = dk.view(B, T, H, HV // H, K).sum(3).to(k.dtype)

@@ -1,11 +1,12 @@
 """Backward stages of the Triton chunked KDA (derivation in README.md, "Backward").
 
-Given the forward's saved W, U, Aqk, Tm and the per-chunk start states S_n and pseudo-values Vn
-(recomputed by re-running the forward state scan with STORE_H), two launches:
+Given the forward's saved stage-1 buffers (W, U, Q e^Γ, K e^(γ-Γ), e^γ, Aqk, Tm) and the per-chunk
+start states S_n and pseudo-values Vn (recomputed by re-running the forward state scan with
+STORE_H), two launches:
   1. `_kda_bwd_state_kernel`, sequential over chunks in reverse per (value block, batch*head):
      dVn = Aqk^T dO + (K e^(γ-Γ)) dS',  dS = e^γ dS' + scale (Q e^Γ)^T dO - W^T dVn; stores dS' per
      chunk, dVn and dh0.
-  2. `_kda_bwd_intra_kernel`, parallel over chunks: everything else (dq, dk, dv, dβ, dg).
+  2. `_kda_bwd_intra_kernel`, parallel over (chunk, batch*head, key block): dq, dk, dv, dβ, dg.
 """
 from __future__ import annotations
 
@@ -13,33 +14,34 @@ import torch
 import triton
 import triton.language as tl
 
-from k3cli.ops.kda.chunk_fwd import (STATE_CONFIGS, _anchored_factors, prune_state_configs, _intra_scores, _load_chunk_qkg, interpreting,
-                                     pick_configs)
+from k3cli.ops.kda.chunk_fwd import (STATE_CONFIGS, Intra, _anchored_factors, _intra_scores, _load_chunk_qkg,
+                                     interpreting, pick_configs, prune_state_configs)
 
 
 @triton.jit
-def _kda_bwd_state_step(q, k, g, w, aqk, do, dh, dvn, b_ds, scale, i_b, i_h, i_hv, i_bh, i_v, i_n, T, NT,
-                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def _kda_bwd_state_step(qg, kd, eg, w, aqk, do, dh, dvn, b_ds, i_b, i_hv, i_bh, i_v, i_n, T, NT,
+                        HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
     m_t = (i_n * BT + o_t) < T
-    b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, T, H, HV, K, BT, BK)
-    b_gam = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), 0)
     row = (i_bh * NT * BT + i_n * BT + o_t).to(tl.int64)
-    b_w = tl.load(w + row[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.).to(tl.float32)
+    p_rk = row[:, None] * K + o_k[None, :]
     b_a = tl.load(aqk + row[:, None] * BT + o_t[None, :])
     p_do = do + (i_b * T + i_n * BT + o_t).to(tl.int64)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
     b_do = tl.load(p_do, mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
     p_dh = dh + (i_bh * NT + i_n).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
     tl.store(p_dh, b_ds, mask=m_k[:, None] & m_v[None, :])
-    b_kd = b_k * tl.exp(b_gam[None, :] - b_G)
+    b_kd = tl.load(kd + p_rk, mask=m_k[None, :], other=0.)
     b_dvn = tl.dot(tl.trans(b_a), b_do) + tl.dot(b_kd, b_ds)
     tl.store(dvn + row[:, None] * V + o_v[None, :], b_dvn, mask=m_v[None, :])
-    b_qg = b_q * tl.exp(b_G) * scale
-    return b_ds * tl.exp(b_gam)[:, None] + tl.dot(tl.trans(b_qg), b_do) - tl.dot(tl.trans(b_w), b_dvn)
+    b_eg = tl.load(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, mask=m_k, other=0.)
+    b_qg = tl.load(qg + p_rk, mask=m_k[None, :], other=0.)
+    b_ds = b_ds * b_eg[:, None] + tl.dot(tl.trans(b_qg), b_do)
+    b_w = tl.load(w + p_rk, mask=m_k[None, :], other=0.).to(tl.float32)
+    return b_ds - tl.dot(tl.trans(b_w), b_dvn)
 
 
 @triton.autotune(
@@ -48,13 +50,12 @@ def _kda_bwd_state_step(q, k, g, w, aqk, do, dh, dvn, b_ds, scale, i_b, i_h, i_h
     prune_configs_by={"early_config_prune": prune_state_configs},
 )
 @triton.jit
-def _kda_bwd_state_kernel(q, k, g, w, aqk, do, dht, dh, dvn, dh0, scale, T, NT, NBH,
-                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def _kda_bwd_state_kernel(qg, kd, eg, w, aqk, do, dht, dh, dvn, dh0, T, NT, NBH,
+                          HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, INTERPRET: tl.constexpr):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
@@ -66,30 +67,30 @@ def _kda_bwd_state_kernel(q, k, g, w, aqk, do, dht, dh, dvn, dh0, scale, T, NT, 
         # the interpreter cannot take a runtime bound in range() with numpy >= 2.4
         i_r = 0
         while i_r < NT:
-            b_ds = _kda_bwd_state_step(q, k, g, w, aqk, do, dh, dvn, b_ds, scale, i_b, i_h, i_hv, i_bh, i_v,
-                                       NT - 1 - i_r, T, NT, H, HV, K, V, BT, BK, BV)
+            b_ds = _kda_bwd_state_step(qg, kd, eg, w, aqk, do, dh, dvn, b_ds, i_b, i_hv, i_bh, i_v,
+                                       NT - 1 - i_r, T, NT, HV, K, V, BT, BK, BV)
             i_r += 1
     else:
         for i_r in range(NT):
-            b_ds = _kda_bwd_state_step(q, k, g, w, aqk, do, dh, dvn, b_ds, scale, i_b, i_h, i_hv, i_bh, i_v,
-                                       NT - 1 - i_r, T, NT, H, HV, K, V, BT, BK, BV)
+            b_ds = _kda_bwd_state_step(qg, kd, eg, w, aqk, do, dh, dvn, b_ds, i_b, i_hv, i_bh, i_v,
+                                       NT - 1 - i_r, T, NT, HV, K, V, BT, BK, BV)
     if STORE_DH0:
         tl.store(dh0 + p_state, b_ds, mask=m_kv)
 
 
 @triton.jit
-def _kda_bwd_intra_kernel(q, k, v, g, beta, tm, h, dh, do, vn, dvn, dq, dk, dv, dg, dbeta, scale, T, NT,
+def _kda_bwd_intra_kernel(q, k, v, g, beta, tm, h, dh, do, vn, dvn, dq, dk, dv, dg, dbeta, scale, T, NT, NBT,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_n, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
+    o_k = i_k * BK + tl.arange(0, BK)
+    # the key-independent V-side terms (dv, the v part of dβ) come from the first key block only
+    first = i_k == 0
     m_t = (i_n * BT + o_t) < T
     m_k = o_k < K
-    b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, T, H, HV, K, BT, BK)
-    b_gam = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), 0)
     tok = (i_b * T + i_n * BT + o_t).to(tl.int64)
     b_beta = tl.load(beta + tok * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
     row = (i_bh * NT * BT + i_n * BT + o_t).to(tl.int64)
@@ -124,9 +125,12 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, tm, h, dh, do, vn, dvn, dq, dk, dv, 
         b_dy = tl.dot(tl.trans(b_tm), b_dvn)
         b_dx += tl.dot(b_dy, tl.trans(b_s))
         b_dakk += tl.dot(b_dy, tl.trans(b_vn))
-        b_dbeta += tl.sum(b_dy * b_v, 1)
-        tl.store(dv + p_io, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+        b_dbeta += tl.where(first, tl.sum(b_dy * b_v, 1), 0.)
+        tl.store(dv + p_io, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv & first)
 
+    # q, k, Γ are loaded only now, to keep them out of the V loop's registers
+    b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK)
+    b_gam = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), 0)
     b_eg = tl.exp(b_G)
     b_kg = b_k * b_eg
     b_kd = b_k * tl.exp(b_gam[None, :] - b_G)
@@ -139,8 +143,9 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, tm, h, dh, do, vn, dvn, dq, dk, dv, 
     b_dG = b_dkg * b_kg - b_dkd * b_kd + b_dqg * b_q * b_eg
     b_dgam = b_dgam * tl.exp(b_gam) + tl.sum(b_dkd * b_kd, 0)
 
-    # raw-score gradients: Aqk = scale * Mqk (j <= i), Akk = β_i Mkk (j < i)
-    b_mqk, b_mkk = _intra_scores(b_q, b_k, b_G, BT, BC)
+    # raw-score gradients: Aqk = scale * Mqk (j <= i), Akk = β_i Mkk (j < i); Mkk is a sum over key
+    # dims, so this key block's share of dβ uses this block's partial Mkk
+    _, b_mkk = _intra_scores(b_q, b_k, b_G, BT, BC)
     b_dmq = tl.where(o_t[:, None] >= o_t[None, :], b_daqk, 0.) * scale
     b_dakk = -tl.where(o_t[:, None] > o_t[None, :], b_dakk, 0.)
     b_dbeta += tl.sum(b_dakk * b_mkk, 1)
@@ -167,25 +172,23 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, tm, h, dh, do, vn, dvn, dq, dk, dv, 
     tl.store(dq + p_hk, b_dq, mask=m_tk)
     tl.store(dk + p_hk, b_dk, mask=m_tk)
     tl.store(dg + p_hk, b_dg, mask=m_tk)
-    tl.store(dbeta + tok * HV + i_hv, b_dbeta, mask=m_t)
+    tl.store(dbeta + i_k.to(tl.int64) * NBT * HV + tok * HV + i_hv, b_dbeta, mask=m_t)
 
 
-def kda_bwd_state(q, k, g, w, aqk, do, dht, scale: float, chunk_size: int, need_dh0: bool, V: int):
+def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, need_dh0: bool):
     """Launch the reverse scan. Returns dh [B*HV, NT, K, V] (grad of each chunk's END state),
     dVn [B*HV, Tp, V] fp32, dh0 [B, HV, K, V] fp32 or None."""
-    B, T, H, K = q.shape
-    HV = g.shape[2]
+    K, V = it.w.shape[-1], it.u.shape[-1]
     BT = chunk_size
     NT = triton.cdiv(T, BT)
     BK = max(16, triton.next_power_of_2(K))
-    dev = q.device
+    dev = do.device
     dh = torch.empty(B * HV, NT, K, V, device=dev, dtype=torch.float32)
     dvn = torch.empty(B * HV, NT * BT, V, device=dev, dtype=torch.float32)
     dh0 = torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) if need_dh0 else None
     _kda_bwd_state_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), B * HV)](
-        q, k, g, w, aqk, do, dht, dh, dvn, dh0, scale, T, NT, triton.next_power_of_2(B * HV),
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK,
-        USE_DHT=dht is not None, STORE_DH0=need_dh0, INTERPRET=interpreting(q))
+        it.qg, it.kd, it.eg, it.w, it.aqk, do, dht, dh, dvn, dh0, T, NT, triton.next_power_of_2(B * HV),
+        HV=HV, K=K, V=V, BT=BT, BK=BK, USE_DHT=dht is not None, STORE_DH0=need_dh0, INTERPRET=interpreting(do))
     return dh, dvn, dh0
 
 
@@ -196,16 +199,18 @@ def kda_bwd_intra(q, k, v, g, beta, tm, h, dh, do, vn, dvn, scale: float, chunk_
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
     NT = triton.cdiv(T, BT)
-    BK = max(16, triton.next_power_of_2(K))
-    # measured with ptxas -v (sm_90a): BV 32 at K 128 spills ~30% less than BV 64
-    BV = min(32 if BK > 64 else 64, max(16, triton.next_power_of_2(V)))
+    # key blocks of <= 64 columns: at K = 128 one program holding all key columns spilled ~4 KB of
+    # registers per thread (ptxas -v, sm_90a) and took 6.4 ms at B8 T2048 H16 (run 2)
+    BK = min(64, max(16, triton.next_power_of_2(K)))
+    NK = triton.cdiv(K, BK)
+    BV = min(64, max(16, triton.next_power_of_2(V)))
     dev = q.device
     dq = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)
     dk = torch.empty_like(dq)
     dg = torch.empty_like(dq)
     dv = torch.empty_like(v)
-    dbeta = torch.empty(B, T, HV, device=dev, dtype=torch.float32)
-    _kda_bwd_intra_kernel[(NT, B * HV)](
-        q, k, v, g, beta, tm, h, dh, do, vn, dvn, dq, dk, dv, dg, dbeta, scale, T, NT, H=H, HV=HV, K=K, V=V,
-        BT=BT, BC=min(16, BT), BK=BK, BV=BV, num_warps=8, num_stages=1)
-    return dq, dk, dv, dg, dbeta
+    dbeta = torch.empty(NK, B, T, HV, device=dev, dtype=torch.float32)
+    _kda_bwd_intra_kernel[(NT, B * HV, NK)](
+        q, k, v, g, beta, tm, h, dh, do, vn, dvn, dq, dk, dv, dg, dbeta, scale, T, NT, B * T, H=H, HV=HV, K=K,
+        V=V, BT=BT, BC=min(16, BT), BK=BK, BV=BV, num_warps=8, num_stages=1)
+    return dq, dk, dv, dg, dbeta.sum(0)

@@ -10,6 +10,7 @@ Intermediates live in a [B*HV, NT*BT, ...] layout padded to whole chunks (padded
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -25,20 +26,25 @@ def pick_configs(gpu_configs: list[triton.Config]) -> list[triton.Config]:
     return gpu_configs[:1] if os.environ.get("TRITON_INTERPRET") == "1" else gpu_configs
 
 
-# sequential state scans: value-block width trades parallelism (B*HV*V/BV programs) for per-program work
-STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=nw, num_stages=2) for bv, nw in ((64, 8), (32, 4), (32, 8), (64, 4))]
+# sequential state scans: value-block width trades parallelism (B*HV*V/BV programs) for per-program
+# work. ptxas -v (sm_90a): no spills for these at K <= 128; two pipeline stages of the fp32 [BT, K]
+# operand tiles need > 232 KB of shared memory at K = 128, so K = 128 runs single-stage.
+STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
+                 for bv, nw, ns in ((64, 8, 1), (32, 8, 1), (32, 4, 1), (32, 8, 2), (16, 4, 2))]
 
 
 def prune_state_configs(configs, named_args, **kwargs):
-    """Clamp BV to the padded value width (V = 16 needs no 64-wide blocks) and drop duplicates."""
+    """Clamp BV to the padded value width, drop duplicates and configs that cannot fit."""
     V = named_args.get("V", kwargs.get("V"))
+    BK = named_args.get("BK", kwargs.get("BK"))
     cap = max(16, triton.next_power_of_2(V))
     out, seen = [], set()
     for c in configs:
         key = (min(c.kwargs["BV"], cap), c.num_warps, c.num_stages)
-        if key not in seen:
-            seen.add(key)
-            out.append(triton.Config({"BV": key[0]}, num_warps=key[1], num_stages=key[2]))
+        if key in seen or (BK >= 128 and c.num_stages > 1):
+            continue
+        seen.add(key)
+        out.append(triton.Config({"BV": key[0]}, num_warps=key[1], num_stages=key[2]))
     return out
 
 
@@ -79,27 +85,26 @@ def _blk(p, i, j, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _diag_block_inverse(p, BT: tl.constexpr, BC: tl.constexpr):
-    """In place: every BC x BC diagonal block A_ii of the strictly lower matrix at p becomes
-    (I + A_ii)^-1, by fp32 forward substitution on all blocks at once (one row per step):
-    X[r,:] = e_r - Σ_{m<r} A[r,m] X[m,:]."""
-    NS: tl.constexpr = BT // BC
-    o_s = tl.arange(0, NS)
-    o_c = tl.arange(0, BC)
-    ptr = p + (o_s[:, None, None] * BC + o_c[None, :, None]) * BT + o_s[:, None, None] * BC + o_c[None, None, :]
-    b_a = tl.load(ptr)                                                     # (NS, BC, BC)
-    b_x = tl.zeros([NS, BC, BC], dtype=tl.float32)
-    for r in tl.static_range(BC):
-        b_ar = tl.sum(tl.where(o_c[None, :, None] == r, b_a, 0.), 1)       # (NS, BC): row r
-        b_xr = tl.where(o_c[None, :] == r, 1., 0.) - tl.sum(b_ar[:, :, None] * b_x, 1)
-        b_x = tl.where(o_c[None, :, None] == r, b_xr[:, None, :], b_x)
-    tl.store(ptr, b_x)
-
-
-@triton.jit
 def _mm(a, b):
     # block products of the solve stay in full fp32 (SPEC §2.2 numerics)
     return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _inverse16(b_a, BC: tl.constexpr):
+    """(I + A)^-1 for one strictly lower BC x BC block (BC = 16): with P = -A nilpotent,
+    Σ_{m<16} P^m = (I + P)(I + P^2)(I + P^4)(I + P^8) — six fp32 dots instead of a 16-step
+    row loop whose cross-warp reductions dominated the kernel (run 2: 0.48 ms at the toy shape)."""
+    o_c = tl.arange(0, BC)
+    b_p1 = -b_a
+    b_p2 = _mm(b_p1, b_p1)
+    b_p4 = _mm(b_p2, b_p2)
+    b_p8 = _mm(b_p4, b_p4)
+    b_x = tl.where(o_c[:, None] == o_c[None, :], 1., 0.) + b_p1
+    b_x += _mm(b_x, b_p2)
+    b_x += _mm(b_x, b_p4)
+    b_x += _mm(b_x, b_p8)
+    return b_x
 
 
 @triton.jit
@@ -111,17 +116,14 @@ def _unit_lower_inverse(p, b_akk, BT: tl.constexpr, BC: tl.constexpr):
     o_t = tl.arange(0, BT)
     tl.store(p + o_t[:, None] * BT + o_t[None, :], b_akk)
     tl.debug_barrier()
-    _diag_block_inverse(p, BT, BC)
-    tl.debug_barrier()
+    d0 = _inverse16(tl.load(_blk(p, 0, 0, BT, BC)), BC)
     if NS > 1:
-        d0 = tl.load(_blk(p, 0, 0, BT, BC))
-        d1 = tl.load(_blk(p, 1, 1, BT, BC))
+        d1 = _inverse16(tl.load(_blk(p, 1, 1, BT, BC)), BC)
         a10 = tl.load(_blk(p, 1, 0, BT, BC))
         t10 = -_mm(d1, _mm(a10, d0))
-        tl.store(_blk(p, 1, 0, BT, BC), t10)
         if NS > 2:
-            d2 = tl.load(_blk(p, 2, 2, BT, BC))
-            d3 = tl.load(_blk(p, 3, 3, BT, BC))
+            d2 = _inverse16(tl.load(_blk(p, 2, 2, BT, BC)), BC)
+            d3 = _inverse16(tl.load(_blk(p, 3, 3, BT, BC)), BC)
             a20 = tl.load(_blk(p, 2, 0, BT, BC))
             a21 = tl.load(_blk(p, 2, 1, BT, BC))
             a30 = tl.load(_blk(p, 3, 0, BT, BC))
@@ -132,21 +134,30 @@ def _unit_lower_inverse(p, b_akk, BT: tl.constexpr, BC: tl.constexpr):
             t32 = -_mm(d3, _mm(a32, d2))
             t31 = -_mm(d3, _mm(a31, d1) + _mm(a32, t21))
             t30 = -_mm(d3, _mm(a30, d0) + _mm(a31, t10) + _mm(a32, t20))
+    tl.debug_barrier()
+    tl.store(_blk(p, 0, 0, BT, BC), d0)
+    if NS > 1:
+        tl.store(_blk(p, 1, 1, BT, BC), d1)
+        tl.store(_blk(p, 1, 0, BT, BC), t10)
+        if NS > 2:
+            tl.store(_blk(p, 2, 2, BT, BC), d2)
+            tl.store(_blk(p, 3, 3, BT, BC), d3)
             tl.store(_blk(p, 2, 0, BT, BC), t20)
             tl.store(_blk(p, 2, 1, BT, BC), t21)
             tl.store(_blk(p, 3, 0, BT, BC), t30)
             tl.store(_blk(p, 3, 1, BT, BC), t31)
             tl.store(_blk(p, 3, 2, BT, BC), t32)
-        tl.debug_barrier()
+    tl.debug_barrier()
     return tl.load(p + o_t[:, None] * BT + o_t[None, :])
 
 
 @triton.jit
-def _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, T, H: tl.constexpr, HV: tl.constexpr,
+def _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H: tl.constexpr, HV: tl.constexpr,
                     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """q, k [BT, BK] fp32 of head i_h and Γ = chunk-local cumsum of g [BT, BK] fp32 of head i_hv."""
+    """q, k [BT, BK] fp32 of head i_h and Γ = chunk-local cumsum of g [BT, BK] fp32 of head i_hv,
+    key columns [i_k*BK, (i_k+1)*BK)."""
     o_t = i_n * BT + tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
+    o_k = i_k * BK + tl.arange(0, BK)
     m = (o_t < T)[:, None] & (o_k < K)[None, :]
     row_qk = (i_b * T + o_t).to(tl.int64) * (H * K) + i_h * K
     row_g = (i_b * T + o_t).to(tl.int64) * (HV * K) + i_hv * K
@@ -157,7 +168,7 @@ def _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, T, H: tl.constexpr, HV: tl.con
 
 
 @triton.jit
-def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, aqk, tm, scale, T, NT,
+def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T, NT,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
@@ -166,7 +177,7 @@ def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, aqk, tm, scale, T, NT,
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     m_t = (i_n * BT + o_t) < T
-    b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, T, H, HV, K, BT, BK)
+    b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, 0, T, H, HV, K, BT, BK)
     b_beta = tl.load(beta + (i_b * T + i_n * BT + o_t).to(tl.int64) * HV + i_hv, mask=m_t, other=0.)
     b_beta = b_beta.to(tl.float32)
 
@@ -177,8 +188,16 @@ def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, aqk, tm, scale, T, NT,
     row = (i_bh * NT * BT + i_n * BT + o_t).to(tl.int64)
     tl.store(aqk + row[:, None] * BT + o_t[None, :], b_aqk)
     b_tm = _unit_lower_inverse(tm + (i_bh * NT * BT + i_n * BT).to(tl.int64) * BT, b_akk, BT, BC)
-    b_w = tl.dot(b_tm, b_k * tl.exp(b_G) * b_beta[:, None])
-    tl.store(w + row[:, None] * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=(o_k < K)[None, :])
+    # the gated operands of the state scans, so those sequential kernels do no exp / cumsum work
+    m_k = (o_k < K)[None, :]
+    b_eg = tl.exp(b_G)
+    b_gam = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), 0)
+    p_rk = row[:, None] * K + o_k[None, :]
+    tl.store(qg + p_rk, b_q * b_eg * scale, mask=m_k)
+    tl.store(kd + p_rk, b_k * tl.exp(b_gam[None, :] - b_G), mask=m_k)
+    tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=o_k < K)
+    b_w = tl.dot(b_tm, b_k * b_eg * b_beta[:, None])
+    tl.store(w + p_rk, b_w.to(w.dtype.element_ty), mask=m_k)
     for i_v in range((V + BV - 1) // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
@@ -189,8 +208,8 @@ def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, aqk, tm, scale, T, NT,
 
 
 @triton.jit
-def _kda_fwd_state_step(q, k, g, w, u, aqk, o, h, vn, b_s, scale, i_b, i_h, i_hv, i_bh, i_v, i_n, T, NT,
-                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i_v, i_n, T, NT,
+                        HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                         STORE_O: tl.constexpr, STORE_H: tl.constexpr):
     """One chunk of the state scan: emit O (and S, Vn for the backward), return the next S."""
@@ -198,10 +217,9 @@ def _kda_fwd_state_step(q, k, g, w, u, aqk, o, h, vn, b_s, scale, i_b, i_h, i_hv
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
-    b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, T, H, HV, K, BT, BK)
-    b_gam = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), 0)
     row = (i_bh * NT * BT + i_n * BT + o_t).to(tl.int64)
-    b_w = tl.load(w + row[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.).to(tl.float32)
+    p_rk = row[:, None] * K + o_k[None, :]
+    b_w = tl.load(w + p_rk, mask=m_k[None, :], other=0.).to(tl.float32)
     b_u = tl.load(u + row[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.).to(tl.float32)
     if STORE_H:
         p_h = h + (i_bh * NT + i_n).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
@@ -210,13 +228,15 @@ def _kda_fwd_state_step(q, k, g, w, u, aqk, o, h, vn, b_s, scale, i_b, i_h, i_hv
     if STORE_H:
         tl.store(vn + row[:, None] * V + o_v[None, :], b_vn, mask=m_v[None, :])
     if STORE_O:
+        b_qg = tl.load(qg + p_rk, mask=m_k[None, :], other=0.)
         b_a = tl.load(aqk + row[:, None] * BT + o_t[None, :])
-        b_o = tl.dot(b_q * tl.exp(b_G) * scale, b_s) + tl.dot(b_a, b_vn)
+        b_o = tl.dot(b_qg, b_s) + tl.dot(b_a, b_vn)
         m_t = (i_n * BT + o_t) < T
         p_o = o + (i_b * T + i_n * BT + o_t).to(tl.int64)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
         tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-    b_kd = b_k * tl.exp(b_gam[None, :] - b_G)
-    return b_s * tl.exp(b_gam)[:, None] + tl.dot(tl.trans(b_kd), b_vn)
+    b_kd = tl.load(kd + p_rk, mask=m_k[None, :], other=0.)
+    b_eg = tl.load(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, mask=m_k, other=0.)
+    return b_s * b_eg[:, None] + tl.dot(tl.trans(b_kd), b_vn)
 
 
 @triton.autotune(
@@ -225,14 +245,13 @@ def _kda_fwd_state_step(q, k, g, w, u, aqk, o, h, vn, b_s, scale, i_b, i_h, i_hv
     prune_configs_by={"early_config_prune": prune_state_configs},
 )
 @triton.jit
-def _kda_fwd_state_kernel(q, k, g, w, u, aqk, o, h0, ht, h, vn, scale, T, NT, NBH,
-                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, T, NT, NBH,
+                          HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_O: tl.constexpr,
                           STORE_H: tl.constexpr, INTERPRET: tl.constexpr):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
@@ -244,53 +263,66 @@ def _kda_fwd_state_kernel(q, k, g, w, u, aqk, o, h0, ht, h, vn, scale, T, NT, NB
         # the interpreter cannot take a runtime bound in range() with numpy >= 2.4
         i_n = 0
         while i_n < NT:
-            b_s = _kda_fwd_state_step(q, k, g, w, u, aqk, o, h, vn, b_s, scale, i_b, i_h, i_hv, i_bh, i_v,
-                                      i_n, T, NT, H, HV, K, V, BT, BK, BV, STORE_O, STORE_H)
+            b_s = _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i_v, i_n, T, NT,
+                                      HV, K, V, BT, BK, BV, STORE_O, STORE_H)
             i_n += 1
     else:
         for i_n in range(NT):
-            b_s = _kda_fwd_state_step(q, k, g, w, u, aqk, o, h, vn, b_s, scale, i_b, i_h, i_hv, i_bh, i_v,
-                                      i_n, T, NT, H, HV, K, V, BT, BK, BV, STORE_O, STORE_H)
+            b_s = _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i_v, i_n, T, NT,
+                                      HV, K, V, BT, BK, BV, STORE_O, STORE_H)
     if STORE_HT:
         tl.store(ht + p_state, b_s, mask=m_kv)
 
 
-def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: torch.dtype):
-    """Launch stage 1. Returns W [B*HV, Tp, K], U [B*HV, Tp, V], Aqk and Tm [B*HV, Tp, BT] (fp32)."""
+class Intra(NamedTuple):
+    """Stage-1 buffers, all [B*HV, NT*BT, X] (eg: [B*HV, NT, K]); W, U in `inter_dtype`, the rest fp32."""
+    w: torch.Tensor      # Tm diag(β) (K ⊙ e^Γ)
+    u: torch.Tensor      # Tm diag(β) V
+    qg: torch.Tensor     # scale · Q ⊙ e^Γ
+    kd: torch.Tensor     # K ⊙ e^(γ - Γ)
+    eg: torch.Tensor     # e^γ per chunk
+    aqk: torch.Tensor    # scale-weighted causal scores, lower incl. diagonal
+    tm: torch.Tensor     # (I + Akk)^-1
+
+
+def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: torch.dtype) -> Intra:
+    """Launch stage 1 (one program per chunk and batch*value-head)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
     NT = triton.cdiv(T, BT)
     BK = max(16, triton.next_power_of_2(K))
     BV = min(64, max(16, triton.next_power_of_2(V)))
-    w = torch.empty(B * HV, NT * BT, K, device=q.device, dtype=inter_dtype)
-    u = torch.empty(B * HV, NT * BT, V, device=q.device, dtype=inter_dtype)
-    aqk = torch.empty(B * HV, NT * BT, BT, device=q.device, dtype=torch.float32)
+    dev = q.device
+    w = torch.empty(B * HV, NT * BT, K, device=dev, dtype=inter_dtype)
+    u = torch.empty(B * HV, NT * BT, V, device=dev, dtype=inter_dtype)
+    qg = torch.empty(B * HV, NT * BT, K, device=dev, dtype=torch.float32)
+    kd = torch.empty_like(qg)
+    eg = torch.empty(B * HV, NT, K, device=dev, dtype=torch.float32)
+    aqk = torch.empty(B * HV, NT * BT, BT, device=dev, dtype=torch.float32)
     tm = torch.empty_like(aqk)
     _kda_fwd_intra_kernel[(NT, B * HV)](
-        q, k, v, g, beta, w, u, aqk, tm, scale, T, NT, H=H, HV=HV, K=K, V=V, BT=BT, BC=min(16, BT),
-        BK=BK, BV=BV, num_warps=8, num_stages=1)
-    return w, u, aqk, tm
+        q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T, NT, H=H, HV=HV, K=K, V=V, BT=BT,
+        BC=min(16, BT), BK=BK, BV=BV, num_warps=8, num_stages=1)
+    return Intra(w, u, qg, kd, eg, aqk, tm)
 
 
-def kda_fwd_state(q, k, g, w, u, aqk, scale: float, chunk_size: int, initial_state, out_dtype,
+def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_state, out_dtype,
                   output_final_state: bool, store_o: bool = True, store_h: bool = False):
     """Launch stage 2. Returns (o [B,T,HV,V] or None, final state or None, h [B*HV,NT,K,V] or None,
     Vn [B*HV,Tp,V] fp32 or None)."""
-    B, T, H, K = q.shape
-    HV = g.shape[2]
-    V = u.shape[-1]
+    K, V = it.w.shape[-1], it.u.shape[-1]
     BT = chunk_size
     NT = triton.cdiv(T, BT)
     BK = max(16, triton.next_power_of_2(K))
-    dev = q.device
+    dev = it.w.device
     o = torch.empty(B, T, HV, V, device=dev, dtype=out_dtype) if store_o else None
     ht = torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     h = torch.empty(B * HV, NT, K, V, device=dev, dtype=torch.float32) if store_h else None
     vn = torch.empty(B * HV, NT * BT, V, device=dev, dtype=torch.float32) if store_h else None
     _kda_fwd_state_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), B * HV)](
-        q, k, g, w, u, aqk, o, initial_state, ht, h, vn, scale, T, NT, triton.next_power_of_2(B * HV),
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=BK,
+        it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, initial_state, ht, h, vn, T, NT,
+        triton.next_power_of_2(B * HV), HV=HV, K=K, V=V, BT=BT, BK=BK,
         USE_H0=initial_state is not None, STORE_HT=output_final_state, STORE_O=store_o, STORE_H=store_h,
-        INTERPRET=interpreting(q))
+        INTERPRET=interpreting(it.w))
     return o, ht, h, vn
