@@ -27,10 +27,10 @@ def pick_configs(gpu_configs: list[triton.Config]) -> list[triton.Config]:
 
 
 # sequential state scans: value-block width trades parallelism (B*HV*V/BV programs) for per-program
-# work. ptxas -v (sm_90a): no spills for these at K <= 128; two pipeline stages of the fp32 [BT, K]
+# work (BV 16 for few long sequences). ptxas -v (sm_90a): no spills for these at K <= 128; two pipeline stages of the fp32 [BT, K]
 # operand tiles need > 232 KB of shared memory at K = 128, so K = 128 runs single-stage.
 STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
-                 for bv, nw, ns in ((64, 8, 1), (32, 8, 1), (32, 4, 1), (32, 8, 2), (16, 4, 2))]
+                 for bv, nw, ns in ((64, 8, 1), (32, 8, 1), (32, 4, 1), (16, 4, 1), (32, 8, 2), (16, 4, 2))]
 
 
 def prune_state_configs(configs, named_args, **kwargs):
@@ -175,13 +175,17 @@ def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T,
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
     m_t = (i_n * BT + o_t) < T
-    b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, 0, T, H, HV, K, BT, BK)
     b_beta = tl.load(beta + (i_b * T + i_n * BT + o_t).to(tl.int64) * HV + i_hv, mask=m_t, other=0.)
     b_beta = b_beta.to(tl.float32)
-
-    b_mqk, b_mkk = _intra_scores(b_q, b_k, b_G, BT, BC)
+    # scores are sums over key dims: accumulate them one BK-wide key block at a time
+    b_mqk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_mkk = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range((K + BK - 1) // BK):
+        b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK)
+        b_sq, b_sk = _intra_scores(b_q, b_k, b_G, BT, BC)
+        b_mqk += b_sq
+        b_mkk += b_sk
     b_aqk = tl.where(o_t[:, None] >= o_t[None, :], b_mqk, 0.) * scale
     b_akk = tl.where(o_t[:, None] > o_t[None, :], b_mkk, 0.) * b_beta[:, None]
     # buffers are [B*HV, NT*BT, X]; rows past T hold zeros computed from masked loads
@@ -189,15 +193,18 @@ def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T,
     tl.store(aqk + row[:, None] * BT + o_t[None, :], b_aqk)
     b_tm = _unit_lower_inverse(tm + (i_bh * NT * BT + i_n * BT).to(tl.int64) * BT, b_akk, BT, BC)
     # the gated operands of the state scans, so those sequential kernels do no exp / cumsum work
-    m_k = (o_k < K)[None, :]
-    b_eg = tl.exp(b_G)
-    b_gam = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), 0)
-    p_rk = row[:, None] * K + o_k[None, :]
-    tl.store(qg + p_rk, b_q * b_eg * scale, mask=m_k)
-    tl.store(kd + p_rk, b_k * tl.exp(b_gam[None, :] - b_G), mask=m_k)
-    tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=o_k < K)
-    b_w = tl.dot(b_tm, b_k * b_eg * b_beta[:, None])
-    tl.store(w + p_rk, b_w.to(w.dtype.element_ty), mask=m_k)
+    for i_k in range((K + BK - 1) // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = (o_k < K)[None, :]
+        b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK)
+        b_eg = tl.exp(b_G)
+        b_gam = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), 0)
+        p_rk = row[:, None] * K + o_k[None, :]
+        tl.store(qg + p_rk, b_q * b_eg * scale, mask=m_k)
+        tl.store(kd + p_rk, b_k * tl.exp(b_gam[None, :] - b_G), mask=m_k)
+        tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=o_k < K)
+        b_w = tl.dot(b_tm, b_k * b_eg * b_beta[:, None])
+        tl.store(w + p_rk, b_w.to(w.dtype.element_ty), mask=m_k)
     for i_v in range((V + BV - 1) // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
@@ -291,7 +298,8 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
     NT = triton.cdiv(T, BT)
-    BK = max(16, triton.next_power_of_2(K))
+    # 64-wide key blocks: a full [64, 128] fp32 working set spilled and ran 1.28 ms at B8 T2048 H16 (run 3)
+    BK = min(64, max(16, triton.next_power_of_2(K)))
     BV = min(64, max(16, triton.next_power_of_2(V)))
     dev = q.device
     w = torch.empty(B * HV, NT * BT, K, device=dev, dtype=inter_dtype)
