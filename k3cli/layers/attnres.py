@@ -136,7 +136,11 @@ class AttnResMixer(nn.Module):
 
     def forward(self, emb: torch.Tensor, sublayers: Sequence[Callable[[torch.Tensor], torch.Tensor]]):
         """emb [B, T, D]; sublayers: N callables h [B, T, D] -> raw output [B, T, D] (each applies its
-        own pre-norm). Returns the final mix [B, T, D] (before the model's final RMSNorm)."""
+        own pre-norm). Returns the final mix [B, T, D] (before the model's final RMSNorm).
+
+        Sources are kept in emb's dtype (under autocast the sublayers return bf16 while the embedding
+        stays fp32), as the plain residual stream x + v would be.
+        """
         if len(sublayers) != self.num_sublayers:
             raise ValueError(f"AttnResMixer built for {self.num_sublayers} sublayers, got {len(sublayers)}")
         ops = self._triton_ops(emb)
@@ -169,7 +173,7 @@ class AttnResMixer(nn.Module):
         # the torch form caches RMS(v) per source (each is a key for every later sublayer)
         sources, keys = [emb], (None if ops else source_keys([emb], self.eps))
         for l, f in enumerate(sublayers):
-            v = f(self._mix(sources, keys, l, ops))
+            v = f(self._mix(sources, keys, l, ops)).to(emb.dtype)
             sources.append(v)
             keys = None if ops else keys + source_keys([v], self.eps)
         return self._mix(sources, keys, None, ops)
@@ -182,7 +186,7 @@ class AttnResMixer(nn.Module):
                 h = self._mix(blocks, keys, l)
             else:
                 h = self._mix(blocks + [partial], keys + source_keys([partial], self.eps), l)
-            v = f(h)
+            v = f(h).to(emb.dtype)
             partial = v if partial is None else partial + v
             if (l + 1) % S == 0 or l + 1 == N:
                 blocks.append(partial)
@@ -207,7 +211,7 @@ class AttnResMixer(nn.Module):
                                out_dtype=emb.dtype)
                 else:
                     h = attnres_merge(m[r], lsum[r], o[r], partial, self.query[l], self.gain[l], self.eps)
-                v = sublayers[l](h.to(emb.dtype))
+                v = sublayers[l](h.to(emb.dtype)).to(emb.dtype)
                 partial = v if partial is None else partial + v
             blocks.append(partial)
             keys = None if ops else keys + source_keys([partial], self.eps)
