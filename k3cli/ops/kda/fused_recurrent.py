@@ -1,0 +1,271 @@
+"""Fused recurrent KDA for decoding (SPEC §2.1, §2.5): a few tokens per call on a cached fp32 state.
+
+One program per (value block, batch * value head) keeps its [K, BV] slice of the state in registers
+and walks the T tokens: optional L2 norm of q, k and the lower-bound gate (§2.3) in-kernel, then
+decay, delta write, read. Columns of S are independent (p = Sᵀk is per value column), so splitting
+V over programs needs no reduction across them.
+
+Forward only: decode is inference. Under grad mode with inputs that require grad the call falls
+back to the torch reference (`naive_recurrent_kda` plus the torch gate / L2 norm), which autograd
+differentiates; `inplace_state` is refused there.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3cli.ops.kda.chunk_fwd import interpreting, pick_configs
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+# GPU candidates, not yet measured on an H200 (no device time in this session): narrow value blocks
+# give B*HV*V/BV programs for the small-batch case, wide ones fewer, longer-lived programs at B = 256.
+CONFIGS = [triton.Config({"BV": bv}, num_warps=nw) for bv in (32, 16, 64, 128) for nw in (4, 2, 1, 8)]
+
+
+def prune_configs(configs, named_args, **kwargs):
+    """Clamp BV to the padded value width and drop the duplicates that clamping makes."""
+    V = named_args.get("V", kwargs.get("V"))
+    cap = max(16, triton.next_power_of_2(V))
+    out, seen = [], set()
+    for c in configs:
+        key = (min(c.kwargs["BV"], cap), c.num_warps)
+        if key not in seen:
+            seen.add(key)
+            out.append(triton.Config({"BV": key[0]}, num_warps=key[1]))
+    return out
+
+
+_tuning_copy: dict[str, torch.Tensor] = {}
+
+
+def _save_state(kwargs, reset_only=False):
+    # autotuning reruns the kernel: an in-place state (ht is h0) must be restored between trials;
+    # triton's restore_value cannot skip h0 = None
+    if not reset_only and kwargs.get("h0") is not None:
+        _tuning_copy["h0"] = kwargs["h0"].clone()
+
+
+def _restore_state(kwargs, exception):
+    saved = _tuning_copy.pop("h0", None)
+    if saved is not None:
+        kwargs["h0"].copy_(saved)
+
+
+@triton.jit
+def _step(q, k, v, g, beta, o, b_h, b_rate, b_bias, scale, lower_bound, i_b, i_h, i_hv, t, T, o_k, o_v,
+          m_k, m_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+          USE_QK_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
+    """One token: (gate,) decay, delta write, read; returns the updated [BK, BV] state."""
+    i_bt = (i_b * T + t).to(tl.int64)
+    b_q = tl.load(q + (i_bt * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    b_k = tl.load(k + (i_bt * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    b_v = tl.load(v + (i_bt * HV + i_hv) * V + o_v, mask=m_v, other=0.).to(tl.float32)
+    b_g = tl.load(g + (i_bt * HV + i_hv) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    b_beta = tl.load(beta + i_bt * HV + i_hv).to(tl.float32)
+    if USE_QK_L2NORM:
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+    if USE_GATE:
+        if HAS_DT_BIAS:
+            b_g = b_g + b_bias
+        b_g = tl.where(m_k, lower_bound * tl.sigmoid(b_rate * b_g), 0.)
+    b_h *= tl.exp(b_g)[:, None]
+    # delta rule: write the residual of the decayed state's prediction for k
+    b_p = tl.sum(b_h * b_k[:, None], 0)
+    b_h += b_k[:, None] * (b_beta * (b_v - b_p))[None, :]
+    b_o = tl.sum(b_h * (b_q * scale)[:, None], 0)
+    tl.store(o + (i_bt * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+    return b_h
+
+
+@triton.autotune(configs=pick_configs(CONFIGS), key=["K", "V", "NBH"],
+                 prune_configs_by={"early_config_prune": prune_configs},
+                 pre_hook=_save_state, post_hook=_restore_state)
+@triton.jit
+def _fused_recurrent_kda_fwd_kernel(q, k, v, g, beta, o, h0, ht, a_log, dt_bias, scale, lower_bound,
+                                    T, NBH,
+                                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                                    BK: tl.constexpr, BV: tl.constexpr,
+                                    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+                                    USE_QK_L2NORM: tl.constexpr, USE_GATE: tl.constexpr,
+                                    HAS_DT_BIAS: tl.constexpr, INTERPRET: tl.constexpr):
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    # GVA: value head hv reads q/k head hv // G
+    i_h = i_hv // (HV // H)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    p_state = i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_INITIAL_STATE:
+        b_h += tl.load(h0 + p_state, mask=m_kv, other=0.)
+    b_rate = 1.
+    b_bias = tl.zeros([BK], dtype=tl.float32)
+    if USE_GATE:
+        b_rate = tl.exp(tl.load(a_log + i_hv).to(tl.float32))
+        if HAS_DT_BIAS:
+            b_bias = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    if INTERPRET:
+        # the interpreter cannot take a runtime bound in range() with numpy >= 2.4 (as in chunk_fwd.py)
+        t = 0
+        while t < T:
+            b_h = _step(q, k, v, g, beta, o, b_h, b_rate, b_bias, scale, lower_bound, i_b, i_h, i_hv, t, T,
+                        o_k, o_v, m_k, m_v, H, HV, K, V, USE_QK_L2NORM, USE_GATE, HAS_DT_BIAS)
+            t += 1
+    else:
+        for t in range(T):
+            b_h = _step(q, k, v, g, beta, o, b_h, b_rate, b_bias, scale, lower_bound, i_b, i_h, i_hv, t, T,
+                        o_k, o_v, m_k, m_v, H, HV, K, V, USE_QK_L2NORM, USE_GATE, HAS_DT_BIAS)
+    if STORE_FINAL_STATE:
+        tl.store(ht + p_state, b_h, mask=m_kv)
+
+
+def fused_recurrent_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
+                            use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+                            inplace_state):
+    """Launch the kernel on validated inputs. Returns (o [B, T, HV, V] in v.dtype, state or None)."""
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    o = torch.empty_like(v)
+    if inplace_state:
+        ht = initial_state
+    elif output_final_state:
+        ht = torch.empty(B, HV, K, V, device=q.device, dtype=torch.float32)
+    else:
+        ht = None
+    h0 = initial_state
+    if h0 is not None and not inplace_state:
+        h0 = h0.contiguous()
+    if use_gate_in_kernel:
+        A_log = A_log.contiguous()
+        dt_bias = None if dt_bias is None else dt_bias.contiguous()
+    BK = triton.next_power_of_2(K)
+
+    def grid(meta):
+        return (triton.cdiv(V, meta["BV"]), B * HV)
+
+    _fused_recurrent_kda_fwd_kernel[grid](
+        q, k, v, g, beta, o, h0, ht, A_log, dt_bias, float(scale), float(lower_bound), T, B * HV,
+        H=H, HV=HV, K=K, V=V, BK=BK,
+        USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
+        USE_QK_L2NORM=use_qk_l2norm_in_kernel, USE_GATE=use_gate_in_kernel,
+        HAS_DT_BIAS=dt_bias is not None, INTERPRET=interpreting(q))
+    return o, ht
+
+
+def _check(name, x, ndim, device, dtypes=_FLOATS):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"fused_recurrent_kda: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"fused_recurrent_kda: {name} must have {ndim} dims, got shape {tuple(x.shape)}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"fused_recurrent_kda: {name} dtype {x.dtype} not in {[str(d) for d in dtypes]}")
+    if x.device != device:
+        raise ValueError(f"fused_recurrent_kda: {name} is on {x.device}, expected {device} (the device of q)")
+
+
+def _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_gate_in_kernel, A_log,
+              dt_bias, lower_bound, inplace_state):
+    _check("q", q, 4, getattr(q, "device", None))
+    B, T, H, K = q.shape
+    _check("k", k, 4, q.device)
+    _check("v", v, 4, q.device)
+    _check("g", g, 4, q.device)
+    _check("beta", beta, 3, q.device)
+    if k.shape != q.shape:
+        raise ValueError(f"fused_recurrent_kda: k shape {tuple(k.shape)} must equal q shape {tuple(q.shape)}")
+    if v.shape[:2] != (B, T):
+        raise ValueError(f"fused_recurrent_kda: v shape {tuple(v.shape)} must start with (B, T) = {(B, T)}")
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H != 0:
+        raise ValueError(f"fused_recurrent_kda: v heads HV={HV} must be a multiple of q/k heads H={H} (GVA)")
+    if g.shape != (B, T, HV, K):
+        raise ValueError(f"fused_recurrent_kda: g shape {tuple(g.shape)} must be (B, T, HV, K) = {(B, T, HV, K)}")
+    if beta.shape != (B, T, HV):
+        raise ValueError(f"fused_recurrent_kda: beta shape {tuple(beta.shape)} must be (B, T, HV) = {(B, T, HV)}")
+    if not 1 <= K <= 256:
+        raise ValueError(f"fused_recurrent_kda: key dim K={K} must be in [1, 256]")
+    if T == 0 or V == 0 or B == 0:
+        raise ValueError(f"fused_recurrent_kda: empty input (B={B}, T={T}, V={V})")
+    if initial_state is not None:
+        _check("initial_state", initial_state, 4, q.device, (torch.float32,))
+        if initial_state.shape != (B, HV, K, V):
+            raise ValueError(f"fused_recurrent_kda: initial_state shape {tuple(initial_state.shape)} must be "
+                             f"(B, HV, K, V) = {(B, HV, K, V)}")
+    if inplace_state:
+        if initial_state is None:
+            raise ValueError("fused_recurrent_kda: inplace_state=True needs an initial_state to update")
+        if not initial_state.is_contiguous():
+            raise ValueError("fused_recurrent_kda: inplace_state=True needs a contiguous initial_state")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"fused_recurrent_kda: scale must be a float or None, got {type(scale).__name__}")
+    if use_gate_in_kernel:
+        if not (-5.0 <= lower_bound < 0.0):
+            raise ValueError(f"fused_recurrent_kda: lower_bound={lower_bound} must be in [-5, 0)")
+        if A_log is None:
+            raise ValueError("fused_recurrent_kda: A_log is required when use_gate_in_kernel=True")
+        _check("A_log", A_log, 1, q.device)
+        if A_log.shape != (HV,):
+            raise ValueError(f"fused_recurrent_kda: A_log shape {tuple(A_log.shape)} must be (HV,) = {(HV,)}")
+        if dt_bias is not None:
+            _check("dt_bias", dt_bias, 2, q.device)
+            if dt_bias.shape != (HV, K):
+                raise ValueError(f"fused_recurrent_kda: dt_bias shape {tuple(dt_bias.shape)} must be "
+                                 f"(HV, K) = {(HV, K)}")
+
+
+def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+               use_gate_in_kernel, A_log, dt_bias, lower_bound):
+    """The same computation in torch (differentiable): L2 norm and gate as in chunk.py / gate.py."""
+    from k3cli.ops.kda.chunk import _l2norm
+    from k3cli.ops.kda.naive import naive_kda_gate, naive_recurrent_kda
+
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    if use_gate_in_kernel:
+        g = naive_kda_gate(g, A_log, dt_bias, lower_bound)
+    return naive_recurrent_kda(q, k, v, g, beta, scale, initial_state, output_final_state)
+
+
+def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                        use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                        lower_bound=-5.0, inplace_state=False):
+    """Recurrent Kimi Delta Attention (SPEC §2.1) in one Triton launch, for decoding.
+
+    Forward only (decode is inference): if grad mode is on and an input requires grad, the call runs
+    the torch reference instead so that autograd works (slow; `inplace_state` is then an error).
+
+    Args:
+        q, k: [B, T, H, K] (fp32 / fp16 / bf16); v: [B, T, HV, V], HV = G * H (value head hv uses
+            q/k head hv // G).
+        g: [B, T, HV, K] per-step log-decay (<= 0), or the raw gate input g_raw when
+            use_gate_in_kernel (then g = lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))).
+        beta: [B, T, HV] write strength (already through its sigmoid).
+        scale: query scale, default K ** -0.5.
+        initial_state: [B, HV, K, V] fp32 or None (zeros).
+        output_final_state: return the state after the T tokens.
+        use_qk_l2norm_in_kernel: L2-normalise q and k (eps 1e-6) in the kernel.
+        A_log: [HV]; dt_bias: [HV, K] or None; lower_bound: L in [-5, 0).
+        inplace_state: write the final state into initial_state (contiguous) and return it.
+    Returns:
+        o [B, T, HV, V] in v.dtype, final state [B, HV, K, V] fp32 (or None).
+    """
+    _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_gate_in_kernel, A_log,
+              dt_bias, lower_bound, inplace_state)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    tensors = (q, k, v, g, beta, initial_state, A_log if use_gate_in_kernel else None,
+               dt_bias if use_gate_in_kernel else None)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
+        if inplace_state:
+            raise ValueError("fused_recurrent_kda: inplace_state=True cannot be differentiated; call it "
+                             "under torch.no_grad() (decode) or pass inplace_state=False")
+        return _reference(q, k, v, g, beta, scale, initial_state, output_final_state,
+                          use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound)
+    return fused_recurrent_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                   use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+                                   inplace_state)
