@@ -108,14 +108,12 @@ def _inverse16(b_a, BC: tl.constexpr):
 
 
 @triton.jit
-def _unit_lower_inverse(p, b_akk, BT: tl.constexpr, BC: tl.constexpr):
-    """(I + Akk)^-1 for strictly lower Akk [BT, BT], using p (this chunk's [BT, BT] slot of the Tm
-    buffer) as scratch: invert the BC x BC diagonal blocks, then block forward substitution
-    T_ij = -T_ii Σ_{j<=m<i} A_im T_mj. Returns the full inverse (also left at p)."""
+def _unit_lower_inverse(p, BT: tl.constexpr, BC: tl.constexpr):
+    """(I + Akk)^-1 in place, for the strictly lower Akk [BT, BT] already stored at p (this chunk's
+    slot of the Tm buffer; the caller puts a barrier after writing it): invert the BC x BC diagonal
+    blocks, then block forward substitution T_ij = -T_ii Σ_{j<=m<i} A_im T_mj. Returns the inverse."""
     NS: tl.constexpr = BT // BC
     o_t = tl.arange(0, BT)
-    tl.store(p + o_t[:, None] * BT + o_t[None, :], b_akk)
-    tl.debug_barrier()
     d0 = _inverse16(tl.load(_blk(p, 0, 0, BT, BC)), BC)
     if NS > 1:
         d1 = _inverse16(tl.load(_blk(p, 1, 1, BT, BC)), BC)
@@ -175,43 +173,56 @@ def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T,
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
     m_t = (i_n * BT + o_t) < T
+    m_k = o_k < K
+    b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, 0, T, H, HV, K, BT, BK)
+    # buffers are [B*HV, NT*BT, X]; rows past T hold zeros computed from masked loads
+    base = (i_bh * NT * BT + i_n * BT).to(tl.int64)
+    p_rk = (base + o_t)[:, None] * K + o_k[None, :]
+    # Γ goes through the qg buffer so that each query sub-chunk reads back exactly its own rows
+    tl.store(qg + p_rk, b_G, mask=m_k[None, :])
+    tl.debug_barrier()
+    # scores one BC-row query sub-chunk at a time ([BC, BT] products, not masked [BT, BT] ones)
+    for a in range(BT // BC):
+        o_i = a * BC + tl.arange(0, BC)
+        m_i = (i_n * BT + o_i) < T
+        tok_i = (i_b * T + i_n * BT + o_i).to(tl.int64)
+        m_ik = m_i[:, None] & m_k[None, :]
+        p_qk = tok_i[:, None] * (H * K) + i_h * K + o_k[None, :]
+        b_qa = tl.load(q + p_qk, mask=m_ik, other=0.).to(tl.float32)
+        b_ka = tl.load(k + p_qk, mask=m_ik, other=0.).to(tl.float32)
+        b_Ga = tl.load(qg + (base + o_i)[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.)
+        # anchor: Γ at the sub-chunk's FIRST row (depends on no later token)
+        b_c = tl.sum(tl.where(o_i[:, None] == a * BC, b_Ga, 0.), 0)
+        e_q = tl.exp(b_Ga - b_c[None, :])
+        m_up = o_t < (a + 1) * BC
+        b_kb = tl.where(m_up[:, None], b_k * tl.exp(tl.where(m_up[:, None], b_c[None, :] - b_G, 0.)), 0.)
+        b_sq = tl.dot(b_qa * e_q, tl.trans(b_kb))
+        b_sk = tl.dot(b_ka * e_q, tl.trans(b_kb))
+        b_beta_a = tl.load(beta + tok_i * HV + i_hv, mask=m_i, other=0.).to(tl.float32)
+        p_ia = (base + o_i)[:, None] * BT + o_t[None, :]
+        tl.store(aqk + p_ia, tl.where(o_i[:, None] >= o_t[None, :], b_sq, 0.) * scale)
+        tl.store(tm + p_ia, tl.where(o_i[:, None] > o_t[None, :], b_sk, 0.) * b_beta_a[:, None])
+    tl.debug_barrier()
+    b_tm = _unit_lower_inverse(tm + base * BT, BT, BC)
     b_beta = tl.load(beta + (i_b * T + i_n * BT + o_t).to(tl.int64) * HV + i_hv, mask=m_t, other=0.)
     b_beta = b_beta.to(tl.float32)
-    # scores are sums over key dims: accumulate them one BK-wide key block at a time
-    b_mqk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_mkk = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in range((K + BK - 1) // BK):
-        b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK)
-        b_sq, b_sk = _intra_scores(b_q, b_k, b_G, BT, BC)
-        b_mqk += b_sq
-        b_mkk += b_sk
-    b_aqk = tl.where(o_t[:, None] >= o_t[None, :], b_mqk, 0.) * scale
-    b_akk = tl.where(o_t[:, None] > o_t[None, :], b_mkk, 0.) * b_beta[:, None]
-    # buffers are [B*HV, NT*BT, X]; rows past T hold zeros computed from masked loads
-    row = (i_bh * NT * BT + i_n * BT + o_t).to(tl.int64)
-    tl.store(aqk + row[:, None] * BT + o_t[None, :], b_aqk)
-    b_tm = _unit_lower_inverse(tm + (i_bh * NT * BT + i_n * BT).to(tl.int64) * BT, b_akk, BT, BC)
     # the gated operands of the state scans, so those sequential kernels do no exp / cumsum work
-    for i_k in range((K + BK - 1) // BK):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = (o_k < K)[None, :]
-        b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK)
-        b_eg = tl.exp(b_G)
-        b_gam = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), 0)
-        p_rk = row[:, None] * K + o_k[None, :]
-        tl.store(qg + p_rk, b_q * b_eg * scale, mask=m_k)
-        tl.store(kd + p_rk, b_k * tl.exp(b_gam[None, :] - b_G), mask=m_k)
-        tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=o_k < K)
-        b_w = tl.dot(b_tm, b_k * b_eg * b_beta[:, None])
-        tl.store(w + p_rk, b_w.to(w.dtype.element_ty), mask=m_k)
+    b_eg = tl.exp(b_G)
+    b_gam = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), 0)
+    tl.store(qg + p_rk, b_q * b_eg * scale, mask=m_k[None, :])
+    tl.store(kd + p_rk, b_k * tl.exp(b_gam[None, :] - b_G), mask=m_k[None, :])
+    tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=m_k)
+    b_w = tl.dot(b_tm, b_k * b_eg * b_beta[:, None])
+    tl.store(w + p_rk, b_w.to(w.dtype.element_ty), mask=m_k[None, :])
     for i_v in range((V + BV - 1) // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         p_v = v + (i_b * T + i_n * BT + o_t).to(tl.int64)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
         b_v = tl.load(p_v, mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
         b_u = tl.dot(b_tm, b_v * b_beta[:, None])
-        tl.store(u + row[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_v[None, :])
+        tl.store(u + (base + o_t)[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_v[None, :])
 
 
 @triton.jit
@@ -298,8 +309,7 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
     NT = triton.cdiv(T, BT)
-    # 64-wide key blocks: a full [64, 128] fp32 working set spilled and ran 1.28 ms at B8 T2048 H16 (run 3)
-    BK = min(64, max(16, triton.next_power_of_2(K)))
+    BK = max(16, triton.next_power_of_2(K))
     BV = min(64, max(16, triton.next_power_of_2(V)))
     dev = q.device
     w = torch.empty(B * HV, NT * BT, K, device=dev, dtype=inter_dtype)
