@@ -224,20 +224,20 @@ def test_chunk_kda_batch_invariance():
 
 
 VALIDATION_CASES = [
-    pytest.param(dict(k="short"), ValueError, "k shape", id="k-shape"),
-    pytest.param(dict(v="badB"), ValueError, "v shape", id="v-batch"),
-    pytest.param(dict(v="HV3"), ValueError, "multiple of q/k heads", id="gva-heads"),
-    pytest.param(dict(g="shape"), ValueError, "g shape", id="g-shape"),
-    pytest.param(dict(beta="shape"), ValueError, "beta", id="beta-shape"),
-    pytest.param(dict(q="int"), TypeError, "q dtype", id="q-int"),
-    pytest.param(dict(k="fp16"), TypeError, "share a dtype", id="mixed-dtype"),
-    pytest.param(dict(h0="fp16"), TypeError, "initial_state dtype", id="h0-dtype"),
-    pytest.param(dict(h0="shape"), ValueError, "initial_state shape", id="h0-shape"),
-    pytest.param(dict(lower_bound=-6.0), ValueError, "lower_bound", id="lower-bound-low"),
-    pytest.param(dict(lower_bound=0.0), ValueError, "lower_bound", id="lower-bound-zero"),
-    pytest.param(dict(chunk_size=48), ValueError, "chunk_size", id="chunk-size"),
-    pytest.param(dict(gate="noA"), ValueError, "A_log", id="gate-no-A_log"),
-    pytest.param(dict(q="list"), TypeError, "q must be a torch.Tensor", id="q-not-tensor"),
+    pytest.param({"k": "short"}, ValueError, "k shape", id="k-shape"),
+    pytest.param({"v": "badB"}, ValueError, "v shape", id="v-batch"),
+    pytest.param({"v": "HV3"}, ValueError, "multiple of q/k heads", id="gva-heads"),
+    pytest.param({"g": "shape"}, ValueError, "g shape", id="g-shape"),
+    pytest.param({"beta": "shape"}, ValueError, "beta", id="beta-shape"),
+    pytest.param({"q": "int"}, TypeError, "q dtype", id="q-int"),
+    pytest.param({"k": "fp16"}, TypeError, "share a dtype", id="mixed-dtype"),
+    pytest.param({"h0": "fp16"}, TypeError, "initial_state dtype", id="h0-dtype"),
+    pytest.param({"h0": "shape"}, ValueError, "initial_state shape", id="h0-shape"),
+    pytest.param({"lower_bound": -6.0}, ValueError, "lower_bound", id="lower-bound-low"),
+    pytest.param({"lower_bound": 0.0}, ValueError, "lower_bound", id="lower-bound-zero"),
+    pytest.param({"chunk_size": 48}, ValueError, "chunk_size", id="chunk-size"),
+    pytest.param({"gate": "noA"}, ValueError, "A_log", id="gate-no-A_log"),
+    pytest.param({"q": "list"}, TypeError, "q must be a torch.Tensor", id="q-not-tensor"),
 ]
 
 
@@ -245,7 +245,7 @@ VALIDATION_CASES = [
 def test_chunk_kda_validation(bad, exc, msg):
     from k3cli.ops.kda import chunk_kda
     q, k, v, g, beta, h0 = make_inputs(1, 8, 2, 1, 16, 16)
-    kw = dict(initial_state=h0)
+    kw = {"initial_state": h0}
     if bad.get("k") == "short":
         k = k[:, :4]
     if bad.get("v") == "badB":

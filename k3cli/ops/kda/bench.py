@@ -75,7 +75,7 @@ def _first_call(fn, device) -> float:
 def _fla_chunk_kda():
     try:
         from fla.ops.kda import chunk_kda as fla_chunk_kda
-    except Exception:
+    except ImportError:
         return None
     return fla_chunk_kda
 

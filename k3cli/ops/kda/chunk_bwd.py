@@ -14,8 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
-from k3cli.ops.kda.chunk_fwd import (STATE_CONFIGS, Intra, _anchored_factors, _intra_scores, _load_chunk_qkg,
-                                     interpreting, pick_configs, prune_state_configs)
+from k3cli.ops.kda.chunk_fwd import (
+    STATE_CONFIGS,
+    Intra,
+    _anchored_factors,
+    _intra_scores,
+    _load_chunk_qkg,
+    interpreting,
+    pick_configs,
+    prune_state_configs,
+)
 
 
 @triton.jit

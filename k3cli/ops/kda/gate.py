@@ -108,7 +108,7 @@ def kda_gate(g_raw, A_log, dt_bias=None, lower_bound=-5.0, chunk_size=64, cumsum
     """
     if not isinstance(g_raw, torch.Tensor) or g_raw.dim() != 4:
         raise ValueError(f"kda_gate: g_raw must be a [B, T, HV, K] tensor, got {getattr(g_raw, 'shape', g_raw)}")
-    B, T, HV, K = g_raw.shape
+    _, _, HV, K = g_raw.shape
     if not isinstance(A_log, torch.Tensor) or A_log.shape != (HV,):
         raise ValueError(f"kda_gate: A_log must have shape (HV,) = {(HV,)}, got {getattr(A_log, 'shape', A_log)}")
     if dt_bias is not None and (not isinstance(dt_bias, torch.Tensor) or dt_bias.shape != (HV, K)):

@@ -30,7 +30,7 @@ def naive_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
     Returns:
         o [B, T, HV, V] in v.dtype, final state [B, HV, K, V] (fp32, fp64 for fp64 inputs) or None.
     """
-    B, T, H, K = q.shape
+    B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     scale = K ** -0.5 if scale is None else scale
     wd = _work_dtype(q, k, v, g, beta, initial_state)
@@ -119,7 +119,7 @@ def naive_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fin
     Same arguments and returns as `naive_recurrent_kda`; differentiable by autograd. Any T
     (the tail is zero-padded: g = 0, k = 0, beta = 0 leave the state unchanged), any chunk size.
     """
-    B, T, H, K = q.shape
+    B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     C = chunk_size
     scale = K ** -0.5 if scale is None else scale
