@@ -96,7 +96,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
-    def validate(self) -> "RunConfig":
+    def validate(self) -> RunConfig:
         self.model.validate("model")
         self.train.validate("train")
         self.data.validate("data")

@@ -8,7 +8,7 @@ commands one table format.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 VERIFY_KERNELS = ("chunk_kda", "kda_gate", "attnres")
 BENCH_KERNELS = ("chunk_kda", "kda_gate", "attnres")

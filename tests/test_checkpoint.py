@@ -10,8 +10,17 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from k3cli.checkpoint import (MARKER, MODEL_FILE, CheckpointError, find_latest_checkpoint, is_complete,
-                              list_checkpoints, load_checkpoint, prune_checkpoints, save_checkpoint)
+from k3cli.checkpoint import (
+    MARKER,
+    MODEL_FILE,
+    CheckpointError,
+    find_latest_checkpoint,
+    is_complete,
+    list_checkpoints,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+)
 from k3cli.data import PackedLoader
 
 

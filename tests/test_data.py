@@ -11,9 +11,22 @@ import pytest
 import torch
 
 from k3cli.config import DataConfig
-from k3cli.data import (EOT, EOT_ID, DataError, Document, PackedLoader, corpus_fingerprint,
-                        load_documents, load_tokenizer, pack_documents, prepare_data, save_tokenizer,
-                        split_documents, train_tokenizer, val_batches)
+from k3cli.data import (
+    EOT,
+    EOT_ID,
+    DataError,
+    Document,
+    PackedLoader,
+    corpus_fingerprint,
+    load_documents,
+    load_tokenizer,
+    pack_documents,
+    prepare_data,
+    save_tokenizer,
+    split_documents,
+    train_tokenizer,
+    val_batches,
+)
 
 needs_datasets = pytest.mark.skipif(importlib.util.find_spec("datasets") is None,
                                     reason="`datasets` is not installed")

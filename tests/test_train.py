@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 from k3cli.checkpoint import find_latest_checkpoint, list_checkpoints
 from k3cli.cli import app
 from k3cli.config import load_config
-from k3cli.train import TrainingStopped, lr_lambda, param_groups, train
 from k3cli.models.causal_lm import CausalLM
+from k3cli.train import TrainingStopped, lr_lambda, param_groups, train
 
 runner = CliRunner()
 
