@@ -84,3 +84,27 @@ def print_bench(console: Console, results: dict[str, list[dict]]) -> None:
             table.add_row(*[_fmt(r.get(key), spec) for key, _, spec in cols])
         console.print(table)
     console.print("fla† = flash-linear-attention figures from BENCHMARKS.md (H200), not measured in this run.")
+
+
+def print_compare(console: Console, data: dict) -> None:
+    def f(v, spec=".4f"):
+        return "-" if v is None else format(v, spec)
+
+    table = Table(title="runs")
+    for col in ("run", "steps", "train loss", "val loss", "best val (step)", "tokens/s (median)"):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    for r in data["runs"]:
+        best = "-" if r["best_val_loss"] is None else f"{r['best_val_loss']:.4f} ({r['best_val_step']})"
+        table.add_row(r["run"], str(r["steps"]), f(r["train_loss"]), f(r["val_loss"]), best,
+                      f(r["tokens_per_s"], ",.0f"))
+    console.print(table)
+    if data["config_diff"]:
+        diff = Table(title="config differences")
+        diff.add_column("key")
+        for i in range(len(data["runs"])):
+            diff.add_column(f"run {i + 1}")
+        for key, values in data["config_diff"].items():
+            diff.add_row(key, *[str(v) for v in values])
+        console.print(diff)
+    else:
+        console.print("configs are identical")

@@ -165,3 +165,16 @@ def test_eval_errors(tmp_path):
     assert r.exit_code == 2 and "no config.yaml" in r.stderr
     r = runner.invoke(app, ["eval"])
     assert r.exit_code == 2 and "exactly one of --run" in r.stderr
+
+
+def test_compare_runs_reports_metrics_and_config_diff(corpus, tmp_path):
+    from k3cli.compare import compare_runs
+
+    train(tiny_cfg(corpus), tmp_path / "a", log=lambda m: None)
+    train(tiny_cfg(corpus, "train.lr=0.001"), tmp_path / "b", log=lambda m: None, stop_at=3)
+    data = compare_runs([tmp_path / "a", tmp_path / "b"])
+    a, b = data["runs"]
+    assert (a["steps"], b["steps"]) == (6, 3)
+    assert a["val_loss"] == metrics(tmp_path / "a")[-1]["val_loss"]
+    assert a["best_val_loss"] == min(r["val_loss"] for r in metrics(tmp_path / "a") if "val_loss" in r)
+    assert data["config_diff"] == {"train.lr": [0.003, 0.001]}

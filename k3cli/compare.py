@@ -1,0 +1,59 @@
+"""`k3 compare`: runs side by side — their metrics and how their configs differ."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from k3cli.config import ConfigError
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def run_summary(run_dir: Path) -> dict:
+    """Final/best metrics of one run directory, read from its metrics.jsonl and config.yaml."""
+    cfg_path, metrics_path = run_dir / "config.yaml", run_dir / "metrics.jsonl"
+    if not cfg_path.is_file():
+        raise ConfigError(f"not a k3 run directory (no config.yaml): {run_dir}")
+    rows = []
+    if metrics_path.is_file():
+        for line in metrics_path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by a crash mid-write
+                continue
+    vals = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
+    return {
+        "run": str(run_dir),
+        "steps": rows[-1]["step"] if rows else 0,
+        "train_loss": rows[-1]["loss"] if rows else None,
+        "val_loss": vals[-1][1] if vals else None,
+        "best_val_loss": min(v for _, v in vals) if vals else None,
+        "best_val_step": min(vals, key=lambda sv: sv[1])[0] if vals else None,
+        "tokens_per_s": sorted(tps)[len(tps) // 2] if tps else None,  # median of the logged windows
+        "val_curve": vals,
+        "config": _flatten(yaml.safe_load(cfg_path.read_text()) or {}),
+    }
+
+
+def compare_runs(run_dirs: list[Path]) -> dict:
+    """Summaries of each run and the config keys whose values differ between them."""
+    summaries = [run_summary(Path(r)) for r in run_dirs]
+    keys = sorted(set().union(*(s["config"] for s in summaries)))
+    differing = {k: [s["config"].get(k) for s in summaries] for k in keys
+                 if len({json.dumps(s["config"].get(k)) for s in summaries}) > 1}
+    for s in summaries:
+        del s["config"]
+    return {"runs": summaries, "config_diff": differing}
