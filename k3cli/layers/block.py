@@ -2,9 +2,11 @@
 
 DecoderBlock(x): x = x + attn(attn_norm(x)); x = x + ffn(ffn_norm(x))   (pre-norm residual).
 With AttnRes on, the model drives the two sublayers itself through `sublayers()`.
+`cache` (the attention layer's KDACache / MLACache) makes the attention sublayer continue a decode.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -64,19 +66,26 @@ class DecoderBlock(nn.Module):
     def from_spec(cls, config: ModelConfig, attn: str, ffn: str) -> DecoderBlock:
         return cls(build_attn(config, attn), build_ffn(config, ffn), config.hidden_size, config.norm_eps)
 
-    def attn_sublayer(self, h: torch.Tensor) -> torch.Tensor:
+    def new_cache(self):
+        """An empty decode cache for this block's attention (KDACache | MLACache); FFNs keep none."""
+        return self.attn.new_cache()
+
+    def attn_sublayer(self, h: torch.Tensor, cache=None) -> torch.Tensor:
         """Raw attention output attn(attn_norm(h)), [B, T, D] -> [B, T, D] (no residual)."""
-        return self.attn(self.attn_norm(h))
+        if cache is None:
+            return self.attn(self.attn_norm(h))
+        return self.attn(self.attn_norm(h), cache=cache)
 
     def ffn_sublayer(self, h: torch.Tensor) -> torch.Tensor:
         """Raw FFN output ffn(ffn_norm(h)), [B, T, D] -> [B, T, D] (no residual)."""
         return self.ffn(self.ffn_norm(h))
 
-    def sublayers(self) -> list[Callable[[torch.Tensor], torch.Tensor]]:
-        """The two atomic sublayers AttnRes mixes over."""
-        return [self.attn_sublayer, self.ffn_sublayer]
+    def sublayers(self, cache=None) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+        """The two atomic sublayers AttnRes mixes over (the attention one bound to `cache`)."""
+        attn = self.attn_sublayer if cache is None else functools.partial(self.attn_sublayer, cache=cache)
+        return [attn, self.ffn_sublayer]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]."""
-        x = x + self.attn_sublayer(x)
+        x = x + self.attn_sublayer(x, cache)
         return x + self.ffn_sublayer(x)

@@ -3,10 +3,15 @@
 The op itself lives in k3cli/ops/kda (torch reference `naive_chunk_kda`, Triton `chunk_kda`); this
 file only prepares its inputs. Short conv and the output gate are switchable (SPEC marks both as
 differing from the seeds: they come from Kimi Linear / K3).
+
+Decode (SPEC §2.5): with a `KDACache`, the first call (prefill) runs the chunked op and keeps its
+final state plus the last short_conv − 1 conv inputs; later calls run the recurrence on that state
+(`fused_recurrent_kda` on the Triton backend, `naive_recurrent_kda` otherwise).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +45,30 @@ def _short_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n = weight.shape[-1]
     y = F.conv1d(F.pad(x.transpose(1, 2), (n - 1, 0)), weight, groups=x.shape[-1])   # (B, C, T)
     return F.silu(y.transpose(1, 2))
+
+
+def _short_conv_step(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None):
+    """Causal conv + SiLU continuing from the previous inputs. x [B, T, C]; window [B, n − 1, C] (the
+    last n − 1 inputs before x, zeros at the sequence start, None = start) -> (y [B, T, C], new window)."""
+    n = weight.shape[-1]
+    if window is None:
+        window = x.new_zeros(x.shape[0], n - 1, x.shape[-1])
+    xs = torch.cat([window, x], dim=1)                                              # (B, n − 1 + T, C)
+    y = F.conv1d(xs.transpose(1, 2), weight, groups=x.shape[-1])                    # (B, C, T)
+    return F.silu(y.transpose(1, 2)), xs[:, xs.shape[1] - (n - 1):]
+
+
+@dataclass
+class KDACache:
+    """Decode cache of one KDA layer (SPEC §2.5); all None before prefill.
+
+    state: [B, HV, K, V] fp32 (fp64 for an fp64 model); conv_q, conv_k: [B, n − 1, H·K] and
+    conv_v: [B, n − 1, HV·V], the last n − 1 = short_conv − 1 inputs of each short conv.
+    """
+    state: torch.Tensor | None = None
+    conv_q: torch.Tensor | None = None
+    conv_k: torch.Tensor | None = None
+    conv_v: torch.Tensor | None = None
 
 
 class KDAAttention(nn.Module):
@@ -82,52 +111,78 @@ class KDAAttention(nn.Module):
         self.o_norm = RMSNorm(V, norm_eps)
         self.o_proj = nn.Linear(HV * V, D, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, D] (pre-normed) -> [B, T, D]."""
+    def new_cache(self) -> KDACache:
+        return KDACache()
+
+    def forward(self, x: torch.Tensor, cache: KDACache | None = None) -> torch.Tensor:
+        """x [B, T, D] (pre-normed) -> [B, T, D]. With `cache`: prefill (empty cache) or decode the
+        next T tokens after it; the cache is updated in place."""
         B, T, _ = x.shape
         H, HV, K, V = self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.short_conv > 0:
+        if self.short_conv > 0 and cache is None:
             q = _short_conv(q, self.q_conv.weight)
             k = _short_conv(k, self.k_conv.weight)
             v = _short_conv(v, self.v_conv.weight)
-        q = _l2norm(q.view(B, T, H, K))                                            # (B, T, H, K)
-        k = _l2norm(k.view(B, T, H, K))                                            # (B, T, H, K)
+        elif self.short_conv > 0:
+            q, cache.conv_q = _short_conv_step(q, self.q_conv.weight, cache.conv_q)
+            k, cache.conv_k = _short_conv_step(k, self.k_conv.weight, cache.conv_k)
+            v, cache.conv_v = _short_conv_step(v, self.v_conv.weight, cache.conv_v)
+        q, k = q.view(B, T, H, K), k.view(B, T, H, K)                              # (B, T, H, K)
         v = v.view(B, T, HV, V)                                                    # (B, T, HV, V)
         g_raw = self.f_b(self.f_a(x)).view(B, T, HV, K)                            # (B, T, HV, K)
         beta = torch.sigmoid(self.b_proj(x))                                       # (B, T, HV)
-        o = self._kda(q, k, v, g_raw, beta)                                        # (B, T, HV, V)
+        fused = None if cache is None or cache.state is None else self._triton_op(q, "fused_recurrent_kda")
+        if fused is not None:
+            # decode on the Triton backend: L2 norm, gate, recurrence and read in one launch
+            o = fused(q, k, v, g_raw, beta, initial_state=cache.state, inplace_state=True,
+                      use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=self.A_log,
+                      dt_bias=self.dt_bias.view(HV, K), lower_bound=self.lower_bound)[0]
+        else:
+            o = self._kda(_l2norm(q), _l2norm(k), v, g_raw, beta, cache)           # (B, T, HV, V)
         o = self.o_norm(o)
         if self.output_gate:
             o = o * torch.sigmoid(self.g_b(self.g_a(x))).view(B, T, HV, V)
         return self.o_proj(o.reshape(B, T, HV * V))
 
-    def _kda(self, q, k, v, g_raw, beta) -> torch.Tensor:
+    def _kda(self, q, k, v, g_raw, beta, cache: KDACache | None = None) -> torch.Tensor:
         """Gate + chunked KDA by `backend`: auto → Triton on CUDA if importable, else the torch reference.
+        With a filled cache: the torch recurrence from cache.state (decode off the Triton backend).
 
         q, k [B, T, H, K] (L2-normalised); v [B, T, HV, V]; g_raw [B, T, HV, K]; beta [B, T, HV].
         """
         HV, K = self.num_v_heads, self.head_k_dim
         dt_bias = self.dt_bias.view(HV, K)
+        from k3cli.ops.kda.naive import naive_chunk_kda, naive_kda_gate, naive_recurrent_kda
+
+        if cache is not None and cache.state is not None:
+            g = naive_kda_gate(g_raw, self.A_log, dt_bias, self.lower_bound)       # (B, T, HV, K) fp32
+            o, cache.state = naive_recurrent_kda(q, k, v, g, beta, initial_state=cache.state,
+                                                 output_final_state=True)
+            return o
+        # prefill also returns the final state
+        extra = {} if cache is None else {"output_final_state": True}
         chunk_kda = self._triton_op(q)
         if chunk_kda is not None:
             # the fused gate kernel runs inside chunk_kda (SPEC §2.3)
-            return chunk_kda(q, k, v, g_raw, beta, use_gate_in_kernel=True, A_log=self.A_log,
-                             dt_bias=dt_bias, lower_bound=self.lower_bound, chunk_size=self.chunk_size)[0]
-        from k3cli.ops.kda.naive import naive_chunk_kda, naive_kda_gate
+            o, state = chunk_kda(q, k, v, g_raw, beta, use_gate_in_kernel=True, A_log=self.A_log,
+                                 dt_bias=dt_bias, lower_bound=self.lower_bound, chunk_size=self.chunk_size,
+                                 **extra)
+        else:
+            g = naive_kda_gate(g_raw, self.A_log, dt_bias, self.lower_bound)       # (B, T, HV, K) fp32
+            o, state = naive_chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size, **extra)
+        if cache is not None:
+            cache.state = state
+        return o
 
-        g = naive_kda_gate(g_raw, self.A_log, dt_bias, self.lower_bound)           # (B, T, HV, K) fp32
-        return naive_chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size)[0]
-
-    def _triton_op(self, q: torch.Tensor):
-        """Triton `chunk_kda`, or None for the torch reference."""
+    def _triton_op(self, q: torch.Tensor, name: str = "chunk_kda"):
+        """The Triton op `name` (chunk_kda | fused_recurrent_kda), or None for the torch reference."""
         if self.backend == "torch" or (self.backend == "auto" and not q.is_cuda):
             return None
         try:
-            from k3cli.ops.kda.chunk import chunk_kda
+            from k3cli.ops import kda
+            return getattr(kda, name)
         except ImportError as e:
             if self.backend == "triton":
-                raise RuntimeError(f"kda.backend=triton but the Triton chunk_kda is unavailable: {e}") \
-                    from None
+                raise RuntimeError(f"kda.backend=triton but the Triton {name} is unavailable: {e}") from None
             return None
-        return chunk_kda

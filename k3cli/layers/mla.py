@@ -5,14 +5,45 @@ Two equivalent attention paths:
   latent c itself (the decode path: the cache is r numbers per token);
 - decompressed: k, v are expanded per head and fed to causal SDPA (cheaper to train at scale).
 Both use scale d_q^-0.5 (not r^-0.5) and no positional encoding (KDA's decay carries position).
+Decode keeps `MLACache` (c of every token so far); prefill runs the configured path, later calls the
+absorbed one against the whole cache.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from k3cli.layers.norm import RMSNorm
+
+
+@dataclass
+class MLACache:
+    """Decode cache of one GatedMLA layer: the latent c of every token so far, r numbers per token.
+
+    `c` is [B, length, r], a view of a buffer whose capacity doubles (amortised O(1) appends).
+    """
+    buf: torch.Tensor | None = None                                                 # (B, capacity, r)
+    length: int = 0
+
+    @property
+    def c(self) -> torch.Tensor | None:
+        return None if self.buf is None else self.buf[:, :self.length]
+
+    def append(self, c_new: torch.Tensor) -> torch.Tensor:
+        """c_new [B, T, r] -> every cached latent [B, length + T, r]."""
+        B, T, r = c_new.shape
+        need = self.length + T
+        if self.buf is None or need > self.buf.shape[1]:
+            buf = c_new.new_empty(B, max(need, 2 * self.length, 16), r)
+            if self.buf is not None:
+                buf[:, :self.length] = self.c
+            self.buf = buf
+        self.buf[:, self.length:need] = c_new
+        self.length = need
+        return self.c
 
 
 class GatedMLA(nn.Module):
@@ -40,26 +71,38 @@ class GatedMLA(nn.Module):
         self.g_proj = nn.Linear(D, H * v_head_dim, bias=False)
         self.o_proj = nn.Linear(H * v_head_dim, D, bias=False)
 
-    def forward(self, x: torch.Tensor, absorb: bool | None = None) -> torch.Tensor:
-        """x [B, T, D] (pre-normed) -> [B, T, D]. `absorb` overrides the configured path."""
+    def new_cache(self) -> MLACache:
+        return MLACache()
+
+    def forward(self, x: torch.Tensor, absorb: bool | None = None,
+                cache: MLACache | None = None) -> torch.Tensor:
+        """x [B, T, D] (pre-normed) -> [B, T, D]. `absorb` overrides the configured path. With `cache`,
+        x continues the cached tokens (prefill when empty) and its latents are appended."""
         B, T, _ = x.shape
         H = self.num_heads
         q = self.q_up(self.q_norm(self.q_down(x))).view(B, T, H, self.qk_head_dim)   # (B, T, H, d_q)
         c = self.kv_norm(self.kv_down(x))                                            # (B, T, r)
         use_absorb = self.absorb if absorb is None else absorb
-        o = self._absorbed(q, c) if use_absorb else self._decompressed(q, c)         # (B, H, T, d_v)
+        past = 0
+        if cache is not None:
+            past = cache.length
+            c = cache.append(c)                                                      # (B, past + T, r)
+            # decode: queries see the whole cache through the latent (the absorbed form)
+            use_absorb = use_absorb or past > 0
+        o = self._absorbed(q, c, past) if use_absorb else self._decompressed(q, c)   # (B, H, T, d_v)
         o = o.transpose(1, 2).reshape(B, T, H * self.v_head_dim)                     # (B, T, H·d_v)
         # the gate reads the layer input x and sits before W_o, so W_UV cannot fold into W_o
         return self.o_proj(torch.sigmoid(self.g_proj(x)) * o)
 
-    def _absorbed(self, q: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        """q [B, T, H, d_q], c [B, T, r] -> õ [B, H, T, d_v]; attention runs in the latent space."""
-        T = q.shape[1]
+    def _absorbed(self, q: torch.Tensor, c: torch.Tensor, past: int = 0) -> torch.Tensor:
+        """q [B, T, H, d_q], c [B, past + T, r] -> õ [B, H, T, d_v]; attention runs in the latent
+        space; query i sits at position past + i."""
+        T, S = q.shape[1], c.shape[1]
         q_abs = torch.einsum("bthd,hdj->bthj", q, self.W_UK)                         # (B, T, H, r)
         # scores and softmax in fp32 (fp64 stays fp64 for identity tests)
         wd = torch.float64 if q.dtype == torch.float64 else torch.float32
-        score = torch.einsum("bthj,bsj->bhts", q_abs, c).to(wd) * self.scale         # (B, H, T, T)
-        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        score = torch.einsum("bthj,bsj->bhts", q_abs, c).to(wd) * self.scale         # (B, H, T, S)
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(past)
         attn = score.masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
         o_lat = torch.einsum("bhts,bsj->bhtj", attn, c)                              # (B, H, T, r)
         return torch.einsum("bhtj,hvj->bhtv", o_lat, self.W_UV)                      # (B, H, T, d_v)

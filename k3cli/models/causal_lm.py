@@ -7,7 +7,9 @@ Notable features:
 - `attnres.mode != "off"` replaces the residual sum by softmax mixes over depth, including a final
   mix before the last norm (K3, SPEC §5);
 - loss is the shifted next-token cross-entropy in fp32, labels = -100 ignored;
-- `num_active_parameters()` drops the (n_r − k) unchosen routed experts of every MoE layer.
+- `num_active_parameters()` drops the (n_r − k) unchosen routed experts of every MoE layer;
+- decode (SPEC §2.5, §7.3): `prefill(ids) -> (logits, DecodeCache)`, then `decode_step(next_ids, cache)`;
+  the cache holds a KDA state + conv windows or an MLA latent per block; AttnRes and FFNs need none.
 """
 from __future__ import annotations
 
@@ -28,6 +30,14 @@ from k3cli.models.k3_config import ModelConfig
 class ModelOutput:
     logits: torch.Tensor  # [B, T, vocab]
     loss: torch.Tensor | None = None  # scalar, when labels are given
+
+
+@dataclass
+class DecodeCache:
+    """Per-block attention caches (KDACache | MLACache), the batch size, and the tokens seen so far."""
+    layers: list
+    batch_size: int
+    position: int = 0
 
 
 class CausalLM(nn.Module):
@@ -55,16 +65,22 @@ class CausalLM(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=std)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> ModelOutput:
-        """input_ids [B, T] long; labels [B, T] (usually = input_ids) → ModelOutput(logits [B, T, V], loss)."""
+    def _logits(self, input_ids: torch.Tensor, caches: list | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, vocab]; `caches` (one per block) continue a decode."""
+        caches = caches or [None] * len(self.blocks)
         x = self.embed_tokens(input_ids)                                           # (B, T, D)
         if self.attnres is None:
-            for block in self.blocks:
-                x = block(x)
+            for block, cache in zip(self.blocks, caches):
+                x = block(x, cache)
         else:
-            x = self.attnres(x, [f for block in self.blocks for f in block.sublayers()])
+            # token-local: the same mixer runs over the sublayers of however many tokens come in
+            x = self.attnres(x, [f for block, c in zip(self.blocks, caches) for f in block.sublayers(c)])
         x = self.norm(x)
-        logits = F.linear(x, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+        return F.linear(x, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> ModelOutput:
+        """input_ids [B, T] long; labels [B, T] (usually = input_ids) → ModelOutput(logits [B, T, V], loss)."""
+        logits = self._logits(input_ids)
         loss = None
         if labels is not None:
             # predict token t+1 from positions ≤ t; fp32 loss (fp64 stays fp64)
@@ -72,6 +88,33 @@ class CausalLM(nn.Module):
             shifted = shifted if shifted.dtype == torch.float64 else shifted.float()
             loss = F.cross_entropy(shifted, labels[:, 1:].flatten(), ignore_index=-100)
         return ModelOutput(logits=logits, loss=loss)
+
+    def new_cache(self, batch_size: int) -> DecodeCache:
+        return DecodeCache([block.new_cache() for block in self.blocks], batch_size)
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, DecodeCache]:
+        """Run the prompt input_ids [B, T] (chunked KDA) -> (logits [B, T, vocab], cache for decode_step)."""
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"prefill: input_ids must be [B, T] with T >= 1, got {tuple(input_ids.shape)}")
+        cache = self.new_cache(input_ids.shape[0])
+        logits = self._logits(input_ids, cache.layers)
+        cache.position = input_ids.shape[1]
+        return logits, cache
+
+    @torch.no_grad()
+    def decode_step(self, token_ids: torch.Tensor, cache: DecodeCache) -> torch.Tensor:
+        """The next token(s) token_ids [B, 1] (or [B, n], recurrent KDA) after `cache` -> logits [B, n, vocab].
+        The cache advances in place."""
+        if token_ids.dim() != 2 or token_ids.shape[1] == 0:
+            raise ValueError(f"decode_step: token_ids must be [B, n] with n >= 1, got {tuple(token_ids.shape)}")
+        if token_ids.shape[0] != cache.batch_size:
+            raise ValueError(f"decode_step: batch size {token_ids.shape[0]} != the cache's {cache.batch_size}")
+        if cache.position == 0:
+            raise ValueError("decode_step: the cache is empty; call prefill(input_ids) first")
+        logits = self._logits(token_ids, cache.layers)
+        cache.position += token_ids.shape[1]
+        return logits
 
     def moe_layers(self) -> list[LatentMoE]:
         return [m for m in self.modules() if isinstance(m, LatentMoE)]
