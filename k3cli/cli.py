@@ -282,6 +282,55 @@ def eval_cmd(
         print_eval(console, res)
 
 
+@app.command("generate")
+def generate_cmd(
+    prompt: Annotated[str, typer.Option(help="Text to continue.")],
+    run: Annotated[Optional[str], typer.Option(help="Run directory (uses its newest complete checkpoint).")] = None,
+    ckpt: Annotated[Optional[str], typer.Option(help="A checkpoint directory (runs/X/checkpoints/step_N).")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Stop after this many new tokens (or at <|endoftext|>).")] = 128,
+    temperature: Annotated[float, typer.Option(help="Softmax temperature; 0 = greedy.")] = 0.8,
+    top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens; 0 = off.")] = 0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling: smallest set with this probability; 1 = off.")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Sampling seed (same seed, same text).")] = 0,
+    stream: Annotated[bool, typer.Option("--stream/--no-stream", help="Print tokens as they come.")] = True,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
+):
+    """Continue a prompt with a trained model: prefill once, then one cached decode step per token.
+
+    The text goes to stdout; prefill and decode tokens/s to stderr."""
+    from k3cli.checkpoint import CheckpointError
+    from k3cli.data import DataError, load_tokenizer
+    from k3cli.evaluate import load_model, locate
+    from k3cli.generate import check_sampling, generate
+    from k3cli.train import flush_denormals, resolve_device
+
+    try:
+        check_sampling(temperature, top_k, top_p)
+        if max_new_tokens < 0:
+            raise ValueError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+        run_dir, ckpt_dir = locate(run, ckpt)
+        dev = resolve_device(device)
+        flush_denormals(dev)
+        tok = load_tokenizer(run_dir)
+        _, model, step = load_model(run_dir, ckpt_dir, dev)
+    except (ConfigError, DataError, CheckpointError, ValueError, FileNotFoundError) as e:
+        fail(str(e))
+
+    def emit(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    res = generate(model, tok, prompt, max_new_tokens, temperature, top_k, top_p, seed,
+                   stream_callback=emit if stream else None)
+    if not stream:
+        sys.stdout.write(res.text)
+    sys.stdout.write("\n")
+    err_console.print(f"{ckpt_dir} (step {step}) on {dev}: prefill {res.prompt_tokens} tokens "
+                      f"{res.prefill_tokens_per_s:.1f} tok/s; {len(res.token_ids)} new tokens, decode "
+                      f"{res.decode_tokens_per_s:.1f} tok/s" + ("; stopped at <|endoftext|>" if res.stopped_at_eot
+                                                               else ""), highlight=False)
+
+
 def _resolve_file(path, config, sets, attnres):
     try:
         return load_config(path, config, sets, attnres.value if attnres else None)
