@@ -179,3 +179,11 @@ def test_fused_recurrent_bf16_full_size(B):
     assert o.dtype == torch.bfloat16
     assert_close("o_bf16", o, ro)
     assert_close("ht_bf16", state, rh)
+
+
+def test_bench_decode_runs_and_reports_state_bandwidth():
+    from k3cli.ops.kda.bench_decode import bench_decode, format_rows
+
+    rows = bench_decode(shapes=[(1, 2, 2, 16)], with_fla=False, dtype=torch.float32)
+    assert rows[0]["triton_ms"] > 0 and rows[0]["torch_ms"] > 0 and rows[0]["triton_GBps"] > 0
+    assert "triton ms" in format_rows(rows)
