@@ -322,9 +322,8 @@ def generate_cmd(
 
     res = generate(model, tok, prompt, max_new_tokens, temperature, top_k, top_p, seed,
                    stream_callback=emit if stream else None)
-    if not stream:
-        sys.stdout.write(res.text)
-    sys.stdout.write("\n")
+    sys.stdout.write(("" if stream else res.text) + "\n")
+    sys.stdout.flush()
     err_console.print(f"{ckpt_dir} (step {step}) on {dev}: prefill {res.prompt_tokens} tokens "
                       f"{res.prefill_tokens_per_s:.1f} tok/s; {len(res.token_ids)} new tokens, decode "
                       f"{res.decode_tokens_per_s:.1f} tok/s" + ("; stopped at <|endoftext|>" if res.stopped_at_eot
