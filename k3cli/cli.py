@@ -102,6 +102,7 @@ def config_presets():
 class VerifyKernel(str, Enum):
     chunk_kda = "chunk_kda"
     kda_gate = "kda_gate"
+    decode = "decode"
     attnres = "attnres"
     all = "all"
 
@@ -109,6 +110,7 @@ class VerifyKernel(str, Enum):
 class BenchKernel(str, Enum):
     chunk_kda = "chunk_kda"
     kda_gate = "kda_gate"
+    decode = "decode"
     attnres = "attnres"
     all = "all"
 
@@ -328,6 +330,25 @@ def generate_cmd(
                       f"{res.prefill_tokens_per_s:.1f} tok/s; {len(res.token_ids)} new tokens, decode "
                       f"{res.decode_tokens_per_s:.1f} tok/s" + ("; stopped at <|endoftext|>" if res.stopped_at_eot
                                                                else ""), highlight=False)
+
+
+@app.command()
+def compare(
+    runs: Annotated[list[Path], typer.Argument(help="Run directories to put side by side.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON to stdout.")] = False,
+):
+    """Compare runs: steps, final and best validation loss, tokens/s, and the config keys that differ."""
+    from k3cli.compare import compare_runs
+    from k3cli.report import print_compare
+
+    try:
+        data = compare_runs(runs)
+    except ConfigError as e:
+        fail(str(e))
+    if as_json:
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+    else:
+        print_compare(console, data)
 
 
 def _resolve_file(path, config, sets, attnres):

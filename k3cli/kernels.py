@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-VERIFY_KERNELS = ("chunk_kda", "kda_gate", "attnres")
-BENCH_KERNELS = ("chunk_kda", "kda_gate", "attnres")
+VERIFY_KERNELS = ("chunk_kda", "kda_gate", "decode", "attnres")
+BENCH_KERNELS = ("chunk_kda", "kda_gate", "decode", "attnres")
 
 
 def prepare_device() -> str:
@@ -41,6 +41,7 @@ def _verify_fns() -> dict[str, Callable]:
     return {
         "chunk_kda": lambda shapes, dtype: verify_kda("chunk_kda", shapes, dtype),
         "kda_gate": lambda shapes, dtype: verify_kda("kda_gate", shapes, dtype),
+        "decode": lambda shapes, dtype: verify_kda("fused_recurrent_kda", shapes, dtype),
         "attnres": lambda shapes, dtype: verify_attnres(shapes, dtype),
     }
 
@@ -66,6 +67,9 @@ BENCH_COLUMNS = {
                   ("fla_doc_fwd_ms", "fla† fwd", ".3f"), ("fla_doc_fwd_bwd_ms", "fla† f+b", ".3f"),
                   ("first_call_fwd_s", "1st call s", ".1f")],
     "kda_gate": None,  # every key of the row
+    "decode": [("B", "B", "d"), ("HV", "HV", "d"), ("K", "K=V", "d"), ("triton_ms", "ours ms", ".4f"),
+               ("triton_GBps", "ours state GB/s", ".0f"), ("torch_ms", "torch ms", ".4f"),
+               ("fla_ms", "fla ms", ".4f"), ("fla_GBps", "fla state GB/s", ".0f"), ("copy_GBps", "copy GB/s", ".0f")],
     "attnres": [("form", "form", "s"), ("L", "L", "d"), ("N", "N", "d"), ("D", "D", "d"),
                 ("fwd_ms", "fwd ms", ".3f"), ("fwd_spread_ms", "spread", ".3f"),
                 ("fwd_GBps", "fwd GB/s", ".0f"), ("fwd_frac_copy", "of copy", ".1%"),
@@ -79,11 +83,15 @@ BENCH_COLUMNS = {
 def run_bench(kernels: list[str], shapes: str, against_fla: bool) -> dict[str, list[dict]]:
     from k3cli.ops.attnres.bench import bench_attnres
     from k3cli.ops.kda.bench import bench_kda
+    from k3cli.ops.kda.bench_decode import SHAPES as DECODE_SHAPES
+    from k3cli.ops.kda.bench_decode import bench_decode
 
     out = {}
     for k in kernels:
         if k in ("chunk_kda", "kda_gate"):
             out[k] = bench_kda(k, "ci" if shapes == "ci" else shapes, against_fla)
+        elif k == "decode":
+            out[k] = bench_decode(DECODE_SHAPES["cpu" if shapes == "ci" else "gpu"], with_fla=against_fla)
         elif k == "attnres":
             out[k] = bench_attnres("ci" if shapes == "ci" else "k3", against_fla)
     return out

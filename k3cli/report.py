@@ -87,6 +87,8 @@ def print_bench(console: Console, results: dict[str, list[dict]]) -> None:
 
 
 def print_compare(console: Console, data: dict) -> None:
+    if not console.is_terminal:
+        console = Console(width=160)
     def f(v, spec=".4f"):
         return "-" if v is None else format(v, spec)
 

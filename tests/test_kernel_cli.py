@@ -66,3 +66,12 @@ def test_cpu_refuses_gpu_only_requests():
     assert r.exit_code == 2 and "only --shapes ci" in r.stderr
     r = runner.invoke(app, ["verify-equivalence", "--dtype", "bf16"])
     assert r.exit_code == 2 and "bf16 needs a GPU" in r.stderr
+
+
+@needs_triton
+def test_verify_decode_kernel():
+    r = runner.invoke(app, ["verify-equivalence", "--kernel", "decode", "--dtype", "fp32", "--json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)
+    assert {"o", "ht"} == {row["name"].split("/")[-1] for row in rows}
+    assert all(row["passed"] for row in rows)

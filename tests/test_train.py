@@ -178,3 +178,13 @@ def test_compare_runs_reports_metrics_and_config_diff(corpus, tmp_path):
     assert a["val_loss"] == metrics(tmp_path / "a")[-1]["val_loss"]
     assert a["best_val_loss"] == min(r["val_loss"] for r in metrics(tmp_path / "a") if "val_loss" in r)
     assert data["config_diff"] == {"train.lr": [0.003, 0.001]}
+
+
+def test_cli_compare(corpus, tmp_path):
+    train(tiny_cfg(corpus), tmp_path / "a", log=lambda m: None, stop_at=2)
+    train(tiny_cfg(corpus, "train.seed=1"), tmp_path / "b", log=lambda m: None, stop_at=2)
+    r = runner.invoke(app, ["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["config_diff"] == {"train.seed": [0, 1]}
+    r = runner.invoke(app, ["compare", str(tmp_path / "a"), str(tmp_path / "nope")])
+    assert r.exit_code == 2 and "no config.yaml" in r.stderr

@@ -22,6 +22,9 @@ CHUNK_SHAPES = {
     "full": [(2, 63, 1, 1, 16), (2, 1000, 4, 2, 64), (2, 2048, 16, 1, 128), (2, 1000, 16, 2, 128),
              (3, 2048, 4, 1, 64), (2, 63, 4, 2, 128), (2, 1000, 1, 2, 16)],
 }
+# (B, T, H, G, K=V): one to a few tokens per decode call
+DECODE_SHAPES = {"ci": [(1, 1, 1, 1, 16), (2, 3, 2, 2, 32)],
+                 "full": [(1, 1, 32, 1, 128), (32, 1, 32, 1, 128), (256, 1, 32, 1, 128), (4, 4, 16, 2, 64)]}
 # (B, T, HV, K)
 GATE_SHAPES = {"ci": [(1, 70, 2, 16), (2, 33, 3, 24)], "full": [(8, 2048, 16, 128), (2, 1000, 32, 64)]}
 
@@ -108,6 +111,18 @@ def verify_kda(kernel: str = "chunk_kda", shapes: str = "ci", dtype: str | torch
             tag = f"B{B}-T{T}-HV{HV}-K{K}-{str(dt).split('.')[-1]}"
             for n, x, r in zip(("g", "dg_raw", "dA_log", "ddt_bias"), res[1], res[0]):
                 rows.append(_row(f"{tag}/{n}", x, r, TOL[n]))
+    elif kernel == "fused_recurrent_kda":
+        from k3cli.ops.kda.fused_recurrent import fused_recurrent_kda
+        # decode: a few tokens per call from a cached state; forward only (inference)
+        for B, T, H, G, K in DECODE_SHAPES[shapes]:
+            inputs = kda_inputs(B, T, H, G, K, K, dt, dev)
+            with torch.no_grad():
+                ref = naive_recurrent_kda(*[x.float() for x in inputs[:5]], initial_state=inputs[5],
+                                          output_final_state=True)
+                out = fused_recurrent_kda(*inputs[:5], initial_state=inputs[5], output_final_state=True)
+            tag = f"B{B}-T{T}-H{H}-G{G}-K{K}-{str(dt).split('.')[-1]}"
+            rows += [_row(f"{tag}/{n}", x, r, TOL[n]) for n, x, r in zip(("o", "ht"), out, ref)]
     else:
-        raise ValueError(f"verify_kda: unknown kernel {kernel!r}; valid: 'chunk_kda', 'kda_gate'")
+        raise ValueError(f"verify_kda: unknown kernel {kernel!r}; valid: 'chunk_kda', 'kda_gate', "
+                         "'fused_recurrent_kda'")
     return rows
