@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
+from k3cli.ops.kda.checks import check_kda_inputs
 from k3cli.ops.kda.chunk_bwd import kda_bwd_intra, kda_bwd_state
 from k3cli.ops.kda.chunk_fwd import Intra, kda_fwd_intra, kda_fwd_state
 
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _CHUNK_SIZES = (16, 32, 64)
 
 
@@ -52,63 +52,12 @@ class ChunkKDAFunction(torch.autograd.Function):
         return dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0, None, None, None
 
 
-def _check(name, x, ndim, device, dtypes=_FLOATS):
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"chunk_kda: {name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != ndim:
-        raise ValueError(f"chunk_kda: {name} must have {ndim} dims, got shape {tuple(x.shape)}")
-    if x.dtype not in dtypes:
-        raise TypeError(f"chunk_kda: {name} dtype {x.dtype} not in {[str(d) for d in dtypes]}")
-    if x.device != device:
-        raise ValueError(f"chunk_kda: {name} is on {x.device}, expected {device} (the device of q)")
-
-
 def _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
               chunk_size):
-    _check("q", q, 4, getattr(q, "device", None))
-    B, T, H, K = q.shape
-    _check("k", k, 4, q.device)
-    _check("v", v, 4, q.device)
-    _check("g", g, 4, q.device)
-    _check("beta", beta, 3, q.device)
-    if k.shape != q.shape:
-        raise ValueError(f"chunk_kda: k shape {tuple(k.shape)} must equal q shape {tuple(q.shape)}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"chunk_kda: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if v.shape[:2] != (B, T):
-        raise ValueError(f"chunk_kda: v shape {tuple(v.shape)} must start with (B, T) = {(B, T)}")
-    HV, V = v.shape[2], v.shape[3]
-    if HV % H != 0:
-        raise ValueError(f"chunk_kda: v heads HV={HV} must be a multiple of q/k heads H={H} (GVA)")
-    if g.shape != (B, T, HV, K):
-        raise ValueError(f"chunk_kda: g shape {tuple(g.shape)} must be (B, T, HV, K) = {(B, T, HV, K)}")
-    if beta.shape != (B, T, HV):
-        raise ValueError(f"chunk_kda: beta shape {tuple(beta.shape)} must be (B, T, HV) = {(B, T, HV)}")
-    if not 1 <= K <= 256:
-        raise ValueError(f"chunk_kda: key dim K={K} must be in [1, 256]")
-    if T == 0 or V == 0:
-        raise ValueError(f"chunk_kda: empty input (T={T}, V={V})")
-    if initial_state is not None:
-        _check("initial_state", initial_state, 4, q.device, (torch.float32,))
-        if initial_state.shape != (B, HV, K, V):
-            raise ValueError(f"chunk_kda: initial_state shape {tuple(initial_state.shape)} must be "
-                             f"(B, HV, K, V) = {(B, HV, K, V)}")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise TypeError(f"chunk_kda: scale must be a float or None, got {type(scale).__name__}")
+    check_kda_inputs("chunk_kda", q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias,
+                     lower_bound, same_dtype=True)
     if chunk_size not in _CHUNK_SIZES:
         raise ValueError(f"chunk_kda: chunk_size={chunk_size} must be one of {_CHUNK_SIZES}")
-    if not (-5.0 <= lower_bound < 0.0):
-        raise ValueError(f"chunk_kda: lower_bound={lower_bound} must be in [-5, 0)")
-    if use_gate_in_kernel:
-        if A_log is None:
-            raise ValueError("chunk_kda: A_log is required when use_gate_in_kernel=True")
-        _check("A_log", A_log, 1, q.device)
-        if A_log.shape != (HV,):
-            raise ValueError(f"chunk_kda: A_log shape {tuple(A_log.shape)} must be (HV,) = {(HV,)}")
-        if dt_bias is not None:
-            _check("dt_bias", dt_bias, 2, q.device)
-            if dt_bias.shape != (HV, K):
-                raise ValueError(f"chunk_kda: dt_bias shape {tuple(dt_bias.shape)} must be (HV, K) = {(HV, K)}")
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

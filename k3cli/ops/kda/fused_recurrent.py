@@ -15,9 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3cli.ops.kda.checks import check_kda_inputs
 from k3cli.ops.kda.chunk_fwd import interpreting, pick_configs
-
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 # GPU candidates, not yet measured on an H200 (no device time in this session): narrow value blocks
 # give B*HV*V/BV programs for the small-batch case, wide ones fewer, longer-lived programs at B = 256.
@@ -158,65 +157,15 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final
     return o, ht
 
 
-def _check(name, x, ndim, device, dtypes=_FLOATS):
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"fused_recurrent_kda: {name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != ndim:
-        raise ValueError(f"fused_recurrent_kda: {name} must have {ndim} dims, got shape {tuple(x.shape)}")
-    if x.dtype not in dtypes:
-        raise TypeError(f"fused_recurrent_kda: {name} dtype {x.dtype} not in {[str(d) for d in dtypes]}")
-    if x.device != device:
-        raise ValueError(f"fused_recurrent_kda: {name} is on {x.device}, expected {device} (the device of q)")
-
-
 def _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_gate_in_kernel, A_log,
               dt_bias, lower_bound, inplace_state):
-    _check("q", q, 4, getattr(q, "device", None))
-    B, T, H, K = q.shape
-    _check("k", k, 4, q.device)
-    _check("v", v, 4, q.device)
-    _check("g", g, 4, q.device)
-    _check("beta", beta, 3, q.device)
-    if k.shape != q.shape:
-        raise ValueError(f"fused_recurrent_kda: k shape {tuple(k.shape)} must equal q shape {tuple(q.shape)}")
-    if v.shape[:2] != (B, T):
-        raise ValueError(f"fused_recurrent_kda: v shape {tuple(v.shape)} must start with (B, T) = {(B, T)}")
-    HV, V = v.shape[2], v.shape[3]
-    if HV % H != 0:
-        raise ValueError(f"fused_recurrent_kda: v heads HV={HV} must be a multiple of q/k heads H={H} (GVA)")
-    if g.shape != (B, T, HV, K):
-        raise ValueError(f"fused_recurrent_kda: g shape {tuple(g.shape)} must be (B, T, HV, K) = {(B, T, HV, K)}")
-    if beta.shape != (B, T, HV):
-        raise ValueError(f"fused_recurrent_kda: beta shape {tuple(beta.shape)} must be (B, T, HV) = {(B, T, HV)}")
-    if not 1 <= K <= 256:
-        raise ValueError(f"fused_recurrent_kda: key dim K={K} must be in [1, 256]")
-    if T == 0 or V == 0 or B == 0:
-        raise ValueError(f"fused_recurrent_kda: empty input (B={B}, T={T}, V={V})")
-    if initial_state is not None:
-        _check("initial_state", initial_state, 4, q.device, (torch.float32,))
-        if initial_state.shape != (B, HV, K, V):
-            raise ValueError(f"fused_recurrent_kda: initial_state shape {tuple(initial_state.shape)} must be "
-                             f"(B, HV, K, V) = {(B, HV, K, V)}")
+    check_kda_inputs("fused_recurrent_kda", q, k, v, g, beta, scale, initial_state, use_gate_in_kernel,
+                     A_log, dt_bias, lower_bound, same_dtype=False)
     if inplace_state:
         if initial_state is None:
             raise ValueError("fused_recurrent_kda: inplace_state=True needs an initial_state to update")
         if not initial_state.is_contiguous():
             raise ValueError("fused_recurrent_kda: inplace_state=True needs a contiguous initial_state")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise TypeError(f"fused_recurrent_kda: scale must be a float or None, got {type(scale).__name__}")
-    if use_gate_in_kernel:
-        if not (-5.0 <= lower_bound < 0.0):
-            raise ValueError(f"fused_recurrent_kda: lower_bound={lower_bound} must be in [-5, 0)")
-        if A_log is None:
-            raise ValueError("fused_recurrent_kda: A_log is required when use_gate_in_kernel=True")
-        _check("A_log", A_log, 1, q.device)
-        if A_log.shape != (HV,):
-            raise ValueError(f"fused_recurrent_kda: A_log shape {tuple(A_log.shape)} must be (HV,) = {(HV,)}")
-        if dt_bias is not None:
-            _check("dt_bias", dt_bias, 2, q.device)
-            if dt_bias.shape != (HV, K):
-                raise ValueError(f"fused_recurrent_kda: dt_bias shape {tuple(dt_bias.shape)} must be "
-                                 f"(HV, K) = {(HV, K)}")
 
 
 def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
