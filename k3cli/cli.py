@@ -225,7 +225,8 @@ def train(
     wandb: Annotated[WandbMode, typer.Option(help="Log to Weights & Biases (needs the wandb extra).")] = WandbMode.off,
 ):
     """Train a model on real text (default: the Python standard library's own source)."""
-    from k3cli.train import TrainingStopped, train as run_training
+    from k3cli.train import TrainingStopped
+    from k3cli.train import train as run_training
 
     if resume not in (None, "auto"):
         fail(f"--resume takes 'auto', got '{resume}'")
