@@ -139,6 +139,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
     autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
     accum = tc.global_batch_size // tc.micro_batch_size
     metrics_path = run_dir / "metrics.jsonl"
+    _truncate_metrics(metrics_path, step)
     wb = _wandb_init(wandb_mode, cfg, run_dir)
     model.train()
     loss_val, val_loss = float("nan"), None
@@ -209,6 +210,23 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
     if wb is not None:
         wb.finish()
     return TrainResult(run_dir, step, loss_val, val_loss)
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines after `step` (written after the checkpoint we resume from), so a resumed
+    run's metrics.jsonl has each step once; the old file is replaced atomically."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):  # a line cut by a crash mid-write
+            continue
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.replace(path)
 
 
 def _format(r: dict) -> str:

@@ -90,6 +90,17 @@ def test_exact_resume_is_bitwise(corpus, tmp_path, preset):
         assert torch.equal(wa[k], wb[k]), k
 
 
+def test_resume_after_a_crash_keeps_each_metrics_step_once(corpus, tmp_path):
+    run = tmp_path / "run"
+    train(tiny_cfg(corpus), run, log=lambda m: None, stop_at=5)  # checkpoints at 2 and 4, then 5
+    import shutil
+    shutil.rmtree(run / "checkpoints" / "step_00000005")  # as if the run died after step 5's metrics
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 6, "loss": 1.0')  # a line cut mid-write
+    train(tiny_cfg(corpus), run, resume=True, log=lambda m: None)
+    assert [r["step"] for r in metrics(run)] == list(range(1, 7))
+
+
 def test_run_dir_contents_and_pruning(corpus, tmp_path):
     run = tmp_path / "run"
     train(tiny_cfg(corpus), run, log=lambda m: None)
