@@ -33,7 +33,7 @@ MODEL_FILE, STATE_FILE, MARKER = "model.safetensors", "state.pt", "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ValueError):
     """A checkpoint cannot be written or read; the message is one line naming the folder."""
 
 

@@ -208,18 +208,18 @@ def train(
     sets: SetOpt = None,
     attnres: AttnResOpt = None,
     data: Annotated[Optional[str], typer.Option(
-        help="Corpus: stdlib (the Python standard library's source), a .txt/.jsonl/.parquet file or "
-             "folder, or hf:NAME. Default: the preset's data.source.")] = None,
+        help="Corpus: stdlib (the Python standard library's source), a folder of .txt/.jsonl/.parquet "
+             "files (each .txt one document), a .jsonl/.parquet file, or hf:NAME. Default: data.source.")] = None,
     steps: Annotated[Optional[int], typer.Option(help="Optimiser steps (default: the preset's train.steps).")] = None,
     out: Annotated[Optional[Path], typer.Option(
         help="Run directory. Default: runs/PRESET-ATTNRES-TIMESTAMP.")] = None,
     resume: Annotated[Optional[str], typer.Option(
         help="'auto': continue from the newest complete checkpoint of --out (or of the newest "
              "runs/PRESET-ATTNRES-* directory).")] = None,
-    until: Annotated[Optional[int], typer.Option(
+    until: Annotated[Optional[int], typer.Option(min=1,
         help="Stop after this step (with a checkpoint) without changing the schedule; resume later.")] = None,
     device: Annotated[Optional[str], typer.Option(help="auto | cpu | cuda (default: train.device).")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Random seed (default: train.seed).")] = None,
+    seed: Annotated[Optional[int], typer.Option(min=0, max=2**63 - 1, help="Random seed (default: train.seed).")] = None,
     time_limit: Annotated[Optional[float], typer.Option(
         "--time-limit", help="Stop with a checkpoint after this many seconds.")] = None,
     wandb: Annotated[WandbMode, typer.Option(help="Log to Weights & Biases (needs the wandb extra).")] = WandbMode.off,
@@ -243,8 +243,7 @@ def train(
     else:
         cfg = resolve(preset, config, (sets or []) + extra, attnres)
     if run_dir is None:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        run_dir = Path("runs") / f"{Path(preset).stem}-{cfg.model.attnres.mode}-{stamp}"
+        run_dir = _new_run_dir(Path(preset).stem, cfg.model.attnres.mode)
     elif not resume and (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
         fail(f"{run_dir} already holds checkpoints; pass --resume auto to continue it, or choose another --out")
 
@@ -255,7 +254,7 @@ def train(
                               wandb_mode=wandb.value, stop_at=until)
     except TrainingStopped as e:
         fail(str(e), code=e.code)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, ValueError, FileNotFoundError) as e:  # DataError, CheckpointError are ValueErrors
         fail(str(e))
     console.print(f"done: step {result.step}, train loss {result.train_loss:.4f}"
                   + (f", val loss {result.val_loss:.4f}" if result.val_loss is not None else "")
@@ -266,8 +265,8 @@ def train(
 def eval_cmd(
     run: Annotated[Optional[str], typer.Option(help="Run directory (uses its newest complete checkpoint).")] = None,
     ckpt: Annotated[Optional[str], typer.Option(help="A checkpoint directory (runs/X/checkpoints/step_N).")] = None,
-    batches: Annotated[Optional[int], typer.Option(help="Validation batches (default: eval.batches).")] = None,
-    batch_size: Annotated[Optional[int], typer.Option(help="Sequences per batch (default: eval.batch_size).")] = None,
+    batches: Annotated[Optional[int], typer.Option(min=1, help="Validation batches (default: eval.batches).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(min=1, help="Sequences per batch (default: eval.batch_size).")] = None,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON to stdout.")] = False,
 ):
@@ -277,7 +276,7 @@ def eval_cmd(
 
     try:
         res = evaluate_run(run, ckpt, batches, batch_size, device, log=lambda m: err_console.print(m, highlight=False))
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, ValueError, FileNotFoundError) as e:  # DataError, CheckpointError are ValueErrors
         fail(str(e))
     if as_json:
         sys.stdout.write(json.dumps(res, indent=2) + "\n")
@@ -357,6 +356,19 @@ def _resolve_file(path, config, sets, attnres):
         return load_config(path, config, sets, attnres.value if attnres else None)
     except ConfigError as e:
         fail(str(e))
+
+
+def _new_run_dir(preset: str, mode: str) -> Path:
+    """runs/PRESET-MODE-TIMESTAMP, created here so that two runs started together never share one."""
+    base = Path("runs") / f"{preset}-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+    for i in range(1000):
+        path = base if i == 0 else base.with_name(f"{base.name}-{i}")
+        try:
+            path.mkdir(parents=True, exist_ok=False)
+            return path
+        except FileExistsError:
+            continue
+    fail(f"could not create a fresh run directory next to {base}")
 
 
 def _newest_run(preset: str, mode: Optional[str]) -> Optional[Path]:

@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import yaml
-
-from k3cli.config import ConfigError
+from k3cli.config import ConfigError, read_yaml
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -44,7 +42,7 @@ def run_summary(run_dir: Path) -> dict:
         "best_val_step": min(vals, key=lambda sv: sv[1])[0] if vals else None,
         "tokens_per_s": sorted(tps)[len(tps) // 2] if tps else None,  # median of the logged windows
         "val_curve": vals,
-        "config": _flatten(yaml.safe_load(cfg_path.read_text()) or {}),
+        "config": _flatten(read_yaml(cfg_path)),
     }
 
 

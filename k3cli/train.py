@@ -17,9 +17,15 @@ from pathlib import Path
 
 import torch
 
-from k3cli.checkpoint import find_latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
-from k3cli.config import RunConfig, dump_config
-from k3cli.data import prepare_data, save_tokenizer
+from k3cli.checkpoint import (
+    find_latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+)
+from k3cli.config import RunConfig, dump_config, load_config
+from k3cli.data import load_tokenizer, prepare_data, save_tokenizer
 from k3cli.models.causal_lm import CausalLM
 
 # parameters named like this take no weight decay (besides every parameter with ndim < 2)
@@ -109,9 +115,16 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
     torch.manual_seed(tc.seed)
     flush_denormals(device)
 
-    data = prepare_data(cfg.data, cfg.model.vocab_size, tc.seq_len, progress=log)
-    save_tokenizer(data.tokenizer, run_dir)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    resuming = resume and (run_dir / "config.yaml").is_file()
+    if resuming:
+        # the run's own files stay untouched until its checkpoint has loaded
+        check_resume_config(load_config(str(run_dir / "config.yaml")), cfg)
+        data = prepare_data(cfg.data, cfg.model.vocab_size, tc.seq_len, progress=log,
+                            tokenizer=load_tokenizer(run_dir))
+    else:
+        data = prepare_data(cfg.data, cfg.model.vocab_size, tc.seq_len, progress=log)
+        save_tokenizer(data.tokenizer, run_dir)
+        _write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
     log(f"data: {data.n_train_docs} train / {data.n_val_docs} val documents, {len(data.train_tokens):,} / "
         f"{len(data.val_tokens):,} tokens, {data.bytes_per_token_val:.2f} bytes per val token")
 
@@ -125,16 +138,24 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
     loader = data.train_loader(tc.micro_batch_size, seed=tc.seed)
     val = data.val_batches(cfg.eval.batches, cfg.eval.batch_size)
 
-    step = 0
+    step, loss_val, val_loss = 0, float("nan"), None
     if resume:
         ckpt = find_latest_checkpoint(run_dir)
+        if ckpt is None and list_checkpoints(run_dir):
+            raise ValueError(f"{run_dir} has checkpoint folders but none verifies; nothing was changed. "
+                             "Move them aside to start over, or resume from a copy that is intact")
         if ckpt is not None:
             state = load_checkpoint(ckpt, model, opt, sched)
             loader.load_state_dict(state["loader"])
             step = state["step"]
+            loss_val = state["extra"].get("train_loss", loss_val)
+            val_loss = state["extra"].get("val_loss")
+            _set_aside_unverified(run_dir, step, log)
             log(f"resumed from {ckpt} at step {step}")
         else:
-            log(f"no complete checkpoint in {run_dir}; starting from step 0")
+            log(f"no checkpoint in {run_dir} yet; starting from step 0")
+        if resuming:  # only keys that may change on resume differ; record them now
+            _write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
 
     autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
     accum = tc.global_batch_size // tc.micro_batch_size
@@ -142,9 +163,11 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
     _truncate_metrics(metrics_path, step)
     wb = _wandb_init(wandb_mode, cfg, run_dir)
     model.train()
-    loss_val, val_loss = float("nan"), None
     t_start = time.time()
     t_last, tokens_since = time.time(), 0
+    if stop_at is not None and step >= stop_at:
+        log(f"already at step {step} (--until {stop_at}); nothing to do")
+        return TrainResult(run_dir, step, loss_val, val_loss)
     if progress is not None:
         progress.start(total=tc.steps, completed=step)
 
@@ -164,6 +187,10 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
                                   f"Last good checkpoint: {last if last else 'none'}")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0
                                                    else float("inf")).item()
+        if not math.isfinite(grad_norm):  # stepping would write NaN weights into the next checkpoint
+            last = find_latest_checkpoint(run_dir)
+            raise TrainingStopped(f"non-finite gradient norm ({grad_norm}) at step {step + 1}; stopped "
+                                  f"before the update. Last good checkpoint: {last if last else 'none'}")
         opt.step()
         sched.step()
         imbalance = moe_imbalance(model)
@@ -212,6 +239,46 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
     return TrainResult(run_dir, step, loss_val, val_loss)
 
 
+# keys a resumed run may change; anything else would silently not apply (optimiser and loader
+# state come from the checkpoint) or would not fit the checkpoint at all
+RESUMABLE_KEYS = ("train.steps", "train.device", "train.log_every", "train.eval_every", "train.ckpt_every",
+                  "train.keep_last", "train.time_limit_s", "eval.")
+
+
+def check_resume_config(saved: RunConfig, new: RunConfig) -> None:
+    from k3cli.config import config_to_dict
+
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = flat(config_to_dict(saved)), flat(config_to_dict(new))
+    changed = [k for k in sorted(a) if a[k] != b.get(k) and not k.startswith(RESUMABLE_KEYS)]
+    if changed:
+        shown = ", ".join(f"{k} ({a[k]!r} -> {b.get(k)!r})" for k in changed[:4])
+        raise ValueError(f"cannot resume with a changed {shown}{' …' if len(changed) > 4 else ''}; only "
+                         "train.steps/device/log_every/eval_every/ckpt_every/keep_last/time_limit_s and eval.* "
+                         "may change. Train into a new --out instead")
+
+
+def _set_aside_unverified(run_dir: Path, step: int, log) -> None:
+    """Rename checkpoint folders newer than `step` that failed verification (kept, not deleted),
+    so that training can write that step again."""
+    for s, path in list_checkpoints(run_dir):
+        if s > step:
+            aside = path.with_name(f"{path.name}.unverified-{time.strftime('%Y%m%d-%H%M%S')}")
+            path.rename(aside)
+            log(f"checkpoint {path} failed verification; kept as {aside}")
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def _truncate_metrics(path: Path, step: int) -> None:
     """Drop metric lines after `step` (written after the checkpoint we resume from), so a resumed
     run's metrics.jsonl has each step once; the old file is replaced atomically."""
@@ -224,9 +291,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
                 keep.append(line)
         except (json.JSONDecodeError, KeyError, TypeError):  # a line cut by a crash mid-write
             continue
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    tmp.replace(path)
+    _write_text_atomic(path, "".join(line + "\n" for line in keep))
 
 
 def _format(r: dict) -> str:

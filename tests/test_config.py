@@ -140,3 +140,10 @@ def test_unknown_key_in_file_names_the_file(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config("k3-toy", str(f))
     assert "train.stpes" in str(e.value) and str(f) in str(e.value) and "train.steps" in str(e.value)
+
+
+def test_non_utf8_config_is_one_line(tmp_path):
+    f = tmp_path / "bin.yaml"
+    f.write_bytes(b"\xff\xfe\x00train: 1")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config("k3-toy", str(f))

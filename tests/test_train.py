@@ -199,3 +199,50 @@ def test_cli_compare(corpus, tmp_path):
     assert json.loads(r.stdout)["config_diff"] == {"train.seed": [0, 1]}
     r = runner.invoke(app, ["compare", str(tmp_path / "a"), str(tmp_path / "nope")])
     assert r.exit_code == 2 and "no config.yaml" in r.stderr
+
+
+def test_resume_refuses_changed_config_and_touches_nothing(corpus, tmp_path):
+    run = tmp_path / "run"
+    train(tiny_cfg(corpus), run, log=lambda m: None, stop_at=2)
+    before = {p: p.read_bytes() for p in (run / "config.yaml", run / "tokenizer.json")}
+    for change in ("model.hidden_size=48", "train.lr=0.03", "train.seq_len=16"):
+        with pytest.raises(ValueError, match="cannot resume with a changed") as e:
+            train(tiny_cfg(corpus, change), run, resume=True, log=lambda m: None)
+        assert change.split("=")[0] in str(e.value)
+    assert {p: p.read_bytes() for p in before} == before
+    # allowed: more steps; the config records them only after the checkpoint loaded
+    res = train(tiny_cfg(corpus, "train.steps=7"), run, resume=True, log=lambda m: None)
+    assert res.step == 7 and load_config(str(run / "config.yaml")).train.steps == 7
+
+
+def test_unverified_newest_checkpoint_is_set_aside_not_deleted(corpus, tmp_path):
+    run = tmp_path / "run"
+    train(tiny_cfg(corpus), run, log=lambda m: None, stop_at=4)
+    bad = run / "checkpoints" / "step_00000004"
+    data = bytearray((bad / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (bad / "model.safetensors").write_bytes(bytes(data))
+    res = train(tiny_cfg(corpus), run, resume=True, log=lambda m: None)
+    assert res.step == 6
+    aside = [p.name for p in (run / "checkpoints").iterdir() if ".unverified-" in p.name]
+    assert len(aside) == 1 and aside[0].startswith("step_00000004")
+
+
+def test_non_finite_gradient_stops_before_the_update(corpus, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    train(tiny_cfg(corpus), run, log=lambda m: None, stop_at=2)
+    real = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, max_norm: real(params, max_norm) * float("inf"))
+    with pytest.raises(TrainingStopped, match="non-finite gradient norm"):
+        train(tiny_cfg(corpus), run, resume=True, log=lambda m: None)
+    assert find_latest_checkpoint(run).name == "step_00000002"
+    assert [r["step"] for r in metrics(run)] == [1, 2]
+
+
+def test_default_run_dirs_never_collide(tmp_path, monkeypatch):
+    from k3cli.cli import _new_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("time.strftime", lambda fmt: "20260101-000000")
+    a, b = _new_run_dir("k3-toy", "off"), _new_run_dir("k3-toy", "off")
+    assert a != b and a.is_dir() and b.is_dir()
