@@ -113,7 +113,8 @@ def _bench_shape(L: int, N: int, D: int, dtype, dev, fla) -> list[dict]:
     row["fla_fwd_ms"] = None
     if fla is not None:
         try:
-            row["fla_fwd_ms"], _ = _time(lambda: fla(stacked, query, gain), dev)
+            # fla 0.6: fused_attnres(query, residuals, rms_weight, ...): the gain is its rms_weight
+            row["fla_fwd_ms"], _ = _time(lambda: fla(query, listed, gain), dev)
         except (TypeError, ValueError, RuntimeError) as e:   # unknown fla signature: report it
             row["fla_error"] = f"{type(e).__name__}: {e}"[:200]
     return [row, _bench_block(listed, dh, L, N, D, dtype, gen, dev, copy_gbps)]
