@@ -75,7 +75,11 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    # numpy's key array is stored as a tensor so that state.pt loads with weights_only=True
+    # (no pickled objects: a checkpoint from someone else cannot run code when loaded)
+    name, key, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = (name, torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(gauss))
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -83,7 +87,8 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, key, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, key.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         # a resume on fewer GPUs restores the devices that exist
@@ -185,7 +190,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, s
         raise CheckpointError(f"{path}: weights do not fit this model "
                               f"({str(e).strip().splitlines()[-1].strip()})") from None
     # weights_only=False: the file is our own and holds NumPy's RNG state, which the safe loader rejects
-    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
     if optimizer is not None:
         if state["optimizer"] is None:
             raise CheckpointError(f"{path} holds no optimizer state")
