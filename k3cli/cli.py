@@ -208,8 +208,9 @@ def train(
     sets: SetOpt = None,
     attnres: AttnResOpt = None,
     data: Annotated[Optional[str], typer.Option(
-        help="Corpus: stdlib (the Python standard library's source), a folder of .txt/.jsonl/.parquet "
-             "files (each .txt one document), a .jsonl/.parquet file, or hf:NAME. Default: data.source.")] = None,
+        help="Corpus: stdlib (the Python standard library's source), a .txt file (cut into documents at "
+             "blank lines), a .jsonl/.parquet file, a folder of them (each .txt one document), or hf:NAME. "
+             "Default: data.source.")] = None,
     steps: Annotated[Optional[int], typer.Option(help="Optimiser steps (default: the preset's train.steps).")] = None,
     out: Annotated[Optional[Path], typer.Option(
         help="Run directory. Default: runs/PRESET-ATTNRES-TIMESTAMP.")] = None,

@@ -292,3 +292,16 @@ def test_stdlib_source_capped(tmp_path):
     assert data.tokenizer.decode(data.tokenizer.encode(text).ids) == text
     assert os.environ["K3_CACHE_DIR"] != str(tmp_path / "c2")  # cache_dir argument beats the env
     assert (tmp_path / "c2" / "tokenizers" / f"{data.fingerprint}.json").is_file()
+
+
+def test_single_txt_file_is_cut_into_documents_at_blank_lines(tmp_path):
+    from k3cli.data import TXT_PIECE_BYTES
+    paras = [f"paragraph {i} " + "word " * 300 for i in range(40)]
+    f = tmp_path / "book.txt"
+    f.write_text("\n\n".join(paras))
+    docs = load_documents(str(f))
+    assert len(docs) > 2 and all(d.name.startswith("book.txt#") for d in docs)
+    assert "\n\n".join(d.text for d in docs) == f.read_text()  # nothing lost or reordered
+    assert all(d.nbytes >= TXT_PIECE_BYTES for d in docs[:-1])
+    train, val = split_documents(docs, 0.1)
+    assert train and val
