@@ -147,3 +147,19 @@ def test_non_utf8_config_is_one_line(tmp_path):
     f.write_bytes(b"\xff\xfe\x00train: 1")
     with pytest.raises(ConfigError, match="not UTF-8"):
         load_config("k3-toy", str(f))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_header_parameter_counts_are_true(preset):
+    """The counts quoted in each preset's comment header match `k3 layout` (AttnRes off)."""
+    import re
+
+    from k3cli.config import preset_dir
+    from k3cli.layout import param_counts
+
+    header = "".join(line for line in (preset_dir() / f"{preset}.yaml").read_text().splitlines(True)
+                     if line.startswith("#"))
+    quoted = {int(n.replace(",", "")) for n in re.findall(r"\d{1,3}(?:,\d{3})+", header)}
+    counts = param_counts(load_config(preset, attnres="off").model)
+    assert quoted and quoted <= {counts["total"], counts["active"]}
+    assert counts["total"] in quoted
