@@ -99,15 +99,7 @@ def config_presets():
     console.print("attnres overlays: " + ", ".join(list_presets("attnres")))
 
 
-class VerifyKernel(str, Enum):
-    chunk_kda = "chunk_kda"
-    kda_gate = "kda_gate"
-    decode = "decode"
-    attnres = "attnres"
-    all = "all"
-
-
-class BenchKernel(str, Enum):
+class Kernel(str, Enum):
     chunk_kda = "chunk_kda"
     kda_gate = "kda_gate"
     decode = "decode"
@@ -124,7 +116,7 @@ class DType(str, Enum):
 
 @app.command("verify-equivalence")
 def verify_equivalence(
-    kernel: Annotated[VerifyKernel, typer.Option(help="Kernel to check against its fp32 torch reference.")] = VerifyKernel.all,
+    kernel: Annotated[Kernel, typer.Option(help="Kernel to check against its fp32 torch reference.")] = Kernel.all,
     shapes: Annotated[str, typer.Option(help="ci (tiny; fine on CPU) | full (GPU sizes).")] = "ci",
     dtype: Annotated[DType, typer.Option(
         help="Input dtype; auto = bf16 on CUDA, fp32 on CPU (the Triton interpreter mis-handles bf16).")] = DType.auto,
@@ -146,7 +138,7 @@ def verify_equivalence(
     import torch
 
     tdt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dt]
-    kernels = list(VERIFY_KERNELS) if kernel == VerifyKernel.all else [kernel.value]
+    kernels = list(VERIFY_KERNELS) if kernel == Kernel.all else [kernel.value]
     rows = run_verify(kernels, shapes, tdt)
     failed = [r for r in rows if not r[5]]
     if as_json:
@@ -160,7 +152,7 @@ def verify_equivalence(
 
 @app.command("bench-kernel")
 def bench_kernel(
-    kernel: Annotated[BenchKernel, typer.Option(help="Kernel to time.")] = BenchKernel.all,
+    kernel: Annotated[Kernel, typer.Option(help="Kernel to time.")] = Kernel.all,
     shapes: Annotated[str, typer.Option(help="ci (tiny, CPU interpreter) | toy | k3 (BENCHMARKS.md shapes).")] = "k3",
     against_fla: Annotated[Optional[str], typer.Option(
         "--against", help="'fla': also time flash-linear-attention when it is importable.")] = None,
@@ -181,7 +173,7 @@ def bench_kernel(
     device = prepare_device()
     if device == "cpu" and shapes != "ci":
         fail("without a GPU only --shapes ci runs (through the Triton interpreter)")
-    kernels = list(BENCH_KERNELS) if kernel == BenchKernel.all else [kernel.value]
+    kernels = list(BENCH_KERNELS) if kernel == Kernel.all else [kernel.value]
     if shapes == "toy" and "attnres" in kernels:
         kernels.remove("attnres")
         if not kernels:
@@ -226,6 +218,7 @@ def train(
     wandb: Annotated[WandbMode, typer.Option(help="Log to Weights & Biases (needs the wandb extra).")] = WandbMode.off,
 ):
     """Train a model on real text (default: the Python standard library's own source)."""
+    from k3cli.report import TrainProgress, make_logger
     from k3cli.train import TrainingStopped
     from k3cli.train import train as run_training
 
@@ -249,9 +242,9 @@ def train(
         fail(f"{run_dir} already holds checkpoints; pass --resume auto to continue it, or choose another --out")
 
     err_console.print(f"run directory: {run_dir}", highlight=False)
-    progress = TrainProgress(console) if console.is_terminal else None
+    progress = TrainProgress(console) if console.is_terminal else None  # plain lines in logs
     try:
-        result = run_training(cfg, run_dir, resume=bool(resume), log=_logger(progress), progress=progress,
+        result = run_training(cfg, run_dir, resume=bool(resume), log=make_logger(progress), progress=progress,
                               wandb_mode=wandb.value, stop_at=until)
     except TrainingStopped as e:
         fail(str(e), code=e.code)
@@ -376,41 +369,6 @@ def _newest_run(preset: str, mode: Optional[str]) -> Optional[Path]:
     pattern = f"{Path(preset).stem}-{mode or '*'}-*"
     runs = sorted(Path("runs").glob(pattern), key=lambda p: p.stat().st_mtime)
     return runs[-1] if runs else None
-
-
-def _logger(progress):
-    def log(msg: str) -> None:
-        if progress is not None:
-            progress.console.print(msg, highlight=False)
-        else:
-            print(msg, flush=True)
-    return log
-
-
-class TrainProgress:
-    """A Rich progress bar with loss and tokens/s, used when stdout is a terminal."""
-
-    def __init__(self, console: Console):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self.console = console
-        self._p = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                           TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-                           TimeRemainingColumn(), console=console)
-        self._task = None
-
-    def start(self, total: int, completed: int = 0) -> None:
-        self._p.start()
-        self._task = self._p.add_task("train", total=total, completed=completed, loss="-", tps="-")
-
-    def update(self, step: int, loss: float, tokens_per_s: float | None = None) -> None:
-        fields = {"loss": f"{loss:.4f}"}
-        if tokens_per_s is not None:
-            fields["tps"] = f"{tokens_per_s:.0f}"
-        self._p.update(self._task, completed=step, **fields)
-
-    def stop(self) -> None:
-        self._p.stop()
 
 
 def main() -> None:  # pragma: no cover

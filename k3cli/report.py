@@ -110,3 +110,45 @@ def print_compare(console: Console, data: dict) -> None:
         console.print(diff)
     else:
         console.print("configs are identical")
+
+
+def make_logger(progress):
+    """Log lines go through the progress bar's console when there is one (so the bar stays put)."""
+    def log(msg: str) -> None:
+        if progress is not None:
+            progress.console.print(msg, highlight=False)
+        else:
+            print(msg, flush=True)
+    return log
+
+
+class TrainProgress:
+    """A Rich progress bar with loss and tokens/s, used when stdout is a terminal."""
+
+    def __init__(self, console: Console):
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
+
+        self.console = console
+        self._p = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                           TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+                           TimeRemainingColumn(), console=console)
+        self._task = None
+
+    def start(self, total: int, completed: int = 0) -> None:
+        self._p.start()
+        self._task = self._p.add_task("train", total=total, completed=completed, loss="-", tps="-")
+
+    def update(self, step: int, loss: float, tokens_per_s: float | None = None) -> None:
+        fields = {"loss": f"{loss:.4f}"}
+        if tokens_per_s is not None:
+            fields["tps"] = f"{tokens_per_s:.0f}"
+        self._p.update(self._task, completed=step, **fields)
+
+    def stop(self) -> None:
+        self._p.stop()
