@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -74,6 +75,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+_NUMPY_SAFE = [(getattr(np, "_core", None) or np.core).multiarray._reconstruct, np.ndarray, np.dtype,
+               type(np.dtype(np.uint32))]
+
+
 def _rng_state() -> dict:
     # numpy's key array is stored as a tensor so that state.pt loads with weights_only=True
     # (no pickled objects: a checkpoint from someone else cannot run code when loaded)
@@ -88,7 +93,8 @@ def _rng_state() -> dict:
 def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     name, key, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, key.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    key = key.numpy() if isinstance(key, torch.Tensor) else key  # older checkpoints hold an ndarray
+    np.random.set_state((name, key.astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         # a resume on fewer GPUs restores the devices that exist
@@ -189,8 +195,13 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, s
     except RuntimeError as e:
         raise CheckpointError(f"{path}: weights do not fit this model "
                               f"({str(e).strip().splitlines()[-1].strip()})") from None
-    # weights_only=False: the file is our own and holds NumPy's RNG state, which the safe loader rejects
-    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    # weights_only: no pickled code runs. NumPy's array reconstructor is allowed so that checkpoints
+    # written before the RNG key was stored as a tensor still load.
+    try:
+        with torch.serialization.safe_globals(_NUMPY_SAFE):
+            state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        raise CheckpointError(f"{path}: cannot read {STATE_FILE} ({str(e).strip().splitlines()[0][:160]})") from None
     if optimizer is not None:
         if state["optimizer"] is None:
             raise CheckpointError(f"{path} holds no optimizer state")

@@ -178,3 +178,19 @@ def test_cuda_round_trip_restores_device_state_and_rng(tmp_path):
     assert torch.equal(torch.rand(4, device="cuda"), expected)
     assert all(s["exp_avg"].is_cuda for s in opt2.state.values())
     assert torch.equal(model2.emb.weight, model.emb.weight)
+
+
+def test_checkpoint_with_numpy_rng_array_from_older_versions_still_loads(tmp_path, monkeypatch):
+    import k3cli.checkpoint as ck
+
+    def old_rng_state():  # the format written before the RNG key became a tensor
+        return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+    monkeypatch.setattr(ck, "_rng_state", old_rng_state)
+    model = setup()[0]
+    np.random.seed(5)
+    path = save_checkpoint(tmp_path, 1, model)
+    expected = np.random.rand()
+    np.random.seed(0)
+    load_checkpoint(path, setup()[0])
+    assert np.random.rand() == expected
