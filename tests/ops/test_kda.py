@@ -341,3 +341,30 @@ def test_chunk_kda_bf16_gpu(B, T, H, G, K):
     out = run_with_grads(chunk_kda, *inputs)
     for name in ref:
         assert_close(name, out[name], ref[name])
+
+
+@pytest.mark.gpu
+@gpu
+def test_chunk_kda_causality_bf16_gpu():
+    """Issue 5: perturbing tokens after t leaves outputs at <= t bit-identical (bf16, K=128, GVA)."""
+    from k3cli.ops.kda import chunk_kda
+    q, k, v, g, beta, h0 = make_inputs(2, 300, 4, 2, 128, 128, dtype=torch.bfloat16, device="cuda")
+    o, _ = chunk_kda(q, k, v, g, beta, initial_state=h0)
+    for t in (0, 63, 64, 200):
+        q2, k2, v2, b2 = _perturb_after(t, q, k, v, beta)
+        g2 = g.clone()
+        g2[:, t + 1:] = -4.0 * torch.rand_like(g2[:, t + 1:])
+        o2, _ = chunk_kda(q2, k2, v2, g2, b2, initial_state=h0)
+        assert torch.equal(o[:, :t + 1], o2[:, :t + 1]), f"output at <= {t} changed"
+
+
+@pytest.mark.gpu
+@gpu
+def test_chunk_kda_batch_invariance_bf16_gpu():
+    from k3cli.ops.kda import chunk_kda
+    q, k, v, g, beta, h0 = make_inputs(4, 1000, 4, 2, 128, 128, dtype=torch.bfloat16, device="cuda")
+    o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o1, ht1 = chunk_kda(q[2:3], k[2:3], v[2:3], g[2:3], beta[2:3], initial_state=h0[2:3],
+                        output_final_state=True)
+    assert_close("o", o1, o[2:3])
+    assert_close("ht", ht1, ht[2:3])
