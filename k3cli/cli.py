@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from k3cli.config import ConfigError, dump_config, load_config
 
@@ -47,13 +48,15 @@ AttnResOpt = Annotated[Optional[AttnResMode], typer.Option(
 
 
 def fail(msg: str, code: int = 2) -> None:
-    err_console.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    # the message is plain text: no Rich markup ("[B, T, HV]") or emoji codes ("hf:x:") in it
+    err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True, emoji=False)
     raise typer.Exit(code)
 
 
-def resolve(preset: str, config: Optional[str], sets: Optional[list[str]], attnres: Optional[AttnResMode]):
+def resolve(preset: str, config: Optional[str], sets: Optional[list[str]], attnres: Optional[AttnResMode],
+            flags: Optional[dict] = None):
     try:
-        return load_config(preset, config, sets or [], attnres.value if attnres else None)
+        return load_config(preset, config, sets or [], attnres.value if attnres else None, flags)
     except ConfigError as e:
         fail(str(e))
 
@@ -226,16 +229,16 @@ def train(
         fail(f"--resume takes 'auto', got '{resume}'")
     flags = {"data.source": data, "train.steps": steps, "train.device": device, "train.seed": seed,
              "train.time_limit_s": time_limit}
-    extra = [f"{k}={v}" for k, v in flags.items() if v is not None]
+    flags = {k: v for k, v in flags.items() if v is not None}
     mode = attnres.value if attnres else None
     run_dir = out
     if resume and run_dir is None:
         run_dir = _newest_run(preset, mode)
     if resume and run_dir is not None and (run_dir / "config.yaml").is_file():
         # the run's own config is the base: the resumed run continues exactly the same job
-        cfg = _resolve_file(str(run_dir / "config.yaml"), config, (sets or []) + extra, attnres)
+        cfg = resolve(str(run_dir / "config.yaml"), config, sets, attnres, flags)
     else:
-        cfg = resolve(preset, config, (sets or []) + extra, attnres)
+        cfg = resolve(preset, config, sets, attnres, flags)
     if run_dir is None:
         run_dir = _new_run_dir(Path(preset).stem, cfg.model.attnres.mode)
     elif not resume and (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
@@ -246,10 +249,21 @@ def train(
     try:
         result = run_training(cfg, run_dir, resume=bool(resume), log=make_logger(progress), progress=progress,
                               wandb_mode=wandb.value, stop_at=until)
+    except KeyboardInterrupt:
+        from k3cli.checkpoint import find_latest_checkpoint
+
+        last = find_latest_checkpoint(run_dir) if run_dir.is_dir() else None
+        fail(f"interrupted; last checkpoint: {last or 'none'}"
+             + (f"; continue with --out {run_dir} --resume auto" if last else ""), code=130)
     except TrainingStopped as e:
         fail(str(e), code=e.code)
     except (ConfigError, ValueError, FileNotFoundError) as e:  # DataError, CheckpointError are ValueErrors
         fail(str(e))
+    finally:
+        if progress is not None:
+            progress.stop()
+        if run_dir.is_dir() and not any(run_dir.iterdir()):
+            run_dir.rmdir()  # failed before writing anything: leave no empty run behind
     console.print(f"done: step {result.step}, train loss {result.train_loss:.4f}"
                   + (f", val loss {result.val_loss:.4f}" if result.val_loss is not None else "")
                   + f"; run directory {result.run_dir}", highlight=False)
@@ -343,13 +357,6 @@ def compare(
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
     else:
         print_compare(console, data)
-
-
-def _resolve_file(path, config, sets, attnres):
-    try:
-        return load_config(path, config, sets, attnres.value if attnres else None)
-    except ConfigError as e:
-        fail(str(e))
 
 
 def _new_run_dir(preset: str, mode: str) -> Path:

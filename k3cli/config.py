@@ -248,8 +248,10 @@ def _nest(path: list[str], value: Any) -> dict:
 
 
 def load_config(preset: str | None = "k3-toy", config_file: str | None = None,
-                overrides: list[str] | None = None, attnres: str | None = None) -> RunConfig:
-    """Resolve a RunConfig: defaults < preset < config file < --set overrides < --attnres overlay."""
+                overrides: list[str] | None = None, attnres: str | None = None,
+                flags: dict[str, Any] | None = None) -> RunConfig:
+    """Resolve a RunConfig: defaults < preset < config file < --set overrides < dedicated flags
+    (`flags`, {"data.source": "...", ...}: values taken as given, not parsed as YAML) < --attnres."""
     layers: list[tuple[dict, str]] = []
     if preset:
         path = resolve_preset(preset)
@@ -259,6 +261,8 @@ def load_config(preset: str | None = "k3-toy", config_file: str | None = None,
     for expr in overrides or []:
         keys, value = _parse_set(expr)
         layers.append((_nest(keys, value), f"--set {expr}"))
+    for key, value in (flags or {}).items():
+        layers.append((_nest(key.split("."), value), f"--{key.split('.')[-1].replace('_', '-')}"))
     if attnres:
         path = resolve_preset(attnres, kind="attnres")
         layers.append((read_yaml(path), f"--attnres {attnres}"))

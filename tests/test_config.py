@@ -163,3 +163,12 @@ def test_preset_header_parameter_counts_are_true(preset):
     counts = param_counts(load_config(preset, attnres="off").model)
     assert quoted and quoted <= {counts["total"], counts["active"]}
     assert counts["total"] in quoted
+
+
+def test_dedicated_flags_beat_set_and_are_taken_literally():
+    cfg = load_config("k3-toy", overrides=["train.steps=5", "data.source=stdlib"],
+                      flags={"train.steps": 9, "data.source": "hf:org/name:config"})
+    assert cfg.train.steps == 9
+    assert cfg.data.source == "hf:org/name:config"  # not parsed as YAML (it would be a mapping)
+    with pytest.raises(ConfigError, match="train.steps: expected int"):
+        load_config("k3-toy", flags={"train.steps": "many"})

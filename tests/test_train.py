@@ -246,3 +246,27 @@ def test_default_run_dirs_never_collide(tmp_path, monkeypatch):
     monkeypatch.setattr("time.strftime", lambda fmt: "20260101-000000")
     a, b = _new_run_dir("k3-toy", "off"), _new_run_dir("k3-toy", "off")
     assert a != b and a.is_dir() and b.is_dir()
+
+
+def test_ctrl_c_is_one_line_exit_130_and_names_the_checkpoint(corpus, tmp_path, monkeypatch):
+    import k3cli.train as train_mod
+
+    run = tmp_path / "run"
+    train(tiny_cfg(corpus), run, log=lambda m: None, stop_at=2)
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_mod, "train", interrupted)
+    r = runner.invoke(app, ["train", "--out", str(run), "--resume", "auto"])
+    assert r.exit_code == 130
+    assert "interrupted" in r.stderr and "step_00000002" in r.stderr and "--resume auto" in r.stderr
+
+
+def test_error_text_is_not_rich_markup_or_emoji(tmp_path):
+    r = runner.invoke(app, ["train", "--data", "hf:x:", "--out", str(tmp_path / "r")])
+    assert r.exit_code == 2
+    assert "hf:x:" in r.stderr
+    assert not (tmp_path / "r").exists()  # nothing written, no empty run left behind
+    r = runner.invoke(app, ["layout", "--set", "model.[bold]x=1"])
+    assert r.exit_code == 2 and "model.[bold]x" in r.stderr
