@@ -9,6 +9,7 @@ from k3cli.config import load_config
 from k3cli.data import EOT_ID
 from k3cli.generate import generate, generate_ids, sample_next
 from k3cli.models import CausalLM
+from k3cli.testing import TINY_MODEL, TINY_TRAIN, write_corpus
 from k3cli.train import train
 
 runner = CliRunner()
@@ -118,17 +119,8 @@ def test_generate_streams_the_text_and_reports_speed(model):
     assert res.prefill_tokens_per_s > 0 and res.decode_tokens_per_s > 0
 
 
-WORDS = ("the state decays per key dimension and the delta rule writes the residual of the prediction "
-         "mixture of experts route tokens to latent experts while attention over depth mixes sublayers").split()
-TINY = [
-    "model.vocab_size=300", "model.hidden_size=32", "model.num_hidden_layers=2",
-    "model.kda={num_heads: 2, num_v_heads: 4, head_k_dim: 8, head_v_dim: 8, chunk_size: 8}",
-    "model.mla={num_heads: 2, q_lora_rank: 16, kv_lora_rank: 8, qk_head_dim: 8, v_head_dim: 8}",
-    "model.moe={num_routed_experts: 4, top_k: 2, num_shared_experts: 1, d_ff: 16, latent_dim: 16}",
-    "train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4", "train.steps=4",
-    "train.warmup_steps=1", "train.ckpt_every=4", "train.eval_every=4", "train.log_every=1",
-    "eval.batches=1", "eval.batch_size=2", "train.device=cpu",
-]
+TINY = TINY_MODEL + TINY_TRAIN + ["train.steps=4", "train.ckpt_every=4", "train.eval_every=4",
+                                  "eval.batches=1", "train.warmup_steps=1"]
 
 
 @pytest.fixture(scope="module")
@@ -136,12 +128,7 @@ def trained_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("gen")
     mp = pytest.MonkeyPatch()
     mp.setenv("K3_CACHE_DIR", str(root / "cache"))
-    corpus = root / "corpus"
-    corpus.mkdir()
-    g = torch.Generator().manual_seed(0)
-    for i in range(20):
-        idx = torch.randint(len(WORDS), (120,), generator=g).tolist()
-        (corpus / f"doc{i:02d}.txt").write_text(" ".join(WORDS[j] for j in idx) + "\n")
+    corpus = write_corpus(root, n_docs=20)
     run = root / "run"
     cfg = load_config("k3-toy", overrides=TINY + [f"data.source={corpus}"], attnres="block")
     train(cfg, run, log=lambda m: None)

@@ -12,34 +12,18 @@ from k3cli.checkpoint import find_latest_checkpoint, list_checkpoints
 from k3cli.cli import app
 from k3cli.config import load_config
 from k3cli.models.causal_lm import CausalLM
+from k3cli.testing import TINY_MODEL, TINY_TRAIN, write_corpus
 from k3cli.train import TrainingStopped, lr_lambda, param_groups, train
 
 runner = CliRunner()
 
-TINY = [
-    "model.vocab_size=300", "model.hidden_size=32", "model.num_hidden_layers=2",
-    "model.kda={num_heads: 2, num_v_heads: 4, head_k_dim: 8, head_v_dim: 8, chunk_size: 8}",
-    "model.mla={num_heads: 2, q_lora_rank: 16, kv_lora_rank: 8, qk_head_dim: 8, v_head_dim: 8}",
-    "model.moe={num_routed_experts: 4, top_k: 2, num_shared_experts: 1, d_ff: 16, latent_dim: 16}",
-    "train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4", "train.steps=6",
-    "train.warmup_steps=2", "train.ckpt_every=2", "train.eval_every=3", "train.log_every=1",
-    "train.keep_last=2", "eval.batches=2", "eval.batch_size=2", "train.device=cpu",
-]
-
-WORDS = ("the state decays per key dimension and the delta rule writes the residual of the prediction "
-         "mixture of experts route tokens to latent experts while attention over depth mixes sublayers").split()
+TINY = TINY_MODEL + TINY_TRAIN
 
 
 @pytest.fixture
 def corpus(tmp_path, monkeypatch):
     monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path / "cache"))
-    d = tmp_path / "corpus"
-    d.mkdir()
-    g = torch.Generator().manual_seed(0)
-    for i in range(40):
-        idx = torch.randint(len(WORDS), (120,), generator=g).tolist()
-        (d / f"doc{i:02d}.txt").write_text(" ".join(WORDS[j] for j in idx) + "\n")
-    return d
+    return write_corpus(tmp_path)
 
 
 def tiny_cfg(corpus, *extra, preset="k3-toy"):
