@@ -134,7 +134,10 @@ def verify_equivalence(
 
     if shapes not in ("ci", "full"):
         fail(f"--shapes must be ci or full, got '{shapes}'")
-    device = prepare_device()
+    try:
+        device = prepare_device()
+    except RuntimeError as e:
+        fail(str(e))
     dt = dtype.value if dtype != DType.auto else ("bf16" if device == "cuda" else "fp32")
     if device == "cpu" and dt == "bf16":
         fail("bf16 needs a GPU: the Triton interpreter gives wrong results for bf16 tensors; use fp32 or fp16")
@@ -173,7 +176,10 @@ def bench_kernel(
         fail(f"--shapes must be ci, toy or k3, got '{shapes}'")
     if against_fla not in (None, "fla"):
         fail(f"--against takes 'fla', got '{against_fla}'")
-    device = prepare_device()
+    try:
+        device = prepare_device()
+    except RuntimeError as e:
+        fail(str(e))
     if device == "cpu" and shapes != "ci":
         fail("without a GPU only --shapes ci runs (through the Triton interpreter)")
     kernels = list(BENCH_KERNELS) if kernel == Kernel.all else [kernel.value]

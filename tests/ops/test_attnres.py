@@ -31,9 +31,8 @@ from k3cli.ops.attnres.verify import (
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
-needs_triton = pytest.mark.skipif(not (HAS_CUDA or INTERPRET),
-                                  reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
-gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+needs_triton = pytest.mark.triton
+gpu = pytest.mark.gpu
 
 
 def assert_rows(rows):

@@ -14,9 +14,8 @@ from k3cli.ops.kda.naive import naive_kda_gate, naive_recurrent_kda
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
-pytestmark = pytest.mark.skipif(not (HAS_CUDA or INTERPRET),
-                                reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
-gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+pytestmark = pytest.mark.triton
+gpu = pytest.mark.gpu
 
 # relative RMS error limits against the fp32 reference, per output and input precision
 TOL = {"o": 1e-5, "ht": 1e-5, "o_bf16": 0.02, "ht_bf16": 0.02}

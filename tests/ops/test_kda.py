@@ -14,9 +14,8 @@ from k3cli.ops.kda import chunk_local_cumsum, naive_chunk_kda, naive_kda_gate, n
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
-needs_triton = pytest.mark.skipif(not (HAS_CUDA or INTERPRET),
-                                  reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
-gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+needs_triton = pytest.mark.triton
+gpu = pytest.mark.gpu
 
 # relative RMS error limits against the fp32 (or fp64) reference, per output
 TOL = {"o": 0.005, "ht": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dh0": 0.008,

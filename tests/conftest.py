@@ -1,0 +1,27 @@
+"""Markers shared by every test file, skipped here in one place:
+
+- `gpu`: needs a CUDA device (the bf16 / full-size tier, run on the GPU machine);
+- `triton`: runs a Triton kernel, so it needs CUDA or the interpreter (`TRITON_INTERPRET=1`,
+  which must be set before Python starts; `make test` does).
+"""
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+TRITON_RUNS = HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "triton: runs a Triton kernel (CUDA or TRITON_INTERPRET=1)")
+
+
+def pytest_collection_modifyitems(config, items):
+    no_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    no_triton = pytest.mark.skip(reason="Triton kernels need CUDA or TRITON_INTERPRET=1 set before Python starts")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(no_gpu)
+        elif "triton" in item.keywords and not TRITON_RUNS:
+            item.add_marker(no_triton)
