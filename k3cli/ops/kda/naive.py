@@ -62,14 +62,16 @@ def chunk_local_cumsum(g: torch.Tensor, chunk_size: int, reverse: bool = False) 
 
 
 def naive_kda_gate(g_raw, A_log, dt_bias=None, lower_bound=-5.0):
-    """Lower-bound gate (SPEC §2.3): L * sigmoid(exp(A_log) * (g_raw + dt_bias)) in fp32.
+    """Lower-bound gate (SPEC §2.3): L * sigmoid(exp(A_log) * (g_raw + dt_bias)) in fp32
+    (fp64 when any input is fp64, like the other references here).
 
-    Args: g_raw [B, T, HV, K]; A_log [HV]; dt_bias [HV, K] or None.  Returns g [B, T, HV, K] fp32.
+    Args: g_raw [B, T, HV, K]; A_log [HV]; dt_bias [HV, K] or None.  Returns g [B, T, HV, K].
     """
-    x = g_raw.float()
+    wd = _work_dtype(g_raw, A_log, dt_bias)
+    x = g_raw.to(wd)
     if dt_bias is not None:
-        x = x + dt_bias.float()
-    return lower_bound * torch.sigmoid(A_log.float().exp()[:, None] * x)
+        x = x + dt_bias.to(wd)
+    return lower_bound * torch.sigmoid(A_log.to(wd).exp()[:, None] * x)
 
 
 def _intra_scores(a, b, G, sub):
