@@ -34,3 +34,17 @@ def write_corpus(root: Path, n_docs: int = 40, words_per_doc: int = 120, seed: i
         idx = torch.randint(len(WORDS), (words_per_doc,), generator=g).tolist()
         (d / f"doc{i:02d}.txt").write_text(" ".join(WORDS[j] for j in idx) + "\n")
     return d
+
+
+def scaled_max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual − expected| / max(max |expected|, 1): relative for large values, absolute near 0."""
+    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1.0)).item()
+
+
+def make_check(tol: dict[str, float]):
+    """The one tolerance helper of a test file: `check(name, actual, expected, tol_key)` against
+    that file's named tolerance table."""
+    def check(name: str, actual: torch.Tensor, expected: torch.Tensor, tol_key: str) -> None:
+        err = scaled_max_error(actual, expected)
+        assert err <= tol[tol_key], f"{name}: scaled max error {err:.3g} > {tol[tol_key]}"
+    return check

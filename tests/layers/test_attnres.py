@@ -7,15 +7,14 @@ import torch
 
 from k3cli.layers.attnres import AttnResMixer, attnres_merge, attnres_phase1, naive_attnres
 from k3cli.layers.norm import rms_norm
+from k3cli.testing import make_check
 
 # max |a − b| / max(1, max |b|), fp64
 TOL = {"h": 1e-12, "grad": 1e-12, "alpha_sum": 1e-12, "fused": 1e-4}  # fused: fp32 Triton vs fp32 torch
 D = 12
 
 
-def check(name: str, actual: torch.Tensor, expected: torch.Tensor, tol_key: str) -> None:
-    err = ((actual - expected).abs().max() / expected.abs().max().clamp_min(1.0)).item()
-    assert err <= TOL[tol_key], f"{name}: scaled max error {err:.3g} > {TOL[tol_key]}"
+check = make_check(TOL)
 
 
 def make_sublayers(n: int, seed: int = 0, dtype=torch.float64, device="cpu") -> list:

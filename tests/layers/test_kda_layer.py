@@ -7,6 +7,7 @@ import torch
 
 from k3cli.layers.kda import KDAAttention
 from k3cli.ops.kda import naive
+from k3cli.testing import make_check
 
 # max |a − b| / max(1, max |b|), fp64; naive_kda_gate runs in fp32 even for fp64 inputs (SPEC §2.3),
 # so gradients that flow back through the gate carry fp32 rounding
@@ -15,9 +16,7 @@ TOL = {"y": 1e-10, "grad": 1e-10, "grad_through_gate": 1e-5,
 GATE_PARAMS = ("A_log", "dt_bias", "f_a.weight", "f_b.weight")
 
 
-def check(name: str, actual: torch.Tensor, expected: torch.Tensor, tol_key: str) -> None:
-    err = ((actual - expected).abs().max() / expected.abs().max().clamp_min(1.0)).item()
-    assert err <= TOL[tol_key], f"{name}: scaled max error {err:.3g} > {TOL[tol_key]}"
+check = make_check(TOL)
 
 
 def make(D=24, H=2, HV=2, K=8, V=6, conv=4, gate=True, chunk=16, seed=0) -> KDAAttention:

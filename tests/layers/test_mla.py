@@ -4,14 +4,13 @@ import torch
 import torch.nn.functional as F
 
 from k3cli.layers.mla import GatedMLA
+from k3cli.testing import make_check
 
 # max |a − b| / max(1, max |b|), fp64 throughout
 TOL = {"y": 1e-12, "grad": 1e-12}
 
 
-def check(name: str, actual: torch.Tensor, expected: torch.Tensor, tol_key: str) -> None:
-    err = ((actual - expected).abs().max() / expected.abs().max().clamp_min(1.0)).item()
-    assert err <= TOL[tol_key], f"{name}: scaled max error {err:.3g} > {TOL[tol_key]}"
+check = make_check(TOL)
 
 
 # (id, B, T, D, H, q_lora, r, d_q, d_v)

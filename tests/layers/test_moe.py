@@ -4,14 +4,13 @@ import torch
 
 from k3cli.layers.ffn import situ_glu
 from k3cli.layers.moe import LatentMoE
+from k3cli.testing import make_check
 
 # max |a − b| / max(1, max |b|), fp64
 TOL = {"y": 1e-12, "grad": 1e-12, "shared": 1e-12}
 
 
-def check(name: str, actual: torch.Tensor, expected: torch.Tensor, tol_key: str) -> None:
-    err = ((actual - expected).abs().max() / expected.abs().max().clamp_min(1.0)).item()
-    assert err <= TOL[tol_key], f"{name}: scaled max error {err:.3g} > {TOL[tol_key]}"
+check = make_check(TOL)
 
 
 def make(D=16, E=6, k=2, n_s=2, d_ff=12, latent=8, seed=0, **kw) -> LatentMoE:

@@ -8,14 +8,13 @@ from k3cli.config import load_config
 from k3cli.layers.block import DecoderBlock, build_attn, build_ffn
 from k3cli.layout import param_counts
 from k3cli.models import CausalLM
+from k3cli.testing import make_check
 
 # max |a − b| / max(1, max |b|), fp64
 TOL = {"logits": 1e-12, "loss": 1e-12}
 
 
-def check(name: str, actual: torch.Tensor, expected: torch.Tensor, tol_key: str) -> None:
-    err = ((actual - expected).abs().max() / expected.abs().max().clamp_min(1.0)).item()
-    assert err <= TOL[tol_key], f"{name}: scaled max error {err:.3g} > {TOL[tol_key]}"
+check = make_check(TOL)
 
 
 def model(preset: str, attnres: str = "off", *sets: str, seed: int = 0, dtype=torch.float32) -> CausalLM:
