@@ -5,18 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from k3cli.config import ConfigError, read_yaml
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
+from k3cli.config import ConfigError, flatten, read_yaml
 
 
 def run_summary(run_dir: Path) -> dict:
@@ -42,7 +31,7 @@ def run_summary(run_dir: Path) -> dict:
         "best_val_step": min(vals, key=lambda sv: sv[1])[0] if vals else None,
         "tokens_per_s": sorted(tps)[len(tps) // 2] if tps else None,  # median of the logged windows
         "val_curve": vals,
-        "config": _flatten(read_yaml(cfg_path)),
+        "config": flatten(read_yaml(cfg_path)),
     }
 
 

@@ -21,7 +21,7 @@ from k3cli.models.k3_config import MODEL_CLASSES, ConfigError, ModelConfig, _che
 
 __all__ = [
     "ConfigError", "TrainConfig", "DataConfig", "EvalConfig", "RunConfig", "load_config",
-    "preset_dir", "list_presets", "resolve_preset", "config_to_dict",
+    "preset_dir", "list_presets", "resolve_preset", "config_to_dict", "flatten",
 ]
 
 
@@ -168,6 +168,15 @@ def config_to_dict(cfg: Any) -> Any:
     if dataclasses.is_dataclass(cfg):
         return {f.name: config_to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
     return cfg
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """{"train": {"lr": 1}} -> {"train.lr": 1}: the dotted keys that --set uses."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        out.update(flatten(v, key + ".") if isinstance(v, dict) else {key: v})
+    return out
 
 
 def _type_name(tp: Any) -> str:

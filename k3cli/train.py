@@ -24,7 +24,7 @@ from k3cli.checkpoint import (
     prune_checkpoints,
     save_checkpoint,
 )
-from k3cli.config import RunConfig, dump_config, load_config
+from k3cli.config import RunConfig, config_to_dict, dump_config, flatten, load_config
 from k3cli.data import load_tokenizer, prepare_data, save_tokenizer
 from k3cli.models.causal_lm import CausalLM
 
@@ -246,15 +246,7 @@ RESUMABLE_KEYS = ("train.steps", "train.device", "train.log_every", "train.eval_
 
 
 def check_resume_config(saved: RunConfig, new: RunConfig) -> None:
-    from k3cli.config import config_to_dict
-
-    def flat(d, prefix=""):
-        out = {}
-        for k, v in d.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-        return out
-
-    a, b = flat(config_to_dict(saved)), flat(config_to_dict(new))
+    a, b = flatten(config_to_dict(saved)), flatten(config_to_dict(new))
     changed = [k for k in sorted(a) if a[k] != b.get(k) and not k.startswith(RESUMABLE_KEYS)]
     if changed:
         shown = ", ".join(f"{k} ({a[k]!r} -> {b.get(k)!r})" for k in changed[:4])
