@@ -304,6 +304,4 @@ def _wandb_init(mode: str, cfg: RunConfig, run_dir: Path):
         import wandb  # optional extra: pip install 'k3cli[wandb]'
     except ImportError:
         raise ValueError("--wandb needs the wandb package: pip install 'k3cli[wandb]'") from None
-    from k3cli.config import config_to_dict
-
     return wandb.init(project="k3", dir=str(run_dir), mode=mode, config=config_to_dict(cfg))
