@@ -89,9 +89,8 @@ def evaluate_loss(model: CausalLM, batches: list[torch.Tensor], device: torch.de
     return total / max(1, n)
 
 
-def moe_imbalance(model: CausalLM) -> float | None:
+def moe_imbalance(layers: list) -> float | None:
     """Max over MoE layers of (max expert load / mean expert load) since the last bias update."""
-    layers = model.moe_layers()
     if not layers:
         return None
     return max(float(m.load_stats()["max_over_mean"]) for m in layers)
@@ -171,30 +170,29 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
     if progress is not None:
         progress.start(total=tc.steps, completed=step)
 
+    moe = model.moe_layers()
     while step < tc.steps:
         opt.zero_grad(set_to_none=True)
-        loss_sum = 0.0
+        # fp64 on the device: one host sync per step, the same sums as adding Python floats
+        loss_acc = torch.zeros((), dtype=torch.float64, device=device)
         for _ in range(accum):
             ids = next(loader).to(device)
             with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                 out = model(ids, labels=ids)
             (out.loss / accum).backward()
-            loss_sum += out.loss.detach().float().item() / accum
+            loss_acc += out.loss.detach().float().double() / accum
             tokens_since += ids.numel()
+        loss_sum = loss_acc.item()
         if not math.isfinite(loss_sum):
-            last = find_latest_checkpoint(run_dir)
-            raise TrainingStopped(f"non-finite loss ({loss_sum}) at step {step + 1}; stopped. "
-                                  f"Last good checkpoint: {last if last else 'none'}")
+            _stop(run_dir, f"non-finite loss ({loss_sum}) at step {step + 1}; stopped")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0
                                                    else float("inf")).item()
         if not math.isfinite(grad_norm):  # stepping would write NaN weights into the next checkpoint
-            last = find_latest_checkpoint(run_dir)
-            raise TrainingStopped(f"non-finite gradient norm ({grad_norm}) at step {step + 1}; stopped "
-                                  f"before the update. Last good checkpoint: {last if last else 'none'}")
+            _stop(run_dir, f"non-finite gradient norm ({grad_norm}) at step {step + 1}; stopped before the update")
         opt.step()
         sched.step()
-        imbalance = moe_imbalance(model)
-        for m in model.moe_layers():
+        imbalance = moe_imbalance(moe)
+        for m in moe:
             m.update_bias()
         step += 1
         loss_val = loss_sum
@@ -263,6 +261,11 @@ def _set_aside_unverified(run_dir: Path, step: int, log) -> None:
             aside = path.with_name(f"{path.name}.unverified-{time.strftime('%Y%m%d-%H%M%S')}")
             path.rename(aside)
             log(f"checkpoint {path} failed verification; kept as {aside}")
+
+
+def _stop(run_dir: Path, why: str) -> None:
+    last = find_latest_checkpoint(run_dir)
+    raise TrainingStopped(f"{why}. Last good checkpoint: {last if last else 'none'}")
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
