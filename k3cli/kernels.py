@@ -8,6 +8,7 @@ commands one table format.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 
 VERIFY_KERNELS = ("chunk_kda", "kda_gate", "decode", "attnres")
@@ -80,7 +81,17 @@ BENCH_COLUMNS = {
 }
 
 
-def run_bench(kernels: list[str], shapes: str, against_fla: bool) -> dict[str, list[dict]]:
+def _progress_line(kernel: str, row: dict) -> str:
+    """One line per finished shape, on stderr, so a long run shows where it is (and a run that is
+    cut short keeps its finished rows)."""
+    dims = " ".join([str(row["form"])] * ("form" in row)
+                    + [f"{k}{row[k]}" for k in ("B", "T", "L", "N", "H", "HV", "K", "D") if k in row])
+    times = " ".join(f"{k}={row[k]:.4g}" for k in row
+                     if k.endswith("_ms") and "p20" not in k and "p80" not in k and isinstance(row[k], float))
+    return f"[bench {kernel}] {dims}: {times}"
+
+
+def run_bench(kernels: list[str], shapes: str, against_fla: bool, progress: bool = True) -> dict[str, list[dict]]:
     from k3cli.ops.attnres.bench import bench_attnres
     from k3cli.ops.kda.bench import bench_kda
     from k3cli.ops.kda.bench_decode import SHAPES as DECODE_SHAPES
@@ -88,10 +99,15 @@ def run_bench(kernels: list[str], shapes: str, against_fla: bool) -> dict[str, l
 
     out = {}
     for k in kernels:
+        def on_row(row, k=k):
+            if progress:
+                print(_progress_line(k, row), file=sys.stderr, flush=True)
         if k in ("chunk_kda", "kda_gate"):
-            out[k] = bench_kda(k, "ci" if shapes == "ci" else shapes, against_fla)
+            out[k] = bench_kda(k, "ci" if shapes == "ci" else shapes, against_fla, on_row=on_row)
         elif k == "decode":
             out[k] = bench_decode(DECODE_SHAPES["cpu" if shapes == "ci" else "gpu"], with_fla=against_fla)
+            for row in out[k]:
+                on_row(row)
         elif k == "attnres":
-            out[k] = bench_attnres("ci" if shapes == "ci" else "k3", against_fla)
+            out[k] = bench_attnres("ci" if shapes == "ci" else "k3", against_fla, on_row=on_row)
     return out

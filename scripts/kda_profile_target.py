@@ -26,7 +26,7 @@ def main(argv):
     for mod in (chunk_fwd, chunk_bwd):
         for name in dir(mod):
             fn = getattr(mod, name)
-            cache = getattr(getattr(fn, "fn", fn), "device_caches", None)
+            cache = getattr(fn, "device_caches", None) or getattr(getattr(fn, "fn", None), "device_caches", None)
             if not name.startswith("_kda_") or cache is None:
                 continue
             for dev_cache in cache.values():

@@ -60,9 +60,10 @@ def _fwd_bwd(fn, leaves, dh):
 
 
 def bench_attnres(shapes: str = "ci", against_fla: bool = False, device: str | None = None,
-                  dtype: torch.dtype | None = None) -> list[dict]:
+                  dtype: torch.dtype | None = None, on_row=None) -> list[dict]:
     """Rows: full form forward / forward+backward (stacked buffer and pointer-table list),
-    block form (phase 1 + BLOCK_S merges), the torch naive form and the copy ceiling, same run."""
+    block form (phase 1 + BLOCK_S merges), the torch naive form and the copy ceiling, same run.
+    `on_row(row)` is called as each row finishes."""
     if shapes not in SHAPES:
         raise ValueError(f"shapes: unknown '{shapes}'; valid: {', '.join(SHAPES)}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -72,7 +73,10 @@ def bench_attnres(shapes: str = "ci", against_fla: bool = False, device: str | N
     fla = _fla() if against_fla else None
     rows = []
     for L, N, D in SHAPES[shapes]:
-        rows += _bench_shape(L, N, D, dtype, dev, fla)
+        for row in _bench_shape(L, N, D, dtype, dev, fla):
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
     return rows
 
 

@@ -168,11 +168,13 @@ def _bench_gate(shape, device):
     return row
 
 
-def bench_kda(kernel: str = "chunk_kda", shapes: str = "toy", against_fla: bool = False) -> list[dict]:
+def bench_kda(kernel: str = "chunk_kda", shapes: str = "toy", against_fla: bool = False,
+              on_row=None) -> list[dict]:
     """Benchmark a KDA kernel on a shape set ("ci" | "toy" | "k3"); one dict per shape.
 
     CUDA runs bf16 with triton.testing.do_bench; CPU (TRITON_INTERPRET=1) runs fp32 with a
-    perf_counter loop and is only meaningful as a smoke test.
+    perf_counter loop and is only meaningful as a smoke test. `on_row(row)` is called as each shape
+    finishes (progress output; a long run that is cut short still shows its finished rows).
     """
     if kernel not in ("chunk_kda", "kda_gate"):
         raise ValueError(f"bench_kda: unknown kernel {kernel!r}; valid: 'chunk_kda', 'kda_gate'")
@@ -186,6 +188,8 @@ def bench_kda(kernel: str = "chunk_kda", shapes: str = "toy", against_fla: bool 
         row["copy_ceiling_gbps"] = ceiling
         row["fwd_io_frac_of_copy"] = row["fwd_io_gbps"] / ceiling
         rows.append(row)
+        if on_row is not None:
+            on_row(row)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
