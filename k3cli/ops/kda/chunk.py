@@ -13,6 +13,16 @@ from k3cli.ops.kda.chunk_fwd import Intra, kda_fwd_intra, kda_fwd_state
 
 _CHUNK_SIZES = (16, 32, 64)
 
+# Launch and storage choices, in one place so scripts/kda_sweep.py can time alternatives on a GPU.
+# "*_dtype" entries: "fp32", or "input" (the dtype of q/k/v: bf16 halves that buffer's traffic).
+#   inter: W, U (stage 1 -> state scans); gated: Q e^Γ, K e^(γ-Γ); states: per-chunk S_n and dS_n.
+TUNING = {"fwd_intra_warps": 8, "bwd_intra_BK": None, "bwd_intra_BV": None, "bwd_intra_warps": 8,
+          "inter_dtype": "fp32", "gated_dtype": "fp32", "states_dtype": "fp32"}
+
+
+def _tuned_dtype(name: str, x: torch.Tensor) -> torch.dtype:
+    return torch.float32 if TUNING[name] == "fp32" else x.dtype
+
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(Σ x² + eps) over the last dim, computed in fp32 (SPEC §2.1: q, k are L2-normalised)."""
@@ -27,7 +37,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         h0 = None if initial_state is None else initial_state.contiguous()
         B, T, HV = v.shape[:3]
         # W, U in fp32 keep the pseudo-value subtraction U - W S accurate for bf16 inputs
-        it = kda_fwd_intra(q, k, v, g, beta, scale, chunk_size, torch.float32)
+        it = kda_fwd_intra(q, k, v, g, beta, scale, chunk_size, _tuned_dtype("inter_dtype", v),
+                           _tuned_dtype("gated_dtype", v), num_warps=TUNING["fwd_intra_warps"])
         o, ht, _, _ = kda_fwd_state(it, B, T, HV, chunk_size, h0, v.dtype, output_final_state)
         ctx.save_for_backward(q, k, v, g, beta, h0, *it)
         ctx.scale, ctx.chunk_size = scale, chunk_size
@@ -41,11 +52,14 @@ class ChunkKDAFunction(torch.autograd.Function):
         B, T, H, K = q.shape
         HV = v.shape[2]
         # recompute the chunk start states S_n and pseudo-values Vn instead of storing them
-        _, _, h, vn = kda_fwd_state(it, B, T, HV, C, h0, v.dtype, False, store_o=False, store_h=True)
+        sd = _tuned_dtype("states_dtype", v)
+        _, _, h, vn = kda_fwd_state(it, B, T, HV, C, h0, v.dtype, False, store_o=False, store_h=True, h_dtype=sd)
         do = do.contiguous()
         dht = None if dht is None else dht.contiguous().float()
-        dh, dvn, dh0 = kda_bwd_state(it, do, dht, B, T, HV, C, h0 is not None)
-        dq, dk, dv, dg, dbeta = kda_bwd_intra(q, k, v, g, beta, it.tm, h, dh, do, vn, dvn, scale, C)
+        dh, dvn, dh0 = kda_bwd_state(it, do, dht, B, T, HV, C, h0 is not None, dh_dtype=sd)
+        dq, dk, dv, dg, dbeta = kda_bwd_intra(q, k, v, g, beta, it.tm, h, dh, do, vn, dvn, scale, C,
+                                              BK=TUNING["bwd_intra_BK"], BV=TUNING["bwd_intra_BV"],
+                                              num_warps=TUNING["bwd_intra_warps"])
         # GVA: value head hv used q/k head hv // G, so sum each group's gradients
         dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
         dk = dk.view(B, T, H, HV // H, K).sum(3).to(k.dtype)

@@ -41,12 +41,12 @@ def _kda_bwd_state_step(qg, kd, eg, w, aqk, do, dh, dvn, b_ds, i_b, i_hv, i_bh, 
     p_do = do + (i_b * T + i_n * BT + o_t).to(tl.int64)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
     b_do = tl.load(p_do, mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
     p_dh = dh + (i_bh * NT + i_n).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
-    tl.store(p_dh, b_ds, mask=m_k[:, None] & m_v[None, :])
-    b_kd = tl.load(kd + p_rk, mask=m_k[None, :], other=0.)
+    tl.store(p_dh, b_ds.to(dh.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
+    b_kd = tl.load(kd + p_rk, mask=m_k[None, :], other=0.).to(tl.float32)
     b_dvn = tl.dot(tl.trans(b_a), b_do) + tl.dot(b_kd, b_ds)
     tl.store(dvn + row[:, None] * V + o_v[None, :], b_dvn, mask=m_v[None, :])
     b_eg = tl.load(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, mask=m_k, other=0.)
-    b_qg = tl.load(qg + p_rk, mask=m_k[None, :], other=0.)
+    b_qg = tl.load(qg + p_rk, mask=m_k[None, :], other=0.).to(tl.float32)
     b_ds = b_ds * b_eg[:, None] + tl.dot(tl.trans(b_qg), b_do)
     b_w = tl.load(w + p_rk, mask=m_k[None, :], other=0.).to(tl.float32)
     return b_ds - tl.dot(tl.trans(b_w), b_dvn)
@@ -118,8 +118,8 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, tm, h, dh, do, vn, dvn, dq, dk, dv, 
         m_v = o_v < V
         m_tv = m_t[:, None] & m_v[None, :]
         m_kv = m_k[:, None] & m_v[None, :]
-        b_s = tl.load(h + p_s + o_v[None, :], mask=m_kv, other=0.)
-        b_ds = tl.load(dh + p_s + o_v[None, :], mask=m_kv, other=0.)
+        b_s = tl.load(h + p_s + o_v[None, :], mask=m_kv, other=0.).to(tl.float32)
+        b_ds = tl.load(dh + p_s + o_v[None, :], mask=m_kv, other=0.).to(tl.float32)
         b_vn = tl.load(vn + row[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.)
         b_dvn = tl.load(dvn + row[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.)
         p_io = tok[:, None] * (HV * V) + i_hv * V + o_v[None, :]
@@ -183,7 +183,8 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, tm, h, dh, do, vn, dvn, dq, dk, dv, 
     tl.store(dbeta + i_k.to(tl.int64) * NBT * HV + tok * HV + i_hv, b_dbeta, mask=m_t)
 
 
-def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, need_dh0: bool):
+def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, need_dh0: bool,
+                  dh_dtype: torch.dtype = torch.float32):
     """Launch the reverse scan. Returns dh [B*HV, NT, K, V] (grad of each chunk's END state),
     dVn [B*HV, Tp, V] fp32, dh0 [B, HV, K, V] fp32 or None."""
     K, V = it.w.shape[-1], it.u.shape[-1]
@@ -191,7 +192,7 @@ def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, 
     NT = triton.cdiv(T, BT)
     BK = max(16, triton.next_power_of_2(K))
     dev = do.device
-    dh = torch.empty(B * HV, NT, K, V, device=dev, dtype=torch.float32)
+    dh = torch.empty(B * HV, NT, K, V, device=dev, dtype=dh_dtype)
     dvn = torch.empty(B * HV, NT * BT, V, device=dev, dtype=torch.float32)
     dh0 = torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) if need_dh0 else None
     _kda_bwd_state_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), B * HV)](
@@ -200,7 +201,8 @@ def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, 
     return dh, dvn, dh0
 
 
-def kda_bwd_intra(q, k, v, g, beta, tm, h, dh, do, vn, dvn, scale: float, chunk_size: int):
+def kda_bwd_intra(q, k, v, g, beta, tm, h, dh, do, vn, dvn, scale: float, chunk_size: int,
+                  BK: int | None = None, BV: int | None = None, num_warps: int = 8):
     """Launch the per-chunk gradient kernel. Returns dq, dk [B, T, HV, K] fp32 (per value head),
     dv [B, T, HV, V] (v.dtype), dg [B, T, HV, K] fp32, dbeta [B, T, HV] fp32."""
     B, T, H, K = q.shape
@@ -209,10 +211,10 @@ def kda_bwd_intra(q, k, v, g, beta, tm, h, dh, do, vn, dvn, scale: float, chunk_
     NT = triton.cdiv(T, BT)
     # key blocks of <= 64 columns: at K = 128 one program holding all key columns spilled ~4 KB of
     # registers per thread (ptxas -v, sm_90a) and took 6.4 ms at B8 T2048 H16 (run 2)
-    BK = min(64, max(16, triton.next_power_of_2(K)))
+    BK = BK or min(64, max(16, triton.next_power_of_2(K)))
     NK = triton.cdiv(K, BK)
     # BV 32 at K = 128 spills less (ptxas) but ran slower on the H200 (4.07 vs 3.86 ms, runs 4 / 3)
-    BV = min(64, max(16, triton.next_power_of_2(V)))
+    BV = BV or min(64, max(16, triton.next_power_of_2(V)))
     dev = q.device
     dq = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)
     dk = torch.empty_like(dq)
@@ -221,5 +223,5 @@ def kda_bwd_intra(q, k, v, g, beta, tm, h, dh, do, vn, dvn, scale: float, chunk_
     dbeta = torch.empty(NK, B, T, HV, device=dev, dtype=torch.float32)
     _kda_bwd_intra_kernel[(NT, B * HV, NK)](
         q, k, v, g, beta, tm, h, dh, do, vn, dvn, dq, dk, dv, dg, dbeta, scale, T, NT, B * T, H=H, HV=HV, K=K,
-        V=V, BT=BT, BC=min(16, BT), BK=BK, BV=BV, num_warps=8, num_stages=1)
+        V=V, BT=BT, BC=min(16, BT), BK=BK, BV=BV, num_warps=num_warps, num_stages=1)
     return dq, dk, dv, dg, dbeta.sum(0)

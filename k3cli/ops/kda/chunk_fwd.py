@@ -211,8 +211,8 @@ def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T,
     # the gated operands of the state scans, so those sequential kernels do no exp / cumsum work
     b_eg = tl.exp(b_G)
     b_gam = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), 0)
-    tl.store(qg + p_rk, b_q * b_eg * scale, mask=m_k[None, :])
-    tl.store(kd + p_rk, b_k * tl.exp(b_gam[None, :] - b_G), mask=m_k[None, :])
+    tl.store(qg + p_rk, (b_q * b_eg * scale).to(qg.dtype.element_ty), mask=m_k[None, :])
+    tl.store(kd + p_rk, (b_k * tl.exp(b_gam[None, :] - b_G)).to(kd.dtype.element_ty), mask=m_k[None, :])
     tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=m_k)
     b_w = tl.dot(b_tm, b_k * b_eg * b_beta[:, None])
     tl.store(w + p_rk, b_w.to(w.dtype.element_ty), mask=m_k[None, :])
@@ -241,18 +241,18 @@ def _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i
     b_u = tl.load(u + row[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.).to(tl.float32)
     if STORE_H:
         p_h = h + (i_bh * NT + i_n).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
-        tl.store(p_h, b_s, mask=m_k[:, None] & m_v[None, :])
+        tl.store(p_h, b_s.to(h.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
     b_vn = b_u - tl.dot(b_w, b_s)
     if STORE_H:
         tl.store(vn + row[:, None] * V + o_v[None, :], b_vn, mask=m_v[None, :])
     if STORE_O:
-        b_qg = tl.load(qg + p_rk, mask=m_k[None, :], other=0.)
+        b_qg = tl.load(qg + p_rk, mask=m_k[None, :], other=0.).to(tl.float32)
         b_a = tl.load(aqk + row[:, None] * BT + o_t[None, :])
         b_o = tl.dot(b_qg, b_s) + tl.dot(b_a, b_vn)
         m_t = (i_n * BT + o_t) < T
         p_o = o + (i_b * T + i_n * BT + o_t).to(tl.int64)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
         tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-    b_kd = tl.load(kd + p_rk, mask=m_k[None, :], other=0.)
+    b_kd = tl.load(kd + p_rk, mask=m_k[None, :], other=0.).to(tl.float32)
     b_eg = tl.load(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, mask=m_k, other=0.)
     return b_s * b_eg[:, None] + tl.dot(tl.trans(b_kd), b_vn)
 
@@ -303,8 +303,10 @@ class Intra(NamedTuple):
     tm: torch.Tensor     # (I + Akk)^-1
 
 
-def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: torch.dtype) -> Intra:
-    """Launch stage 1 (one program per chunk and batch*value-head)."""
+def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: torch.dtype,
+                  gated_dtype: torch.dtype = torch.float32, num_warps: int = 8) -> Intra:
+    """Launch stage 1 (one program per chunk and batch*value-head). W, U are stored in `inter_dtype`,
+    Q e^Γ and K e^(γ-Γ) in `gated_dtype`; everything else fp32."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
@@ -314,19 +316,20 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     dev = q.device
     w = torch.empty(B * HV, NT * BT, K, device=dev, dtype=inter_dtype)
     u = torch.empty(B * HV, NT * BT, V, device=dev, dtype=inter_dtype)
-    qg = torch.empty(B * HV, NT * BT, K, device=dev, dtype=torch.float32)
+    qg = torch.empty(B * HV, NT * BT, K, device=dev, dtype=gated_dtype)
     kd = torch.empty_like(qg)
     eg = torch.empty(B * HV, NT, K, device=dev, dtype=torch.float32)
     aqk = torch.empty(B * HV, NT * BT, BT, device=dev, dtype=torch.float32)
     tm = torch.empty_like(aqk)
     _kda_fwd_intra_kernel[(NT, B * HV)](
         q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T, NT, H=H, HV=HV, K=K, V=V, BT=BT,
-        BC=min(16, BT), BK=BK, BV=BV, num_warps=8, num_stages=1)
+        BC=min(16, BT), BK=BK, BV=BV, num_warps=num_warps, num_stages=1)
     return Intra(w, u, qg, kd, eg, aqk, tm)
 
 
 def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_state, out_dtype,
-                  output_final_state: bool, store_o: bool = True, store_h: bool = False):
+                  output_final_state: bool, store_o: bool = True, store_h: bool = False,
+                  h_dtype: torch.dtype = torch.float32):
     """Launch stage 2. Returns (o [B,T,HV,V] or None, final state or None, h [B*HV,NT,K,V] or None,
     Vn [B*HV,Tp,V] fp32 or None)."""
     K, V = it.w.shape[-1], it.u.shape[-1]
@@ -336,7 +339,7 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
     dev = it.w.device
     o = torch.empty(B, T, HV, V, device=dev, dtype=out_dtype) if store_o else None
     ht = torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-    h = torch.empty(B * HV, NT, K, V, device=dev, dtype=torch.float32) if store_h else None
+    h = torch.empty(B * HV, NT, K, V, device=dev, dtype=h_dtype) if store_h else None
     vn = torch.empty(B * HV, NT * BT, V, device=dev, dtype=torch.float32) if store_h else None
     _kda_fwd_state_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), B * HV)](
         it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, initial_state, ht, h, vn, T, NT,
