@@ -1,11 +1,11 @@
 """Time and check chunk_kda launch/storage variants (k3cli.ops.kda.chunk.TUNING) on one GPU.
 
-    python scripts/kda_sweep.py            # H200: ~3 min, one table
+    python scripts/kda_sweep.py [fla] [VARIANT ...]     # all variants by default; 'fla' adds the peer
 
 For each variant: relative RMS error of o, final state and every gradient against the fp32 torch
 reference (B2 T1000 H4 HV8 K=V=128, bf16 inputs, with an initial state), and forward /
 forward+backward medians at (8, 2048, 16, 16, 128) and (1, 16384, 16, 16, 128); fla's chunk_kda on
-the same inputs when importable. Nothing here changes the defaults: copy a winner into TUNING.
+the same inputs when asked for and importable. Nothing here changes the defaults: copy a winner into TUNING.
 """
 import json
 import os
@@ -56,7 +56,8 @@ def main(names):
     inputs = make_inputs(2, 1000, 4, 2, 128, 128, dtype=torch.bfloat16, device="cuda", h0=True)
     ref = run_with_grads(naive_chunk_kda, *[x.float() for x in inputs])
     rows = []
-    fla = _fla_chunk_kda()
+    fla = _fla_chunk_kda() if "fla" in names else None   # fla's first calls compile for minutes
+    names = [n for n in names if n != "fla"]
     if fla is not None:
         row = {"variant": "fla"}
         for s in SPEED_SHAPES:

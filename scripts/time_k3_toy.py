@@ -1,7 +1,9 @@
-"""Time one forward+backward of k3-toy on CPU (B=8, T=256; median of 3 after a warm-up) for AttnRes
+"""Time one training step of k3-toy (forward+backward, plus an AdamW step with --optim) for AttnRes
 off / full / block, and print total / active parameter counts of kda-toy, k3-toy and k3-0.5b.
+CPU runs fp32 (median of 3 after a warm-up); CUDA runs under bf16 autocast like `k3 train`
+(median of --repeats after 3 warm-ups).
 
-    .venv/bin/python scripts/time_k3_toy.py [--batch 8] [--seq 256] [--threads N] [--device cuda]
+    .venv/bin/python scripts/time_k3_toy.py [--batch 8] [--seq 256] [--threads N] [--device cuda] [--optim]
 """
 from __future__ import annotations
 
@@ -15,12 +17,19 @@ from k3cli.config import load_config
 from k3cli.models import CausalLM
 
 
-def time_step(model: CausalLM, ids: torch.Tensor, repeats: int = 3) -> float:
+def time_step(model: CausalLM, ids: torch.Tensor, repeats: int = 3, optim: bool = False) -> float:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if optim else None
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=ids.is_cuda)
+
     def step() -> float:
         model.zero_grad(set_to_none=True)
         sync()
         t0 = time.perf_counter()
-        model(ids, labels=ids).loss.backward()
+        with autocast:
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        if opt is not None:
+            opt.step()
         sync()
         return time.perf_counter() - t0
 
@@ -28,7 +37,8 @@ def time_step(model: CausalLM, ids: torch.Tensor, repeats: int = 3) -> float:
         if ids.is_cuda:
             torch.cuda.synchronize()
 
-    step()  # warm-up
+    for _ in range(3 if ids.is_cuda else 1):  # warm-up (CUDA: compile, autotune)
+        step()
     return statistics.median(step() for _ in range(repeats))
 
 
@@ -37,11 +47,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
-    ap.add_argument("--device", default="cpu", help="cpu | cuda (fp32; CUDA uses the Triton kernels)")
+    ap.add_argument("--device", default="cpu", help="cpu (fp32) | cuda (bf16 autocast, Triton kernels)")
+    ap.add_argument("--repeats", type=int, default=0, help="timed steps (default 3 on CPU, 20 on CUDA)")
+    ap.add_argument("--optim", action="store_true", help="include an AdamW step (a full training step)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.device} fp32")
+    repeats = args.repeats or (20 if args.device.startswith("cuda") else 3)
+    precision = "bf16 autocast" if args.device.startswith("cuda") else "fp32"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.device} {precision}")
 
     print("\nparameters            total        active")
     for preset in ("kda-toy", "k3-toy", "k3-0.5b"):
@@ -49,12 +63,13 @@ def main() -> None:
             m = CausalLM(load_config(preset).model)
         print(f"  {preset:<10} {m.num_parameters():>14,} {m.num_active_parameters():>13,}")
 
-    print(f"\nk3-toy forward+backward, B={args.batch}, T={args.seq} (median of 3 after a warm-up)")
+    what = "training step (fwd+bwd+AdamW)" if args.optim else "forward+backward"
+    print(f"\nk3-toy {what}, B={args.batch}, T={args.seq} (median of {repeats} after warm-up)")
     for attnres in ("off", "full", "block"):
         torch.manual_seed(0)
         model = CausalLM(load_config("k3-toy", attnres=attnres).model).to(args.device).train()
         ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device=args.device)
-        print(f"  attnres {attnres:<6} {time_step(model, ids) * 1e3:9.1f} ms")
+        print(f"  attnres {attnres:<6} {time_step(model, ids, repeats, args.optim) * 1e3:9.2f} ms")
 
 
 if __name__ == "__main__":
