@@ -16,8 +16,11 @@ from k3cli.models import CausalLM
 # max |decoded − full| over all logits: fp32 (SPEC §7.3 asks ≤ 1e-4); fp64 shows the paths agree
 # exactly up to rounding (measured ≤ 3e-13; the gate runs in fp32 even for fp64 inputs)
 # layer_triton: scaled max error of the Triton prefill+decode vs the torch forward, fp32; the
-# interpreter computes in fp32 (measured ≤ 1e-6), a GPU runs chunk_kda's dots in TF32 (layer tests: ≤ 6.2e-3)
-TOL = {"logits": 1e-4, "logits_fp64": 1e-10, "layer_triton": 1e-2 if torch.cuda.is_available() else 1e-5}
+# interpreter computes in fp32 (measured ≤ 1e-6). On the H200 with chunk_kda's dots in TF32 the
+# whole-model check measured 2.9e-3 (AttnRes off) and 1.4e-2 (block) — the decode recurrence is exact
+# fp32, the full forward was not (notes/session2_gpu.md). fp32 inputs now get full-fp32 dots
+# (chunk_fwd.dot_precision); the torch-backend run of the same check measured ≤ 3.6e-6, hence 1e-4.
+TOL = {"logits": 1e-4, "logits_fp64": 1e-10, "layer_triton": 1e-4 if torch.cuda.is_available() else 1e-5}
 
 SMALL = [
     "model.vocab_size=257", "model.hidden_size=48", "model.num_hidden_layers=4", "model.intermediate_size=64",
@@ -169,8 +172,8 @@ def test_kda_layer_triton_decode_equals_torch_forward(T, prompt):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("attnres", ["off", "block"])
 def test_prefill_plus_decode_equals_forward_cuda(attnres):
-    """On CUDA the layers pick the Triton kernels (chunk_kda, fused_recurrent_kda, fused AttnRes); the
-    full forward's chunk_kda runs its dots in TF32, so compare scaled (tolerance not yet measured on a GPU)."""
+    """On CUDA the layers pick the Triton kernels (chunk_kda, fused_recurrent_kda, fused AttnRes), all
+    in fp32 here (chunk_kda's dots in full fp32 for fp32 inputs): compare scaled."""
     m = build("k3-toy", attnres).cuda()
     x = ids(2, 40).cuda()
     with torch.no_grad():

@@ -240,6 +240,21 @@ VALIDATION_CASES = [
 ]
 
 
+def test_dot_precision_follows_input_dtype_and_torch_tf32_flag():
+    """fp32 inputs get full-fp32 dots (TF32 cost 1.4e-2 in a whole-model decode check on the H200)
+    unless the user allowed TF32 matmuls in torch; bf16 / fp16 inputs use TF32."""
+    from k3cli.ops.kda.chunk_fwd import dot_precision
+    saved = torch.backends.cuda.matmul.allow_tf32   # a property-like module attribute: restore by hand
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert dot_precision(torch.float32) == "ieee"
+        assert dot_precision(torch.bfloat16) == "tf32" and dot_precision(torch.float16) == "tf32"
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert dot_precision(torch.float32) == "tf32"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 @pytest.mark.parametrize("bad,exc,msg", VALIDATION_CASES)
 def test_chunk_kda_validation(bad, exc, msg):
     from k3cli.ops.kda import chunk_kda

@@ -9,7 +9,7 @@ import torch
 
 from k3cli.ops.kda.checks import check_kda_inputs
 from k3cli.ops.kda.chunk_bwd import kda_bwd_intra, kda_bwd_state
-from k3cli.ops.kda.chunk_fwd import Intra, kda_fwd_intra, kda_fwd_state
+from k3cli.ops.kda.chunk_fwd import Intra, dot_precision, kda_fwd_intra, kda_fwd_state
 
 _CHUNK_SIZES = (16, 32, 64)
 
@@ -36,30 +36,32 @@ class ChunkKDAFunction(torch.autograd.Function):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         h0 = None if initial_state is None else initial_state.contiguous()
         B, T, HV = v.shape[:3]
+        prec = dot_precision(v.dtype)
         # W, U in fp32 keep the pseudo-value subtraction U - W S accurate for bf16 inputs
         it = kda_fwd_intra(q, k, v, g, beta, scale, chunk_size, _tuned_dtype("inter_dtype", v),
-                           _tuned_dtype("gated_dtype", v), num_warps=TUNING["fwd_intra_warps"])
-        o, ht, _, _ = kda_fwd_state(it, B, T, HV, chunk_size, h0, v.dtype, output_final_state)
+                           _tuned_dtype("gated_dtype", v), num_warps=TUNING["fwd_intra_warps"], precision=prec)
+        o, ht, _, _ = kda_fwd_state(it, B, T, HV, chunk_size, h0, v.dtype, output_final_state, precision=prec)
         ctx.save_for_backward(q, k, v, g, beta, h0, *it)
-        ctx.scale, ctx.chunk_size = scale, chunk_size
+        ctx.scale, ctx.chunk_size, ctx.prec = scale, chunk_size, prec
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, beta, h0, *saved = ctx.saved_tensors
         it = Intra(*saved)
-        scale, C = ctx.scale, ctx.chunk_size
+        scale, C, prec = ctx.scale, ctx.chunk_size, ctx.prec
         B, T, H, K = q.shape
         HV = v.shape[2]
         # recompute the chunk start states S_n and pseudo-values Vn instead of storing them
         sd = _tuned_dtype("states_dtype", v)
-        _, _, h, vn = kda_fwd_state(it, B, T, HV, C, h0, v.dtype, False, store_o=False, store_h=True, h_dtype=sd)
+        _, _, h, vn = kda_fwd_state(it, B, T, HV, C, h0, v.dtype, False, store_o=False, store_h=True, h_dtype=sd,
+                                    precision=prec)
         do = do.contiguous()
         dht = None if dht is None else dht.contiguous().float()
-        dh, dvn, dh0 = kda_bwd_state(it, do, dht, B, T, HV, C, h0 is not None, dh_dtype=sd)
+        dh, dvn, dh0 = kda_bwd_state(it, do, dht, B, T, HV, C, h0 is not None, dh_dtype=sd, precision=prec)
         dq, dk, dv, dg, dbeta = kda_bwd_intra(q, k, v, g, beta, it.tm, h, dh, do, vn, dvn, scale, C,
                                               BK=TUNING["bwd_intra_BK"], BV=TUNING["bwd_intra_BV"],
-                                              num_warps=TUNING["bwd_intra_warps"])
+                                              num_warps=TUNING["bwd_intra_warps"], precision=prec)
         # GVA: value head hv used q/k head hv // G, so sum each group's gradients
         dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
         dk = dk.view(B, T, H, HV // H, K).sum(3).to(k.dtype)

@@ -29,7 +29,7 @@ from k3cli.ops.kda.chunk_fwd import (
 @triton.jit
 def _kda_bwd_state_step(qg, kd, eg, w, aqk, do, dh, dvn, b_ds, i_b, i_hv, i_bh, i_v, i_n, T, NT,
                         HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -43,13 +43,13 @@ def _kda_bwd_state_step(qg, kd, eg, w, aqk, do, dh, dvn, b_ds, i_b, i_hv, i_bh, 
     p_dh = dh + (i_bh * NT + i_n).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
     tl.store(p_dh, b_ds.to(dh.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
     b_kd = tl.load(kd + p_rk, mask=m_k[None, :], other=0.).to(tl.float32)
-    b_dvn = tl.dot(tl.trans(b_a), b_do) + tl.dot(b_kd, b_ds)
+    b_dvn = tl.dot(tl.trans(b_a), b_do, input_precision=PREC) + tl.dot(b_kd, b_ds, input_precision=PREC)
     tl.store(dvn + row[:, None] * V + o_v[None, :], b_dvn, mask=m_v[None, :])
     b_eg = tl.load(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, mask=m_k, other=0.)
     b_qg = tl.load(qg + p_rk, mask=m_k[None, :], other=0.).to(tl.float32)
-    b_ds = b_ds * b_eg[:, None] + tl.dot(tl.trans(b_qg), b_do)
+    b_ds = b_ds * b_eg[:, None] + tl.dot(tl.trans(b_qg), b_do, input_precision=PREC)
     b_w = tl.load(w + p_rk, mask=m_k[None, :], other=0.).to(tl.float32)
-    return b_ds - tl.dot(tl.trans(b_w), b_dvn)
+    return b_ds - tl.dot(tl.trans(b_w), b_dvn, input_precision=PREC)
 
 
 @triton.autotune(
@@ -61,7 +61,8 @@ def _kda_bwd_state_step(qg, kd, eg, w, aqk, do, dh, dvn, b_ds, i_b, i_hv, i_bh, 
 def _kda_bwd_state_kernel(qg, kd, eg, w, aqk, do, dht, dh, dvn, dh0, T, NT, NBH,
                           HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                          USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, INTERPRET: tl.constexpr):
+                          USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, INTERPRET: tl.constexpr,
+                          PREC: tl.constexpr):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     o_k = tl.arange(0, BK)
@@ -76,12 +77,12 @@ def _kda_bwd_state_kernel(qg, kd, eg, w, aqk, do, dht, dh, dvn, dh0, T, NT, NBH,
         i_r = 0
         while i_r < NT:
             b_ds = _kda_bwd_state_step(qg, kd, eg, w, aqk, do, dh, dvn, b_ds, i_b, i_hv, i_bh, i_v,
-                                       NT - 1 - i_r, T, NT, HV, K, V, BT, BK, BV)
+                                       NT - 1 - i_r, T, NT, HV, K, V, BT, BK, BV, PREC)
             i_r += 1
     else:
         for i_r in range(NT):
             b_ds = _kda_bwd_state_step(qg, kd, eg, w, aqk, do, dh, dvn, b_ds, i_b, i_hv, i_bh, i_v,
-                                       NT - 1 - i_r, T, NT, HV, K, V, BT, BK, BV)
+                                       NT - 1 - i_r, T, NT, HV, K, V, BT, BK, BV, PREC)
     if STORE_DH0:
         tl.store(dh0 + p_state, b_ds, mask=m_kv)
 
@@ -89,7 +90,8 @@ def _kda_bwd_state_kernel(qg, kd, eg, w, aqk, do, dht, dh, dvn, dh0, T, NT, NBH,
 @triton.jit
 def _kda_bwd_intra_kernel(q, k, v, g, beta, tm, h, dh, do, vn, dvn, dq, dk, dv, dg, dbeta, scale, T, NT, NBT,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                          BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                          BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                          PREC: tl.constexpr):
     i_n, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -125,14 +127,14 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, tm, h, dh, do, vn, dvn, dq, dk, dv, 
         p_io = tok[:, None] * (HV * V) + i_hv * V + o_v[None, :]
         b_do = tl.load(do + p_io, mask=m_tv, other=0.).to(tl.float32)
         b_v = tl.load(v + p_io, mask=m_tv, other=0.).to(tl.float32)
-        b_dqg += tl.dot(b_do, tl.trans(b_s))
-        b_dkd += tl.dot(b_vn, tl.trans(b_ds))
-        b_daqk += tl.dot(b_do, tl.trans(b_vn))
+        b_dqg += tl.dot(b_do, tl.trans(b_s), input_precision=PREC)
+        b_dkd += tl.dot(b_vn, tl.trans(b_ds), input_precision=PREC)
+        b_daqk += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
         b_dgam += tl.sum(b_s * b_ds, 1)
         # Y = β V, X = β K e^Γ:  dY = Tm^T dVn,  dX = -dY S^T,  d(I + Akk) = -dY Vn^T
-        b_dy = tl.dot(tl.trans(b_tm), b_dvn)
-        b_dx += tl.dot(b_dy, tl.trans(b_s))
-        b_dakk += tl.dot(b_dy, tl.trans(b_vn))
+        b_dy = tl.dot(tl.trans(b_tm), b_dvn, input_precision=PREC)
+        b_dx += tl.dot(b_dy, tl.trans(b_s), input_precision=PREC)
+        b_dakk += tl.dot(b_dy, tl.trans(b_vn), input_precision=PREC)
         b_dbeta += tl.where(first, tl.sum(b_dy * b_v, 1), 0.)
         tl.store(dv + p_io, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv & first)
 
@@ -153,7 +155,7 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, tm, h, dh, do, vn, dvn, dq, dk, dv, 
 
     # raw-score gradients: Aqk = scale * Mqk (j <= i), Akk = β_i Mkk (j < i); Mkk is a sum over key
     # dims, so this key block's share of dβ uses this block's partial Mkk
-    _, b_mkk = _intra_scores(b_q, b_k, b_G, BT, BC)
+    _, b_mkk = _intra_scores(b_q, b_k, b_G, BT, BC, PREC)
     b_dmq = tl.where(o_t[:, None] >= o_t[None, :], b_daqk, 0.) * scale
     b_dakk = -tl.where(o_t[:, None] > o_t[None, :], b_dakk, 0.)
     b_dbeta += tl.sum(b_dakk * b_mkk, 1)
@@ -166,9 +168,9 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, tm, h, dh, do, vn, dvn, dq, dk, dv, 
         b_dmq_a = tl.where(m_a[:, None], b_dmq, 0.)
         b_dmk_a = tl.where(m_a[:, None], b_dmk, 0.)
         # query-side (rows of sub-chunk a) and key-side (rows before its end) gradients
-        b_dq_r = e_q * tl.dot(b_dmq_a, b_kb)
-        b_dk_r = e_q * tl.dot(b_dmk_a, b_kb)
-        b_dk_c = tl.where(m_up[:, None], e_k, 0.) * (tl.dot(tl.trans(b_dmq_a), b_qa) + tl.dot(tl.trans(b_dmk_a), b_ka))
+        b_dq_r = e_q * tl.dot(b_dmq_a, b_kb, input_precision=PREC)
+        b_dk_r = e_q * tl.dot(b_dmk_a, b_kb, input_precision=PREC)
+        b_dk_c = tl.where(m_up[:, None], e_k, 0.) * (tl.dot(tl.trans(b_dmq_a), b_qa, input_precision=PREC) + tl.dot(tl.trans(b_dmk_a), b_ka, input_precision=PREC))
         b_dq += b_dq_r
         b_dk += b_dk_r + b_dk_c
         b_dG += b_q * b_dq_r + b_k * (b_dk_r - b_dk_c)
@@ -184,7 +186,7 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, tm, h, dh, do, vn, dvn, dq, dk, dv, 
 
 
 def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, need_dh0: bool,
-                  dh_dtype: torch.dtype = torch.float32):
+                  dh_dtype: torch.dtype = torch.float32, precision: str = "tf32"):
     """Launch the reverse scan. Returns dh [B*HV, NT, K, V] (grad of each chunk's END state),
     dVn [B*HV, Tp, V] fp32, dh0 [B, HV, K, V] fp32 or None."""
     K, V = it.w.shape[-1], it.u.shape[-1]
@@ -197,12 +199,13 @@ def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, 
     dh0 = torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) if need_dh0 else None
     _kda_bwd_state_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), B * HV)](
         it.qg, it.kd, it.eg, it.w, it.aqk, do, dht, dh, dvn, dh0, T, NT, triton.next_power_of_2(B * HV),
-        HV=HV, K=K, V=V, BT=BT, BK=BK, USE_DHT=dht is not None, STORE_DH0=need_dh0, INTERPRET=interpreting(do))
+        HV=HV, K=K, V=V, BT=BT, BK=BK, USE_DHT=dht is not None, STORE_DH0=need_dh0, INTERPRET=interpreting(do),
+        PREC=precision)
     return dh, dvn, dh0
 
 
 def kda_bwd_intra(q, k, v, g, beta, tm, h, dh, do, vn, dvn, scale: float, chunk_size: int,
-                  BK: int | None = None, BV: int | None = None, num_warps: int = 8):
+                  BK: int | None = None, BV: int | None = None, num_warps: int = 8, precision: str = "tf32"):
     """Launch the per-chunk gradient kernel. Returns dq, dk [B, T, HV, K] fp32 (per value head),
     dv [B, T, HV, V] (v.dtype), dg [B, T, HV, K] fp32, dbeta [B, T, HV] fp32."""
     B, T, H, K = q.shape
@@ -223,5 +226,6 @@ def kda_bwd_intra(q, k, v, g, beta, tm, h, dh, do, vn, dvn, scale: float, chunk_
     dbeta = torch.empty(NK, B, T, HV, device=dev, dtype=torch.float32)
     _kda_bwd_intra_kernel[(NT, B * HV, NK)](
         q, k, v, g, beta, tm, h, dh, do, vn, dvn, dq, dk, dv, dg, dbeta, scale, T, NT, B * T, H=H, HV=HV, K=K,
-        V=V, BT=BT, BC=min(16, BT), BK=BK, BV=BV, num_warps=num_warps, num_stages=1)
+        V=V, BT=BT, BC=min(16, BT), BK=BK, BV=BV, PREC=precision, num_warps=num_warps,
+        num_stages=1)
     return dq, dk, dv, dg, dbeta.sum(0)

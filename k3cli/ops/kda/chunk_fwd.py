@@ -63,7 +63,7 @@ def _anchored_factors(b_G, a, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _intra_scores(b_q, b_k, b_G, BT: tl.constexpr, BC: tl.constexpr):
+def _intra_scores(b_q, b_k, b_G, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
     """Mqk[i,j] = Σ_d q_id k_jd exp(Γ_id - Γ_jd), Mkk likewise with k for q; j <= i (unmasked above)."""
     b_mqk = tl.zeros([BT, BT], dtype=tl.float32)
     b_mkk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -72,8 +72,8 @@ def _intra_scores(b_q, b_k, b_G, BT: tl.constexpr, BC: tl.constexpr):
         b_qa = tl.where(m_a[:, None], b_q * e_q, 0.)
         b_ka = tl.where(m_a[:, None], b_k * e_q, 0.)
         b_kb = tl.where(m_up[:, None], b_k * e_k, 0.)
-        b_mqk += tl.dot(b_qa, tl.trans(b_kb))
-        b_mkk += tl.dot(b_ka, tl.trans(b_kb))
+        b_mqk += tl.dot(b_qa, tl.trans(b_kb), input_precision=PREC)
+        b_mkk += tl.dot(b_ka, tl.trans(b_kb), input_precision=PREC)
     return b_mqk, b_mkk
 
 
@@ -168,7 +168,8 @@ def _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H: tl.constexpr, HV: t
 @triton.jit
 def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T, NT,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                          BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                          BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                          PREC: tl.constexpr):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -198,8 +199,8 @@ def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T,
         e_q = tl.exp(b_Ga - b_c[None, :])
         m_up = o_t < (a + 1) * BC
         b_kb = tl.where(m_up[:, None], b_k * tl.exp(tl.where(m_up[:, None], b_c[None, :] - b_G, 0.)), 0.)
-        b_sq = tl.dot(b_qa * e_q, tl.trans(b_kb))
-        b_sk = tl.dot(b_ka * e_q, tl.trans(b_kb))
+        b_sq = tl.dot(b_qa * e_q, tl.trans(b_kb), input_precision=PREC)
+        b_sk = tl.dot(b_ka * e_q, tl.trans(b_kb), input_precision=PREC)
         b_beta_a = tl.load(beta + tok_i * HV + i_hv, mask=m_i, other=0.).to(tl.float32)
         p_ia = (base + o_i)[:, None] * BT + o_t[None, :]
         tl.store(aqk + p_ia, tl.where(o_i[:, None] >= o_t[None, :], b_sq, 0.) * scale)
@@ -214,14 +215,14 @@ def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T,
     tl.store(qg + p_rk, (b_q * b_eg * scale).to(qg.dtype.element_ty), mask=m_k[None, :])
     tl.store(kd + p_rk, (b_k * tl.exp(b_gam[None, :] - b_G)).to(kd.dtype.element_ty), mask=m_k[None, :])
     tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=m_k)
-    b_w = tl.dot(b_tm, b_k * b_eg * b_beta[:, None])
+    b_w = tl.dot(b_tm, b_k * b_eg * b_beta[:, None], input_precision=PREC)
     tl.store(w + p_rk, b_w.to(w.dtype.element_ty), mask=m_k[None, :])
     for i_v in range((V + BV - 1) // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         p_v = v + (i_b * T + i_n * BT + o_t).to(tl.int64)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
         b_v = tl.load(p_v, mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
-        b_u = tl.dot(b_tm, b_v * b_beta[:, None])
+        b_u = tl.dot(b_tm, b_v * b_beta[:, None], input_precision=PREC)
         tl.store(u + (base + o_t)[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_v[None, :])
 
 
@@ -229,7 +230,7 @@ def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T,
 def _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i_v, i_n, T, NT,
                         HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                        STORE_O: tl.constexpr, STORE_H: tl.constexpr):
+                        STORE_O: tl.constexpr, STORE_H: tl.constexpr, PREC: tl.constexpr):
     """One chunk of the state scan: emit O (and S, Vn for the backward), return the next S."""
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
@@ -242,19 +243,19 @@ def _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i
     if STORE_H:
         p_h = h + (i_bh * NT + i_n).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
         tl.store(p_h, b_s.to(h.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
-    b_vn = b_u - tl.dot(b_w, b_s)
+    b_vn = b_u - tl.dot(b_w, b_s, input_precision=PREC)
     if STORE_H:
         tl.store(vn + row[:, None] * V + o_v[None, :], b_vn, mask=m_v[None, :])
     if STORE_O:
         b_qg = tl.load(qg + p_rk, mask=m_k[None, :], other=0.).to(tl.float32)
         b_a = tl.load(aqk + row[:, None] * BT + o_t[None, :])
-        b_o = tl.dot(b_qg, b_s) + tl.dot(b_a, b_vn)
+        b_o = tl.dot(b_qg, b_s, input_precision=PREC) + tl.dot(b_a, b_vn, input_precision=PREC)
         m_t = (i_n * BT + o_t) < T
         p_o = o + (i_b * T + i_n * BT + o_t).to(tl.int64)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
         tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
     b_kd = tl.load(kd + p_rk, mask=m_k[None, :], other=0.).to(tl.float32)
     b_eg = tl.load(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, mask=m_k, other=0.)
-    return b_s * b_eg[:, None] + tl.dot(tl.trans(b_kd), b_vn)
+    return b_s * b_eg[:, None] + tl.dot(tl.trans(b_kd), b_vn, input_precision=PREC)
 
 
 @triton.autotune(
@@ -267,7 +268,7 @@ def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, T, NT, NBH,
                           HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_O: tl.constexpr,
-                          STORE_H: tl.constexpr, INTERPRET: tl.constexpr):
+                          STORE_H: tl.constexpr, INTERPRET: tl.constexpr, PREC: tl.constexpr):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     o_k = tl.arange(0, BK)
@@ -282,12 +283,12 @@ def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, T, NT, NBH,
         i_n = 0
         while i_n < NT:
             b_s = _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i_v, i_n, T, NT,
-                                      HV, K, V, BT, BK, BV, STORE_O, STORE_H)
+                                      HV, K, V, BT, BK, BV, STORE_O, STORE_H, PREC)
             i_n += 1
     else:
         for i_n in range(NT):
             b_s = _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i_v, i_n, T, NT,
-                                      HV, K, V, BT, BK, BV, STORE_O, STORE_H)
+                                      HV, K, V, BT, BK, BV, STORE_O, STORE_H, PREC)
     if STORE_HT:
         tl.store(ht + p_state, b_s, mask=m_kv)
 
@@ -303,10 +304,17 @@ class Intra(NamedTuple):
     tm: torch.Tensor     # (I + Akk)^-1
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """`tl.dot` input precision for the non-solve products: full fp32 ("ieee") for fp32 inputs unless
+    torch allows TF32 matmuls (torch.backends.cuda.matmul.allow_tf32, off by default), else "tf32"
+    (bf16/fp16 inputs carry less precision than TF32 already). The solve is always fp32 (`_mm`)."""
+    return "ieee" if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
+
+
 def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: torch.dtype,
-                  gated_dtype: torch.dtype = torch.float32, num_warps: int = 8) -> Intra:
+                  gated_dtype: torch.dtype = torch.float32, num_warps: int = 8, precision: str = "tf32") -> Intra:
     """Launch stage 1 (one program per chunk and batch*value-head). W, U are stored in `inter_dtype`,
-    Q e^Γ and K e^(γ-Γ) in `gated_dtype`; everything else fp32."""
+    Q e^Γ and K e^(γ-Γ) in `gated_dtype`; everything else fp32. `precision`: see dot_precision."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
@@ -323,13 +331,13 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     tm = torch.empty_like(aqk)
     _kda_fwd_intra_kernel[(NT, B * HV)](
         q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T, NT, H=H, HV=HV, K=K, V=V, BT=BT,
-        BC=min(16, BT), BK=BK, BV=BV, num_warps=num_warps, num_stages=1)
+        BC=min(16, BT), BK=BK, BV=BV, PREC=precision, num_warps=num_warps, num_stages=1)
     return Intra(w, u, qg, kd, eg, aqk, tm)
 
 
 def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_state, out_dtype,
                   output_final_state: bool, store_o: bool = True, store_h: bool = False,
-                  h_dtype: torch.dtype = torch.float32):
+                  h_dtype: torch.dtype = torch.float32, precision: str = "tf32"):
     """Launch stage 2. Returns (o [B,T,HV,V] or None, final state or None, h [B*HV,NT,K,V] or None,
     Vn [B*HV,Tp,V] fp32 or None)."""
     K, V = it.w.shape[-1], it.u.shape[-1]
@@ -345,5 +353,5 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
         it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, initial_state, ht, h, vn, T, NT,
         triton.next_power_of_2(B * HV), HV=HV, K=K, V=V, BT=BT, BK=BK,
         USE_H0=initial_state is not None, STORE_HT=output_final_state, STORE_O=store_o, STORE_H=store_h,
-        INTERPRET=interpreting(it.w))
+        INTERPRET=interpreting(it.w), PREC=precision)
     return o, ht, h, vn
