@@ -161,6 +161,39 @@ def test_chunk_kda_matches_recurrent(B, T, H, G, K, V, C, dtype, h0):
         assert_close(name, out[name], ref[name])
 
 
+# every TUNING alternative must compute the same function (scripts/kda_sweep.py times them on a GPU)
+TUNING_CASES = [
+    pytest.param({"fwd_intra_BK": 16}, 1, 63, 1, 2, 40, 24, 64, id="fwd-kblock16-K40-G2-T63"),
+    pytest.param({"fwd_intra_BK": 32}, 2, 70, 1, 1, 96, 32, 32, id="fwd-kblock32-K96-C32"),
+    pytest.param({"fwd_intra_BK": 16}, 1, 1, 1, 1, 32, 16, 64, id="fwd-kblock16-T1"),
+    pytest.param({"bwd_intra_BK": 16, "bwd_intra_BV": 16, "bwd_intra_warps": 4}, 1, 50, 1, 2, 48, 40, 16,
+                 id="bwd-k16-v16"),
+    pytest.param({"gated_dtype": "input", "states_dtype": "input", "inter_dtype": "input"},
+                 1, 70, 1, 1, 32, 32, 64, id="input-dtype-buffers"),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("tuning,B,T,H,G,K,V,C", TUNING_CASES)
+def test_chunk_kda_tuning_alternatives_match_recurrent(tuning, B, T, H, G, K, V, C):
+    from k3cli.ops.kda import chunk as chunk_mod
+    from k3cli.ops.kda import chunk_kda
+    # fp16 when buffers follow the input dtype (the interpreter's bf16 is wrong, see README), else fp32
+    dtype = torch.float16 if "input" in tuning.values() else torch.float32
+    inputs = make_inputs(B, T, H, G, K, V, dtype=dtype, device=DEVICE, h0=True)
+    ref = run_with_grads(naive_recurrent_kda, *[x.float() for x in inputs])
+    saved = dict(chunk_mod.TUNING)
+    try:
+        chunk_mod.TUNING.update(tuning)
+        out = run_with_grads(chunk_kda, *inputs, chunk_size=C)
+    finally:
+        chunk_mod.TUNING.clear()
+        chunk_mod.TUNING.update(saved)
+    for name in ref:
+        assert out[name].shape == ref[name].shape, name
+        assert_close(name, out[name], ref[name], tol=None if dtype == torch.float16 else 1e-5)
+
+
 @needs_triton
 def test_chunk_kda_in_kernel_l2norm_and_gate():
     from k3cli.ops.kda import chunk_kda

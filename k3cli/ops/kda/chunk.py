@@ -14,9 +14,10 @@ from k3cli.ops.kda.chunk_fwd import Intra, dot_precision, kda_fwd_intra, kda_fwd
 _CHUNK_SIZES = (16, 32, 64)
 
 # Launch and storage choices, in one place so scripts/kda_sweep.py can time alternatives on a GPU.
+# fwd_intra_BK: key-column block of stage 1 (None = whole K in one tile; see kda_fwd_intra).
 # "*_dtype" entries: "fp32", or "input" (the dtype of q/k/v: bf16 halves that buffer's traffic).
 #   inter: W, U (stage 1 -> state scans); gated: Q e^Γ, K e^(γ-Γ); states: per-chunk S_n and dS_n.
-TUNING = {"fwd_intra_warps": 8, "bwd_intra_BK": None, "bwd_intra_BV": None, "bwd_intra_warps": 8,
+TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "bwd_intra_BK": None, "bwd_intra_BV": None, "bwd_intra_warps": 8,
           "inter_dtype": "fp32", "gated_dtype": "fp32", "states_dtype": "fp32"}
 
 
@@ -39,7 +40,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         prec = dot_precision(v.dtype)
         # W, U in fp32 keep the pseudo-value subtraction U - W S accurate for bf16 inputs
         it = kda_fwd_intra(q, k, v, g, beta, scale, chunk_size, _tuned_dtype("inter_dtype", v),
-                           _tuned_dtype("gated_dtype", v), num_warps=TUNING["fwd_intra_warps"], precision=prec)
+                           _tuned_dtype("gated_dtype", v), num_warps=TUNING["fwd_intra_warps"], precision=prec,
+                           key_block=TUNING["fwd_intra_BK"])
         o, ht, _, _ = kda_fwd_state(it, B, T, HV, chunk_size, h0, v.dtype, output_final_state, precision=prec)
         ctx.save_for_backward(q, k, v, g, beta, h0, *it)
         ctx.scale, ctx.chunk_size, ctx.prec = scale, chunk_size, prec

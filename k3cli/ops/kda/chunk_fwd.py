@@ -227,6 +227,58 @@ def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T,
 
 
 @triton.jit
+def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T, NT,
+                                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                                 BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                                 PREC: tl.constexpr):
+    """Stage 1 with the key dimension walked in BK-column blocks (BK < K): the same outputs as
+    `_kda_fwd_intra_kernel`, but no program holds more than [BT, BK] of q, k, Γ at a time (at K = 128
+    the whole-K kernel sat at 255 registers, 1 block per SM and spilled; ncu, notes/session2_gpu.md).
+    Scores accumulate over key blocks (they are sums over key dims); Γ is re-derived per block."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    o_t = tl.arange(0, BT)
+    m_t = (i_n * BT + o_t) < T
+    base = (i_bh * NT * BT + i_n * BT).to(tl.int64)
+    b_mqk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_mkk = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range((K + BK - 1) // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK)
+        b_sq, b_sk = _intra_scores(b_q, b_k, b_G, BT, BC, PREC)
+        b_mqk += b_sq
+        b_mkk += b_sk
+        # the gated operands of the state scans for these key columns
+        b_gam = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), 0)
+        p_rk = (base + o_t)[:, None] * K + o_k[None, :]
+        tl.store(qg + p_rk, (b_q * tl.exp(b_G) * scale).to(qg.dtype.element_ty), mask=m_k[None, :])
+        tl.store(kd + p_rk, (b_k * tl.exp(b_gam[None, :] - b_G)).to(kd.dtype.element_ty), mask=m_k[None, :])
+        tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=m_k)
+    b_beta = tl.load(beta + (i_b * T + i_n * BT + o_t).to(tl.int64) * HV + i_hv, mask=m_t, other=0.)
+    b_beta = b_beta.to(tl.float32)
+    p_tt = (base + o_t)[:, None] * BT + o_t[None, :]
+    tl.store(aqk + p_tt, tl.where(o_t[:, None] >= o_t[None, :], b_mqk, 0.) * scale)
+    tl.store(tm + p_tt, tl.where(o_t[:, None] > o_t[None, :], b_mkk, 0.) * b_beta[:, None])
+    tl.debug_barrier()
+    b_tm = _unit_lower_inverse(tm + base * BT, BT, BC)
+    for i_k in range((K + BK - 1) // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        _, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK)
+        b_w = tl.dot(b_tm, b_k * tl.exp(b_G) * b_beta[:, None], input_precision=PREC)
+        tl.store(w + (base + o_t)[:, None] * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_k[None, :])
+    for i_v in range((V + BV - 1) // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        p_v = v + (i_b * T + i_n * BT + o_t).to(tl.int64)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+        b_v = tl.load(p_v, mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
+        b_u = tl.dot(b_tm, b_v * b_beta[:, None], input_precision=PREC)
+        tl.store(u + (base + o_t)[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_v[None, :])
+
+
+@triton.jit
 def _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i_v, i_n, T, NT,
                         HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -312,9 +364,12 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: torch.dtype,
-                  gated_dtype: torch.dtype = torch.float32, num_warps: int = 8, precision: str = "tf32") -> Intra:
+                  gated_dtype: torch.dtype = torch.float32, num_warps: int = 8, precision: str = "tf32",
+                  key_block: int | None = None) -> Intra:
     """Launch stage 1 (one program per chunk and batch*value-head). W, U are stored in `inter_dtype`,
-    Q e^Γ and K e^(γ-Γ) in `gated_dtype`; everything else fp32. `precision`: see dot_precision."""
+    Q e^Γ and K e^(γ-Γ) in `gated_dtype`; everything else fp32. `precision`: see dot_precision.
+    `key_block` (16, 32, 64): walk the key dim in blocks of that many columns when K is wider
+    (`_kda_fwd_intra_kblock_kernel`, also used for a non-fp32 `gated_dtype`); None: whole-K tiles."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
@@ -329,7 +384,13 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     eg = torch.empty(B * HV, NT, K, device=dev, dtype=torch.float32)
     aqk = torch.empty(B * HV, NT * BT, BT, device=dev, dtype=torch.float32)
     tm = torch.empty_like(aqk)
-    _kda_fwd_intra_kernel[(NT, B * HV)](
+    kernel = _kda_fwd_intra_kernel
+    if key_block is not None and key_block not in (16, 32, 64):
+        raise ValueError(f"kda_fwd_intra: key_block={key_block} must be 16, 32 or 64")
+    # the whole-K kernel passes Γ through the qg buffer, which must then be fp32
+    if (key_block is not None and key_block < BK) or gated_dtype != torch.float32:
+        kernel, BK = _kda_fwd_intra_kblock_kernel, min(BK, key_block or BK)
+    kernel[(NT, B * HV)](
         q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T, NT, H=H, HV=HV, K=K, V=V, BT=BT,
         BC=min(16, BT), BK=BK, BV=BV, PREC=precision, num_warps=num_warps, num_stages=1)
     return Intra(w, u, qg, kd, eg, aqk, tm)
