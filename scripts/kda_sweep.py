@@ -1,12 +1,13 @@
 """Time and check chunk_kda launch/storage variants (k3cli.ops.kda.chunk.TUNING) on one GPU.
 
     python scripts/kda_sweep.py [fla] [VARIANT ...]     # all variants by default; 'fla' adds the peer
-    python scripts/kda_sweep.py base fi_kb32 fi_kb64 fi_kb32_w4 gated_in states_in combo   # ~2 min
+    python scripts/kda_sweep.py base nospill fi_kb32 bwd_split c32 c32_kb16_w4 gated_in states_in   # ~2 min
 
 For each variant: relative RMS error of o, final state and every gradient against the fp32 torch
 reference (B2 T1000 H4 HV8 K=V=128, bf16 inputs, with an initial state), and forward /
 forward+backward medians at (8, 2048, 16, 16, 128) and (1, 16384, 16, 16, 128); fla's chunk_kda on
 the same inputs when asked for and importable. Nothing here changes the defaults: copy a winner into TUNING.
+Without CUDA (TRITON_INTERPRET=1) it only runs tiny fp16 accuracy checks: a smoke test of the script.
 """
 import json
 import os
@@ -41,18 +42,28 @@ VARIANTS = {
     "bi_k32v64w8": {"bwd_intra_BK": 32, "bwd_intra_BV": 64},
     "bi_k32v64w4": {"bwd_intra_BK": 32, "bwd_intra_BV": 64, "bwd_intra_warps": 4},
     "bi_k64v64w16": {"bwd_intra_warps": 16},
+    # spill-free per scripts/ptxas_report.py (sm_90, 8 warps): stage 1 BK32, split backward BK32 BV32
+    "nospill": {"fwd_intra_BK": 32, "bwd_split": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
+    "bwd_split": {"bwd_split": True},
+    "bwd_split_k32v32": {"bwd_split": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
+    # chunk 32: [32, 32] score tiles, twice the sequential scan steps (chunk_size is chunk_kda's argument)
+    "c32": {"chunk_size": 32},
+    "c32_kb16_w4": {"chunk_size": 32, "fwd_intra_BK": 16, "fwd_intra_warps": 4},
     "combo": {"fwd_intra_BK": 32, "bwd_intra_BK": 32, "bwd_intra_BV": 32, "bwd_intra_warps": 4,
               "gated_dtype": "input", "states_dtype": "input"},
 }
 SPEED_SHAPES = [(8, 2048, 16, 16, 128), (1, 16384, 16, 16, 128)]
 
 
-def accuracy(ref, inputs):
-    out = run_with_grads(chunk_kda, *inputs)
+def accuracy(ref, inputs, chunk_size=64):
+    out = run_with_grads(chunk_kda, *inputs, chunk_size=chunk_size)
     return {n: rel_rms(out[n], ref[n]) for n in ref}
 
 
-def speed(shape, fn=chunk_kda):
+def speed(shape, fn=chunk_kda, chunk_size=None):
+    if chunk_size is not None:
+        def fn(*a, _fn=fn):
+            return _fn(*a, chunk_size=chunk_size)
     args = _inputs(*shape, torch.bfloat16, torch.device("cuda"))
     fwd, fwd_bwd = _fwd_bwd_fns(fn, args, torch.device("cuda"))
     fwd(), fwd_bwd()
@@ -60,7 +71,12 @@ def speed(shape, fn=chunk_kda):
 
 
 def main(names):
-    inputs = make_inputs(2, 1000, 4, 2, 128, 128, dtype=torch.bfloat16, device="cuda", h0=True)
+    global SPEED_SHAPES
+    if torch.cuda.is_available():
+        inputs = make_inputs(2, 1000, 4, 2, 128, 128, dtype=torch.bfloat16, device="cuda", h0=True)
+    else:  # smoke test of the script itself (TRITON_INTERPRET=1): tiny fp16 accuracy checks, no timing
+        inputs = make_inputs(1, 70, 1, 2, 32, 32, dtype=torch.float16, device="cpu", h0=True)
+        SPEED_SHAPES = []
     ref = run_with_grads(naive_chunk_kda, *[x.float() for x in inputs])
     rows = []
     fla = _fla_chunk_kda() if "fla" in names else None   # fla's first calls compile for minutes
@@ -73,14 +89,15 @@ def main(names):
         rows.append(row)
     for name in names:
         over = VARIANTS[name]
+        chunk = over.get("chunk_size", 64)
         chunk_mod.TUNING.clear()
-        chunk_mod.TUNING.update(BASE, **over)
+        chunk_mod.TUNING.update(BASE, **{k: v for k, v in over.items() if k != "chunk_size"})
         row = {"variant": name, "tuning": over}
         try:
-            row["err"] = accuracy(ref, inputs)
+            row["err"] = accuracy(ref, inputs, chunk)
             row["ok"] = all(e <= TOL[n] for n, e in row["err"].items())
             for s in SPEED_SHAPES:
-                row[f"{s}"] = speed(s)
+                row[f"{s}"] = speed(s, chunk_size=chunk)
         except Exception as e:  # one broken variant must not cost the others' figures
             print(json.dumps({"variant": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}), flush=True)
             continue

@@ -168,6 +168,9 @@ TUNING_CASES = [
     pytest.param({"fwd_intra_BK": 16}, 1, 1, 1, 1, 32, 16, 64, id="fwd-kblock16-T1"),
     pytest.param({"bwd_intra_BK": 16, "bwd_intra_BV": 16, "bwd_intra_warps": 4}, 1, 50, 1, 2, 48, 40, 16,
                  id="bwd-k16-v16"),
+    pytest.param({"bwd_split": True}, 1, 70, 1, 2, 96, 40, 64, id="bwd-split-K96-G2"),
+    pytest.param({"bwd_split": True, "bwd_intra_BK": 16, "bwd_intra_BV": 16}, 2, 1, 1, 1, 24, 16, 16,
+                 id="bwd-split-T1-K24"),
     pytest.param({"gated_dtype": "input", "states_dtype": "input", "inter_dtype": "input"},
                  1, 70, 1, 1, 32, 32, 64, id="input-dtype-buffers"),
 ]

@@ -15,9 +15,10 @@ _CHUNK_SIZES = (16, 32, 64)
 
 # Launch and storage choices, in one place so scripts/kda_sweep.py can time alternatives on a GPU.
 # fwd_intra_BK: key-column block of stage 1 (None = whole K in one tile; see kda_fwd_intra).
+# bwd_split: per-chunk backward as two launches (V side once, key side per key block; kda_bwd_intra).
 # "*_dtype" entries: "fp32", or "input" (the dtype of q/k/v: bf16 halves that buffer's traffic).
 #   inter: W, U (stage 1 -> state scans); gated: Q e^Γ, K e^(γ-Γ); states: per-chunk S_n and dS_n.
-TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "bwd_intra_BK": None, "bwd_intra_BV": None, "bwd_intra_warps": 8,
+TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None, "bwd_intra_warps": 8,
           "inter_dtype": "fp32", "gated_dtype": "fp32", "states_dtype": "fp32"}
 
 
@@ -63,7 +64,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         dh, dvn, dh0 = kda_bwd_state(it, do, dht, B, T, HV, C, h0 is not None, dh_dtype=sd, precision=prec)
         dq, dk, dv, dg, dbeta = kda_bwd_intra(q, k, v, g, beta, it.tm, h, dh, do, vn, dvn, scale, C,
                                               BK=TUNING["bwd_intra_BK"], BV=TUNING["bwd_intra_BV"],
-                                              num_warps=TUNING["bwd_intra_warps"], precision=prec)
+                                              num_warps=TUNING["bwd_intra_warps"], precision=prec,
+                                              split=TUNING["bwd_split"])
         # GVA: value head hv used q/k head hv // G, so sum each group's gradients
         dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
         dk = dk.view(B, T, H, HV // H, K).sum(3).to(k.dtype)

@@ -88,6 +88,65 @@ def _kda_bwd_state_kernel(qg, kd, eg, w, aqk, do, dht, dh, dvn, dh0, T, NT, NBH,
 
 
 @triton.jit
+def _bwd_key_side(q, k, g, dq, dk, dg, dbeta, b_dqg, b_dkd, b_dx, b_dgam, b_daqk, b_dakk, b_dbeta, b_beta,
+                  scale, i_b, i_h, i_hv, i_n, i_k, slot, T, NBT, H: tl.constexpr, HV: tl.constexpr,
+                  K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """The key-block part of the per-chunk backward, after the reductions over V: from d(Q e^Γ) (b_dqg,
+    unscaled), d(K e^(γ-Γ)) (b_dkd), minus d(β K e^Γ) (b_dx), Σ_v S dS (b_dgam), dO Vn^T (b_daqk) and
+    dY Vn^T (b_dakk), both unmasked, to dq, dk, dg and this block's dβ share (stored in dβ slot `slot`).
+    q, k, Γ are loaded only here, to keep them out of the V loop's registers."""
+    o_t = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_t = (i_n * BT + o_t) < T
+    m_k = o_k < K
+    tok = (i_b * T + i_n * BT + o_t).to(tl.int64)
+    b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK)
+    b_gam = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), 0)
+    b_eg = tl.exp(b_G)
+    b_kg = b_k * b_eg
+    b_kd = b_k * tl.exp(b_gam[None, :] - b_G)
+    b_dqg = b_dqg * scale
+    # X = β K e^Γ
+    b_dbeta -= tl.sum(b_dx * b_kg, 1)
+    b_dkg = -b_dx * b_beta[:, None]
+    b_dq = b_dqg * b_eg
+    b_dk = b_dkg * b_eg + b_dkd * tl.exp(b_gam[None, :] - b_G)
+    b_dG = b_dkg * b_kg - b_dkd * b_kd + b_dqg * b_q * b_eg
+    b_dgam = b_dgam * tl.exp(b_gam) + tl.sum(b_dkd * b_kd, 0)
+
+    # raw-score gradients: Aqk = scale * Mqk (j <= i), Akk = β_i Mkk (j < i); Mkk is a sum over key
+    # dims, so this key block's share of dβ uses this block's partial Mkk
+    _, b_mkk = _intra_scores(b_q, b_k, b_G, BT, BC, PREC)
+    b_dmq = tl.where(o_t[:, None] >= o_t[None, :], b_daqk, 0.) * scale
+    b_dakk = -tl.where(o_t[:, None] > o_t[None, :], b_dakk, 0.)
+    b_dbeta += tl.sum(b_dakk * b_mkk, 1)
+    b_dmk = b_dakk * b_beta[:, None]
+    for a in range(BT // BC):
+        e_q, e_k, m_a, m_up = _anchored_factors(b_G, a, BT, BC)
+        b_qa = tl.where(m_a[:, None], b_q * e_q, 0.)
+        b_ka = tl.where(m_a[:, None], b_k * e_q, 0.)
+        b_kb = tl.where(m_up[:, None], b_k * e_k, 0.)
+        b_dmq_a = tl.where(m_a[:, None], b_dmq, 0.)
+        b_dmk_a = tl.where(m_a[:, None], b_dmk, 0.)
+        # query-side (rows of sub-chunk a) and key-side (rows before its end) gradients
+        b_dq_r = e_q * tl.dot(b_dmq_a, b_kb, input_precision=PREC)
+        b_dk_r = e_q * tl.dot(b_dmk_a, b_kb, input_precision=PREC)
+        b_dk_c = tl.where(m_up[:, None], e_k, 0.) * (tl.dot(tl.trans(b_dmq_a), b_qa, input_precision=PREC) + tl.dot(tl.trans(b_dmk_a), b_ka, input_precision=PREC))
+        b_dq += b_dq_r
+        b_dk += b_dk_r + b_dk_c
+        b_dG += b_q * b_dq_r + b_k * (b_dk_r - b_dk_c)
+
+    # g enters through Γ (inclusive cumsum) and γ = Γ[-1] = Σ g:  dg_i = Σ_{j>=i} dΓ_j + dγ
+    b_dg = tl.cumsum(b_dG, 0, reverse=True) + b_dgam[None, :]
+    m_tk = m_t[:, None] & m_k[None, :]
+    p_hk = tok[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+    tl.store(dq + p_hk, b_dq, mask=m_tk)
+    tl.store(dk + p_hk, b_dk, mask=m_tk)
+    tl.store(dg + p_hk, b_dg, mask=m_tk)
+    tl.store(dbeta + slot.to(tl.int64) * NBT * HV + tok * HV + i_hv, b_dbeta, mask=m_t)
+
+
+@triton.jit
 def _kda_bwd_intra_kernel(q, k, v, g, beta, tm, h, dh, do, vn, dvn, dq, dk, dv, dg, dbeta, scale, T, NT, NBT,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -138,51 +197,94 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, tm, h, dh, do, vn, dvn, dq, dk, dv, 
         b_dbeta += tl.where(first, tl.sum(b_dy * b_v, 1), 0.)
         tl.store(dv + p_io, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv & first)
 
-    # q, k, Γ are loaded only now, to keep them out of the V loop's registers
-    b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK)
-    b_gam = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), 0)
-    b_eg = tl.exp(b_G)
-    b_kg = b_k * b_eg
-    b_kd = b_k * tl.exp(b_gam[None, :] - b_G)
-    b_dqg = b_dqg * scale
-    # X = β K e^Γ
-    b_dbeta -= tl.sum(b_dx * b_kg, 1)
-    b_dkg = -b_dx * b_beta[:, None]
-    b_dq = b_dqg * b_eg
-    b_dk = b_dkg * b_eg + b_dkd * tl.exp(b_gam[None, :] - b_G)
-    b_dG = b_dkg * b_kg - b_dkd * b_kd + b_dqg * b_q * b_eg
-    b_dgam = b_dgam * tl.exp(b_gam) + tl.sum(b_dkd * b_kd, 0)
+    _bwd_key_side(q, k, g, dq, dk, dg, dbeta, b_dqg, b_dkd, b_dx, b_dgam, b_daqk, b_dakk, b_dbeta, b_beta,
+                  scale, i_b, i_h, i_hv, i_n, i_k, i_k, T, NBT, H, HV, K, BT, BC, BK, PREC)
 
-    # raw-score gradients: Aqk = scale * Mqk (j <= i), Akk = β_i Mkk (j < i); Mkk is a sum over key
-    # dims, so this key block's share of dβ uses this block's partial Mkk
-    _, b_mkk = _intra_scores(b_q, b_k, b_G, BT, BC, PREC)
-    b_dmq = tl.where(o_t[:, None] >= o_t[None, :], b_daqk, 0.) * scale
-    b_dakk = -tl.where(o_t[:, None] > o_t[None, :], b_dakk, 0.)
-    b_dbeta += tl.sum(b_dakk * b_mkk, 1)
-    b_dmk = b_dakk * b_beta[:, None]
-    for a in range(BT // BC):
-        e_q, e_k, m_a, m_up = _anchored_factors(b_G, a, BT, BC)
-        b_qa = tl.where(m_a[:, None], b_q * e_q, 0.)
-        b_ka = tl.where(m_a[:, None], b_k * e_q, 0.)
-        b_kb = tl.where(m_up[:, None], b_k * e_k, 0.)
-        b_dmq_a = tl.where(m_a[:, None], b_dmq, 0.)
-        b_dmk_a = tl.where(m_a[:, None], b_dmk, 0.)
-        # query-side (rows of sub-chunk a) and key-side (rows before its end) gradients
-        b_dq_r = e_q * tl.dot(b_dmq_a, b_kb, input_precision=PREC)
-        b_dk_r = e_q * tl.dot(b_dmk_a, b_kb, input_precision=PREC)
-        b_dk_c = tl.where(m_up[:, None], e_k, 0.) * (tl.dot(tl.trans(b_dmq_a), b_qa, input_precision=PREC) + tl.dot(tl.trans(b_dmk_a), b_ka, input_precision=PREC))
-        b_dq += b_dq_r
-        b_dk += b_dk_r + b_dk_c
-        b_dG += b_q * b_dq_r + b_k * (b_dk_r - b_dk_c)
 
-    # g enters through Γ (inclusive cumsum) and γ = Γ[-1] = Σ g:  dg_i = Σ_{j>=i} dΓ_j + dγ
-    b_dg = tl.cumsum(b_dG, 0, reverse=True) + b_dgam[None, :]
-    m_tk = m_t[:, None] & m_k[None, :]
-    p_hk = tok[:, None] * (HV * K) + i_hv * K + o_k[None, :]
-    tl.store(dq + p_hk, b_dq, mask=m_tk)
-    tl.store(dk + p_hk, b_dk, mask=m_tk)
-    tl.store(dg + p_hk, b_dg, mask=m_tk)
-    tl.store(dbeta + i_k.to(tl.int64) * NBT * HV + tok * HV + i_hv, b_dbeta, mask=m_t)
+@triton.jit
+def _kda_bwd_vside_kernel(v, beta, tm, do, vn, dvn, dv, dy, dqk, dkk, dbeta_v, T, NT,
+                          HV: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                          PREC: tl.constexpr):
+    """Split backward, part 1, one program per (chunk, batch*head): the key-independent reductions
+    over V that the single kernel repeats in every key block — dO Vn^T, dY = Tm^T dVn, dY Vn^T (stored
+    unmasked, fp32), dv = β dY, the v part of dβ (into dbeta_v [B*T, HV]) — and dY itself for part 2."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    o_t = tl.arange(0, BT)
+    m_t = (i_n * BT + o_t) < T
+    tok = (i_b * T + i_n * BT + o_t).to(tl.int64)
+    row = (i_bh * NT * BT + i_n * BT + o_t).to(tl.int64)
+    b_beta = tl.load(beta + tok * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
+    b_tm = tl.load(tm + row[:, None] * BT + o_t[None, :])
+    b_dqk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dkk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dbeta = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range((V + BV - 1) // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_rv = row[:, None] * V + o_v[None, :]
+        b_vn = tl.load(vn + p_rv, mask=m_v[None, :], other=0.)
+        b_dvn = tl.load(dvn + p_rv, mask=m_v[None, :], other=0.)
+        p_io = tok[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+        b_do = tl.load(do + p_io, mask=m_tv, other=0.).to(tl.float32)
+        b_v = tl.load(v + p_io, mask=m_tv, other=0.).to(tl.float32)
+        b_dqk += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
+        b_dy = tl.dot(tl.trans(b_tm), b_dvn, input_precision=PREC)
+        b_dkk += tl.dot(b_dy, tl.trans(b_vn), input_precision=PREC)
+        b_dbeta += tl.sum(b_dy * b_v, 1)
+        tl.store(dv + p_io, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+        tl.store(dy + p_rv, b_dy, mask=m_v[None, :])
+    p_tt = row[:, None] * BT + o_t[None, :]
+    tl.store(dqk + p_tt, b_dqk)
+    tl.store(dkk + p_tt, b_dkk)
+    tl.store(dbeta_v + tok * HV + i_hv, b_dbeta, mask=m_t)
+
+
+@triton.jit
+def _kda_bwd_kside_kernel(q, k, g, beta, h, dh, do, vn, dy, dqk, dkk, dq, dk, dg, dbeta, scale, T, NT, NBT,
+                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                          BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                          PREC: tl.constexpr):
+    """Split backward, part 2, one program per (chunk, batch*head, key block): the key-dependent
+    reductions over V (dO S^T, Vn dS^T, dY S^T, Σ S dS), then `_bwd_key_side` with part 1's dO Vn^T
+    and dY Vn^T."""
+    i_n, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    o_t = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_t = (i_n * BT + o_t) < T
+    m_k = o_k < K
+    tok = (i_b * T + i_n * BT + o_t).to(tl.int64)
+    row = (i_bh * NT * BT + i_n * BT + o_t).to(tl.int64)
+    p_s = (i_bh * NT + i_n).to(tl.int64) * K * V + o_k[:, None] * V
+    b_dqg = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dkd = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dx = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dgam = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range((V + BV - 1) // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_kv = m_k[:, None] & m_v[None, :]
+        b_s = tl.load(h + p_s + o_v[None, :], mask=m_kv, other=0.).to(tl.float32)
+        b_ds = tl.load(dh + p_s + o_v[None, :], mask=m_kv, other=0.).to(tl.float32)
+        p_rv = row[:, None] * V + o_v[None, :]
+        b_vn = tl.load(vn + p_rv, mask=m_v[None, :], other=0.)
+        b_dy = tl.load(dy + p_rv, mask=m_v[None, :], other=0.)
+        b_do = tl.load(do + tok[:, None] * (HV * V) + i_hv * V + o_v[None, :],
+                       mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
+        b_dqg += tl.dot(b_do, tl.trans(b_s), input_precision=PREC)
+        b_dkd += tl.dot(b_vn, tl.trans(b_ds), input_precision=PREC)
+        b_dx += tl.dot(b_dy, tl.trans(b_s), input_precision=PREC)
+        b_dgam += tl.sum(b_s * b_ds, 1)
+    p_tt = row[:, None] * BT + o_t[None, :]
+    b_daqk = tl.load(dqk + p_tt)
+    b_dakk = tl.load(dkk + p_tt)
+    b_beta = tl.load(beta + tok * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
+    b_dbeta = tl.zeros([BT], dtype=tl.float32)
+    _bwd_key_side(q, k, g, dq, dk, dg, dbeta, b_dqg, b_dkd, b_dx, b_dgam, b_daqk, b_dakk, b_dbeta, b_beta,
+                  scale, i_b, i_h, i_hv, i_n, i_k, i_k, T, NBT, H, HV, K, BT, BC, BK, PREC)
 
 
 def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, need_dh0: bool,
@@ -205,9 +307,12 @@ def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, 
 
 
 def kda_bwd_intra(q, k, v, g, beta, tm, h, dh, do, vn, dvn, scale: float, chunk_size: int,
-                  BK: int | None = None, BV: int | None = None, num_warps: int = 8, precision: str = "tf32"):
-    """Launch the per-chunk gradient kernel. Returns dq, dk [B, T, HV, K] fp32 (per value head),
-    dv [B, T, HV, V] (v.dtype), dg [B, T, HV, K] fp32, dbeta [B, T, HV] fp32."""
+                  BK: int | None = None, BV: int | None = None, num_warps: int = 8, precision: str = "tf32",
+                  split: bool = False):
+    """Launch the per-chunk gradient kernel(s). Returns dq, dk [B, T, HV, K] fp32 (per value head),
+    dv [B, T, HV, V] (v.dtype), dg [B, T, HV, K] fp32, dbeta [B, T, HV] fp32. `split`: two launches
+    (`_kda_bwd_vside_kernel` once per chunk, then `_kda_bwd_kside_kernel` per key block) instead of
+    one kernel that redoes the key-independent V reductions in every key block."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
@@ -223,6 +328,19 @@ def kda_bwd_intra(q, k, v, g, beta, tm, h, dh, do, vn, dvn, scale: float, chunk_
     dk = torch.empty_like(dq)
     dg = torch.empty_like(dq)
     dv = torch.empty_like(v)
+    if split:
+        dbeta = torch.empty(NK + 1, B, T, HV, device=dev, dtype=torch.float32)
+        Tp = NT * BT
+        dy = torch.empty(B * HV, Tp, V, device=dev, dtype=torch.float32)
+        dqk = torch.empty(B * HV, Tp, BT, device=dev, dtype=torch.float32)
+        dkk = torch.empty_like(dqk)
+        _kda_bwd_vside_kernel[(NT, B * HV)](
+            v, beta, tm, do, vn, dvn, dv, dy, dqk, dkk, dbeta[NK], T, NT, HV=HV, V=V, BT=BT, BV=BV,
+            PREC=precision, num_warps=num_warps, num_stages=1)
+        _kda_bwd_kside_kernel[(NT, B * HV, NK)](
+            q, k, g, beta, h, dh, do, vn, dy, dqk, dkk, dq, dk, dg, dbeta, scale, T, NT, B * T, H=H, HV=HV, K=K,
+            V=V, BT=BT, BC=min(16, BT), BK=BK, BV=BV, PREC=precision, num_warps=num_warps, num_stages=1)
+        return dq, dk, dv, dg, dbeta.sum(0)
     dbeta = torch.empty(NK, B, T, HV, device=dev, dtype=torch.float32)
     _kda_bwd_intra_kernel[(NT, B * HV, NK)](
         q, k, v, g, beta, tm, h, dh, do, vn, dvn, dq, dk, dv, dg, dbeta, scale, T, NT, B * T, H=H, HV=HV, K=K,

@@ -1,0 +1,91 @@
+"""Registers and spill stack of the chunk_kda kernels as compiled for sm_90 (H100/H200), without a GPU.
+
+    .venv/bin/python scripts/ptxas_report.py [K] [--warps 16 8 4] [--chunk 64]
+
+Triton compiles each kernel for the target here (its bundled ptxas), then `cuobjdump -res-usage`
+reads the cubin. REG 255 with a non-zero STACK means spills and one 8-warp block per SM (session 2's
+ncu run: the K = 128 stage-1 and backward kernels sat there). A proxy for occupancy, not a timing.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.autotuner import Autotuner
+
+from k3cli.ops.kda import chunk_bwd as B
+from k3cli.ops.kda import chunk_fwd as F
+
+INPUTS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*bf16", "beta": "*bf16", "do": "*bf16", "dv": "*bf16",
+          "o": "*bf16"}
+SCALARS = {"scale": "fp32", "T": "i32", "NT": "i32", "NBT": "i32", "NBH": "i32"}
+
+
+def compile_report(fn, const: dict, num_warps: int) -> tuple[int, int]:
+    fn = fn.fn if isinstance(fn, Autotuner) else fn   # autotuned kernels wrap the JITFunction
+    sig = {}
+    for n in fn.arg_names:
+        sig[n] = "constexpr" if n in const else SCALARS.get(n, INPUTS.get(n, "*fp32"))
+    kern = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": 1})
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kern.asm["cubin"])
+        f.flush()
+        out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return int(m.group(1)), int(m.group(2))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("K", type=int, nargs="?", default=128)
+    ap.add_argument("--warps", type=int, nargs="+", default=[16, 8, 4])
+    ap.add_argument("--chunk", type=int, default=64, help="BT, the chunk size")
+    args = ap.parse_args()
+    K = V = args.K
+    BKf = max(16, triton.next_power_of_2(K))
+    BT = args.chunk
+    base = dict(H=16, HV=16, K=K, V=V, BT=BT, BC=min(16, BT), PREC="tf32")
+    cases = [("fwd_intra whole-K", F._kda_fwd_intra_kernel, dict(base, BK=BKf, BV=min(64, BKf)))]
+    for bk in (64, 32, 16):
+        if bk < BKf:
+            cases.append((f"fwd_intra kblock BK{bk}", F._kda_fwd_intra_kblock_kernel, dict(base, BK=bk, BV=min(64, BKf))))
+    state = dict(HV=16, K=K, V=V, BT=BT, BK=BKf, PREC="tf32")
+    for bv in (64, 32):
+        cases.append((f"fwd_state BV{bv}", F._kda_fwd_state_kernel,
+                      dict(state, BV=bv, USE_H0=False, STORE_HT=False, STORE_O=True, STORE_H=False, INTERPRET=False)))
+        cases.append((f"bwd_state BV{bv}", B._kda_bwd_state_kernel,
+                      dict(state, BV=bv, USE_DHT=False, STORE_DH0=False, INTERPRET=False)))
+    for bk, bv in ((64, 64), (32, 64), (32, 32)):
+        bk, bv = min(bk, BKf), min(bv, BKf)
+        cases.append((f"bwd_intra BK{bk} BV{bv}", B._kda_bwd_intra_kernel, dict(base, BK=bk, BV=bv)))
+        cases.append((f"bwd kside BK{bk} BV{bv}", B._kda_bwd_kside_kernel, dict(base, BK=bk, BV=bv)))
+    for bv in (64, 32):
+        cases.append((f"bwd vside BV{min(bv, BKf)}", B._kda_bwd_vside_kernel,
+                      dict(HV=16, V=V, BT=BT, BV=min(bv, BKf), PREC="tf32")))
+    print(f"K = V = {K}, BT = {BT}, bf16 inputs, sm_90")
+    print(f"{'kernel':28s} " + " ".join(f"{f'{w} warps REG/STACK':>20s}" for w in args.warps))
+    seen = set()
+    for name, fn, const in cases:
+        if name in seen:
+            continue
+        seen.add(name)
+        cols = []
+        for w in args.warps:
+            try:
+                reg, stack = compile_report(fn, const, w)
+                cols.append(f"{reg:>10d} / {stack:<7d}")
+            except Exception as e:  # report, keep going
+                cols.append(f"{type(e).__name__:>20s}")
+        print(f"{name:28s} " + " ".join(f"{c:>20s}" for c in cols), flush=True)
+
+
+if __name__ == "__main__":
+    main()
