@@ -32,6 +32,7 @@ VARIANTS = {
     "fi_kb64": {"fwd_intra_BK": 64},
     "fi_kb32_w4": {"fwd_intra_BK": 32, "fwd_intra_warps": 4},
     "fi_kb16_w4": {"fwd_intra_BK": 16, "fwd_intra_warps": 4},
+    "fi_kb16_w16": {"fwd_intra_BK": 16, "fwd_intra_warps": 16},   # 128 regs: 16 resident warps per SM
     "gated_in": {"gated_dtype": "input"},
     "states_in": {"states_dtype": "input"},
     "inter_in": {"inter_dtype": "input"},
