@@ -9,31 +9,16 @@ import sys
 import torch
 
 sys.path.insert(0, "tests/models")
-from test_decode import SMALL, decode_all, ids  # noqa: E402
+from test_decode import build, decode_all, ids  # noqa: E402
 
-from k3cli.config import load_config  # noqa: E402
 from k3cli.layers.attnres import AttnResMixer  # noqa: E402
-from k3cli.models import CausalLM  # noqa: E402
-
-
-def build(attnres, backend):
-    torch.manual_seed(0)
-    m = CausalLM(load_config("k3-toy", overrides=SMALL + [f"model.kda.backend={backend}"], attnres=attnres).model)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.startswith("attnres.") and "query" in name:
-                p.normal_(std=0.25)
-            elif name.endswith("A_log"):
-                p.normal_(std=0.5)
-    return m.eval().cuda()
-
 
 torch.backends.cuda.matmul.allow_tf32 = False
 x = ids(2, 40).cuda()
 for attnres in ("off", "block"):
     for backend in ("triton", "torch"):
         for impl in ("fused", "two_phase", "naive"):
-            m = build(attnres, backend)
+            m = build("k3-toy", attnres, overrides=(f"model.kda.backend={backend}",)).cuda()
             for mod in m.modules():
                 if isinstance(mod, AttnResMixer):
                     mod.impl = impl

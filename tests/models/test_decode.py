@@ -41,9 +41,9 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def build(preset: str, attnres: str, seed: int = 0) -> CausalLM:
+def build(preset: str, attnres: str, seed: int = 0, overrides: tuple[str, ...] = ()) -> CausalLM:
     torch.manual_seed(seed)
-    m = CausalLM(load_config(preset, overrides=SMALL, attnres=attnres).model).eval()
+    m = CausalLM(load_config(preset, overrides=SMALL + list(overrides), attnres=attnres).model).eval()
     with torch.no_grad():
         for name, p in m.named_parameters():
             if name.startswith("attnres.") and "query" in name:

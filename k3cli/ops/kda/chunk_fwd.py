@@ -166,6 +166,21 @@ def _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H: tl.constexpr, HV: t
 
 
 @triton.jit
+def _store_u(v, u, b_tm, b_beta, i_b, i_hv, i_n, base, T, HV: tl.constexpr, V: tl.constexpr,
+             BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """U = Tm diag(β) V for one chunk, one BV-column block at a time."""
+    o_t = tl.arange(0, BT)
+    m_t = (i_n * BT + o_t) < T
+    for i_v in range((V + BV - 1) // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        p_v = v + (i_b * T + i_n * BT + o_t).to(tl.int64)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+        b_v = tl.load(p_v, mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
+        b_u = tl.dot(b_tm, b_v * b_beta[:, None], input_precision=PREC)
+        tl.store(u + (base + o_t)[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_v[None, :])
+
+
+@triton.jit
 def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T, NT,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -217,13 +232,7 @@ def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T,
     tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=m_k)
     b_w = tl.dot(b_tm, b_k * b_eg * b_beta[:, None], input_precision=PREC)
     tl.store(w + p_rk, b_w.to(w.dtype.element_ty), mask=m_k[None, :])
-    for i_v in range((V + BV - 1) // BV):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        p_v = v + (i_b * T + i_n * BT + o_t).to(tl.int64)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
-        b_v = tl.load(p_v, mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
-        b_u = tl.dot(b_tm, b_v * b_beta[:, None], input_precision=PREC)
-        tl.store(u + (base + o_t)[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_v[None, :])
+    _store_u(v, u, b_tm, b_beta, i_b, i_hv, i_n, base, T, HV, V, BT, BV, PREC)
 
 
 @triton.jit
@@ -269,13 +278,7 @@ def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, sc
         _, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK)
         b_w = tl.dot(b_tm, b_k * tl.exp(b_G) * b_beta[:, None], input_precision=PREC)
         tl.store(w + (base + o_t)[:, None] * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_k[None, :])
-    for i_v in range((V + BV - 1) // BV):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        p_v = v + (i_b * T + i_n * BT + o_t).to(tl.int64)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
-        b_v = tl.load(p_v, mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
-        b_u = tl.dot(b_tm, b_v * b_beta[:, None], input_precision=PREC)
-        tl.store(u + (base + o_t)[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_v[None, :])
+    _store_u(v, u, b_tm, b_beta, i_b, i_hv, i_n, base, T, HV, V, BT, BV, PREC)
 
 
 @triton.jit
