@@ -33,6 +33,7 @@ VARIANTS = {
     "fi_kb32_w4": {"fwd_intra_BK": 32, "fwd_intra_warps": 4},
     "fi_kb16_w4": {"fwd_intra_BK": 16, "fwd_intra_warps": 4},
     "fi_kb16_w16": {"fwd_intra_BK": 16, "fwd_intra_warps": 16},   # 128 regs: 16 resident warps per SM
+    "fi_kb16_r128": {"fwd_intra_BK": 16, "fwd_intra_maxnreg": 128},  # 2 blocks per SM, 280 B spill stack
     "gated_in": {"gated_dtype": "input"},
     "states_in": {"states_dtype": "input"},
     "inter_in": {"inter_dtype": "input"},

@@ -1,6 +1,6 @@
 """Registers and spill stack of the chunk_kda kernels as compiled for sm_90 (H100/H200), without a GPU.
 
-    .venv/bin/python scripts/ptxas_report.py [K] [--warps 16 8 4] [--chunk 64]
+    .venv/bin/python scripts/ptxas_report.py [K] [--warps 16 8 4] [--chunk 64] [--maxnreg 128]
 
 Triton compiles each kernel for the target here (its bundled ptxas), then `cuobjdump -res-usage`
 reads the cubin. REG 255 with a non-zero STACK means spills and one 8-warp block per SM (session 2's
@@ -27,13 +27,13 @@ INPUTS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*bf16", "beta": "*bf16
 SCALARS = {"scale": "fp32", "T": "i32", "NT": "i32", "NBT": "i32", "NBH": "i32"}
 
 
-def compile_report(fn, const: dict, num_warps: int) -> tuple[int, int]:
+def compile_report(fn, const: dict, num_warps: int, maxnreg: int | None = None) -> tuple[int, int]:
     fn = fn.fn if isinstance(fn, Autotuner) else fn   # autotuned kernels wrap the JITFunction
     sig = {}
     for n in fn.arg_names:
         sig[n] = "constexpr" if n in const else SCALARS.get(n, INPUTS.get(n, "*fp32"))
     kern = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": 1})
+                          options={"num_warps": num_warps, "num_stages": 1, "maxnreg": maxnreg})
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kern.asm["cubin"])
@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("K", type=int, nargs="?", default=128)
     ap.add_argument("--warps", type=int, nargs="+", default=[16, 8, 4])
     ap.add_argument("--chunk", type=int, default=64, help="BT, the chunk size")
+    ap.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (ptxas .maxnreg)")
     args = ap.parse_args()
     K = V = args.K
     BKf = max(16, triton.next_power_of_2(K))
@@ -70,7 +71,7 @@ def main() -> None:
     for bv in (64, 32):
         cases.append((f"bwd vside BV{min(bv, BKf)}", B._kda_bwd_vside_kernel,
                       dict(HV=16, V=V, BT=BT, BV=min(bv, BKf), PREC="tf32")))
-    print(f"K = V = {K}, BT = {BT}, bf16 inputs, sm_90")
+    print(f"K = V = {K}, BT = {BT}, bf16 inputs, sm_90, maxnreg {args.maxnreg}")
     print(f"{'kernel':28s} " + " ".join(f"{f'{w} warps REG/STACK':>20s}" for w in args.warps))
     seen = set()
     for name, fn, const in cases:
@@ -80,7 +81,7 @@ def main() -> None:
         cols = []
         for w in args.warps:
             try:
-                reg, stack = compile_report(fn, const, w)
+                reg, stack = compile_report(fn, const, w, args.maxnreg)
                 cols.append(f"{reg:>10d} / {stack:<7d}")
             except Exception as e:  # report, keep going
                 cols.append(f"{type(e).__name__:>20s}")

@@ -165,7 +165,7 @@ def test_chunk_kda_matches_recurrent(B, T, H, G, K, V, C, dtype, h0):
 TUNING_CASES = [
     pytest.param({"fwd_intra_BK": 16}, 1, 63, 1, 2, 40, 24, 64, id="fwd-kblock16-K40-G2-T63"),
     pytest.param({"fwd_intra_BK": 32}, 2, 70, 1, 1, 96, 32, 32, id="fwd-kblock32-K96-C32"),
-    pytest.param({"fwd_intra_BK": 16}, 1, 1, 1, 1, 32, 16, 64, id="fwd-kblock16-T1"),
+    pytest.param({"fwd_intra_BK": 16, "fwd_intra_maxnreg": 128}, 1, 1, 1, 1, 32, 16, 64, id="fwd-kblock16-T1-r128"),
     pytest.param({"bwd_intra_BK": 16, "bwd_intra_BV": 16, "bwd_intra_warps": 4}, 1, 50, 1, 2, 48, 40, 16,
                  id="bwd-k16-v16"),
     pytest.param({"bwd_split": True}, 1, 70, 1, 2, 96, 40, 64, id="bwd-split-K96-G2"),

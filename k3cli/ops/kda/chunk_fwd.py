@@ -368,11 +368,12 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: torch.dtype,
                   gated_dtype: torch.dtype = torch.float32, num_warps: int = 8, precision: str = "tf32",
-                  key_block: int | None = None) -> Intra:
+                  key_block: int | None = None, maxnreg: int | None = None) -> Intra:
     """Launch stage 1 (one program per chunk and batch*value-head). W, U are stored in `inter_dtype`,
     Q e^Γ and K e^(γ-Γ) in `gated_dtype`; everything else fp32. `precision`: see dot_precision.
     `key_block` (16, 32, 64): walk the key dim in blocks of that many columns when K is wider
-    (`_kda_fwd_intra_kblock_kernel`, also used for a non-fp32 `gated_dtype`); None: whole-K tiles."""
+    (`_kda_fwd_intra_kblock_kernel`, also used for a non-fp32 `gated_dtype`); None: whole-K tiles.
+    `maxnreg`: per-thread register cap (ptxas .maxnreg; 128 at 8 warps = two blocks per SM)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
@@ -395,7 +396,8 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
         kernel, BK = _kda_fwd_intra_kblock_kernel, min(BK, key_block or BK)
     kernel[(NT, B * HV)](
         q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T, NT, H=H, HV=HV, K=K, V=V, BT=BT,
-        BC=min(16, BT), BK=BK, BV=BV, PREC=precision, num_warps=num_warps, num_stages=1)
+        BC=min(16, BT), BK=BK, BV=BV, PREC=precision, num_warps=num_warps, num_stages=1,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}))
     return Intra(w, u, qg, kd, eg, aqk, tm)
 
 
