@@ -46,6 +46,8 @@ VARIANTS = {
     "bi_k64v64w16": {"bwd_intra_warps": 16},
     # spill-free per scripts/ptxas_report.py (sm_90, 8 warps): stage 1 BK32, split backward BK32 BV32
     "nospill": {"fwd_intra_BK": 32, "bwd_split": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
+    # scores / solve / W,U launches: 232 / 125 / 196 registers at 8 warps (ptxas_report), no spills
+    "fi_split_kb32": {"fwd_intra_split": True, "fwd_intra_BK": 32},
     "bwd_split": {"bwd_split": True},
     "bwd_split_k32v32": {"bwd_split": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
     # chunk 32: [32, 32] score tiles, twice the sequential scan steps (chunk_size is chunk_kda's argument)

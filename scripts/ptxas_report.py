@@ -57,7 +57,11 @@ def main() -> None:
     cases = [("fwd_intra whole-K", F._kda_fwd_intra_kernel, dict(base, BK=BKf, BV=min(64, BKf)))]
     for bk in (64, 32, 16):
         if bk < BKf:
-            cases.append((f"fwd_intra kblock BK{bk}", F._kda_fwd_intra_kblock_kernel, dict(base, BK=bk, BV=min(64, BKf))))
+            cases.append((f"fwd_intra kblock BK{bk}", F._kda_fwd_intra_kblock_kernel,
+                          dict(base, BK=bk, BV=min(64, BKf), PART=0)))
+    for part, what in ((1, "scores"), (2, "solve"), (3, "W, U")):
+        cases.append((f"fwd_intra split {what} BK32", F._kda_fwd_intra_kblock_kernel,
+                      dict(base, BK=min(32, BKf), BV=min(64, BKf), PART=part)))
     state = dict(HV=16, K=K, V=V, BT=BT, BK=BKf, PREC="tf32")
     for bv in (64, 32):
         cases.append((f"fwd_state BV{bv}", F._kda_fwd_state_kernel,

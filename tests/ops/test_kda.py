@@ -168,6 +168,8 @@ TUNING_CASES = [
     pytest.param({"fwd_intra_BK": 16, "fwd_intra_maxnreg": 128}, 1, 1, 1, 1, 32, 16, 64, id="fwd-kblock16-T1-r128"),
     pytest.param({"bwd_intra_BK": 16, "bwd_intra_BV": 16, "bwd_intra_warps": 4}, 1, 50, 1, 2, 48, 40, 16,
                  id="bwd-k16-v16"),
+    pytest.param({"fwd_intra_split": True, "fwd_intra_BK": 32}, 1, 70, 1, 2, 96, 40, 64, id="fwd-split-K96-G2"),
+    pytest.param({"fwd_intra_split": True}, 2, 1, 1, 1, 16, 16, 16, id="fwd-split-T1-C16"),
     pytest.param({"bwd_split": True}, 1, 70, 1, 2, 96, 40, 64, id="bwd-split-K96-G2"),
     pytest.param({"bwd_split": True, "bwd_intra_BK": 16, "bwd_intra_BV": 16}, 2, 1, 1, 1, 24, 16, 16,
                  id="bwd-split-T1-K24"),

@@ -15,10 +15,11 @@ _CHUNK_SIZES = (16, 32, 64)
 
 # Launch and storage choices, in one place so scripts/kda_sweep.py can time alternatives on a GPU.
 # fwd_intra_BK: key-column block of stage 1 (None = whole K in one tile; see kda_fwd_intra).
+# fwd_intra_split: stage 1 as three launches (scores, solve, W/U); fwd_intra_maxnreg: its register cap.
 # bwd_split: per-chunk backward as two launches (V side once, key side per key block; kda_bwd_intra).
 # "*_dtype" entries: "fp32", or "input" (the dtype of q/k/v: bf16 halves that buffer's traffic).
 #   inter: W, U (stage 1 -> state scans); gated: Q e^Γ, K e^(γ-Γ); states: per-chunk S_n and dS_n.
-TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None, "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None, "bwd_intra_warps": 8,
+TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None, "fwd_intra_split": False, "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None, "bwd_intra_warps": 8,
           "inter_dtype": "fp32", "gated_dtype": "fp32", "states_dtype": "fp32"}
 
 
@@ -42,7 +43,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         # W, U in fp32 keep the pseudo-value subtraction U - W S accurate for bf16 inputs
         it = kda_fwd_intra(q, k, v, g, beta, scale, chunk_size, _tuned_dtype("inter_dtype", v),
                            _tuned_dtype("gated_dtype", v), num_warps=TUNING["fwd_intra_warps"], precision=prec,
-                           key_block=TUNING["fwd_intra_BK"], maxnreg=TUNING["fwd_intra_maxnreg"])
+                           key_block=TUNING["fwd_intra_BK"], maxnreg=TUNING["fwd_intra_maxnreg"],
+                           split=TUNING["fwd_intra_split"])
         o, ht, _, _ = kda_fwd_state(it, B, T, HV, chunk_size, h0, v.dtype, output_final_state, precision=prec)
         ctx.save_for_backward(q, k, v, g, beta, h0, *it)
         ctx.scale, ctx.chunk_size, ctx.prec = scale, chunk_size, prec

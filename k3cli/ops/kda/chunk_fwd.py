@@ -239,46 +239,56 @@ def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T,
 def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T, NT,
                                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                  BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                 PREC: tl.constexpr):
-    """Stage 1 with the key dimension walked in BK-column blocks (BK < K): the same outputs as
+                                 PREC: tl.constexpr, PART: tl.constexpr):
+    """Stage 1 with the key dimension walked in BK-column blocks: the same outputs as
     `_kda_fwd_intra_kernel`, but no program holds more than [BT, BK] of q, k, Γ at a time (at K = 128
     the whole-K kernel sat at 255 registers, 1 block per SM and spilled; ncu, notes/session2_gpu.md).
-    Scores accumulate over key blocks (they are sums over key dims); Γ is re-derived per block."""
+    Scores accumulate over key blocks (they are sums over key dims); Γ is re-derived per block.
+    PART 0 does everything; 1, 2, 3 are the scores (+ gated operands), the solve of the Tm buffer in
+    place, and W, U — three launches in that order give the same result with smaller programs."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     o_t = tl.arange(0, BT)
     m_t = (i_n * BT + o_t) < T
     base = (i_bh * NT * BT + i_n * BT).to(tl.int64)
-    b_mqk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_mkk = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in range((K + BK - 1) // BK):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK)
-        b_sq, b_sk = _intra_scores(b_q, b_k, b_G, BT, BC, PREC)
-        b_mqk += b_sq
-        b_mkk += b_sk
-        # the gated operands of the state scans for these key columns
-        b_gam = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), 0)
-        p_rk = (base + o_t)[:, None] * K + o_k[None, :]
-        tl.store(qg + p_rk, (b_q * tl.exp(b_G) * scale).to(qg.dtype.element_ty), mask=m_k[None, :])
-        tl.store(kd + p_rk, (b_k * tl.exp(b_gam[None, :] - b_G)).to(kd.dtype.element_ty), mask=m_k[None, :])
-        tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=m_k)
-    b_beta = tl.load(beta + (i_b * T + i_n * BT + o_t).to(tl.int64) * HV + i_hv, mask=m_t, other=0.)
-    b_beta = b_beta.to(tl.float32)
     p_tt = (base + o_t)[:, None] * BT + o_t[None, :]
-    tl.store(aqk + p_tt, tl.where(o_t[:, None] >= o_t[None, :], b_mqk, 0.) * scale)
-    tl.store(tm + p_tt, tl.where(o_t[:, None] > o_t[None, :], b_mkk, 0.) * b_beta[:, None])
-    tl.debug_barrier()
-    b_tm = _unit_lower_inverse(tm + base * BT, BT, BC)
-    for i_k in range((K + BK - 1) // BK):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        _, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK)
-        b_w = tl.dot(b_tm, b_k * tl.exp(b_G) * b_beta[:, None], input_precision=PREC)
-        tl.store(w + (base + o_t)[:, None] * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_k[None, :])
-    _store_u(v, u, b_tm, b_beta, i_b, i_hv, i_n, base, T, HV, V, BT, BV, PREC)
+    if PART != 2:
+        b_beta = tl.load(beta + (i_b * T + i_n * BT + o_t).to(tl.int64) * HV + i_hv, mask=m_t, other=0.)
+        b_beta = b_beta.to(tl.float32)
+    if PART == 0 or PART == 1:
+        b_mqk = tl.zeros([BT, BT], dtype=tl.float32)
+        b_mkk = tl.zeros([BT, BT], dtype=tl.float32)
+        for i_k in range((K + BK - 1) // BK):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = o_k < K
+            b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK)
+            b_sq, b_sk = _intra_scores(b_q, b_k, b_G, BT, BC, PREC)
+            b_mqk += b_sq
+            b_mkk += b_sk
+            # the gated operands of the state scans for these key columns
+            b_gam = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), 0)
+            p_rk = (base + o_t)[:, None] * K + o_k[None, :]
+            tl.store(qg + p_rk, (b_q * tl.exp(b_G) * scale).to(qg.dtype.element_ty), mask=m_k[None, :])
+            tl.store(kd + p_rk, (b_k * tl.exp(b_gam[None, :] - b_G)).to(kd.dtype.element_ty), mask=m_k[None, :])
+            tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=m_k)
+        tl.store(aqk + p_tt, tl.where(o_t[:, None] >= o_t[None, :], b_mqk, 0.) * scale)
+        tl.store(tm + p_tt, tl.where(o_t[:, None] > o_t[None, :], b_mkk, 0.) * b_beta[:, None])
+    if PART == 0:
+        tl.debug_barrier()
+        b_tm = _unit_lower_inverse(tm + base * BT, BT, BC)
+    if PART == 2:
+        _unit_lower_inverse(tm + base * BT, BT, BC)
+    if PART == 3:
+        b_tm = tl.load(tm + p_tt)
+    if PART == 0 or PART == 3:
+        for i_k in range((K + BK - 1) // BK):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = o_k < K
+            _, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK)
+            b_w = tl.dot(b_tm, b_k * tl.exp(b_G) * b_beta[:, None], input_precision=PREC)
+            tl.store(w + (base + o_t)[:, None] * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_k[None, :])
+        _store_u(v, u, b_tm, b_beta, i_b, i_hv, i_n, base, T, HV, V, BT, BV, PREC)
 
 
 @triton.jit
@@ -368,12 +378,13 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: torch.dtype,
                   gated_dtype: torch.dtype = torch.float32, num_warps: int = 8, precision: str = "tf32",
-                  key_block: int | None = None, maxnreg: int | None = None) -> Intra:
+                  key_block: int | None = None, maxnreg: int | None = None, split: bool = False) -> Intra:
     """Launch stage 1 (one program per chunk and batch*value-head). W, U are stored in `inter_dtype`,
     Q e^Γ and K e^(γ-Γ) in `gated_dtype`; everything else fp32. `precision`: see dot_precision.
     `key_block` (16, 32, 64): walk the key dim in blocks of that many columns when K is wider
     (`_kda_fwd_intra_kblock_kernel`, also used for a non-fp32 `gated_dtype`); None: whole-K tiles.
-    `maxnreg`: per-thread register cap (ptxas .maxnreg; 128 at 8 warps = two blocks per SM)."""
+    `maxnreg`: per-thread register cap (ptxas .maxnreg; 128 at 8 warps = two blocks per SM).
+    `split`: three launches (scores, solve, W/U) of the key-blocked kernel instead of one."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
@@ -388,16 +399,19 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     eg = torch.empty(B * HV, NT, K, device=dev, dtype=torch.float32)
     aqk = torch.empty(B * HV, NT * BT, BT, device=dev, dtype=torch.float32)
     tm = torch.empty_like(aqk)
-    kernel = _kda_fwd_intra_kernel
     if key_block is not None and key_block not in (16, 32, 64):
         raise ValueError(f"kda_fwd_intra: key_block={key_block} must be 16, 32 or 64")
     # the whole-K kernel passes Γ through the qg buffer, which must then be fp32
-    if (key_block is not None and key_block < BK) or gated_dtype != torch.float32:
-        kernel, BK = _kda_fwd_intra_kblock_kernel, min(BK, key_block or BK)
-    kernel[(NT, B * HV)](
-        q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T, NT, H=H, HV=HV, K=K, V=V, BT=BT,
-        BC=min(16, BT), BK=BK, BV=BV, PREC=precision, num_warps=num_warps, num_stages=1,
-        **({} if maxnreg is None else {"maxnreg": maxnreg}))
+    opts = {"num_warps": num_warps, "num_stages": 1, **({} if maxnreg is None else {"maxnreg": maxnreg})}
+    args = (q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T, NT)
+    if (key_block is not None and key_block < BK) or gated_dtype != torch.float32 or split:
+        BK = min(BK, key_block or BK)
+        for part in (1, 2, 3) if split else (0,):
+            _kda_fwd_intra_kblock_kernel[(NT, B * HV)](
+                *args, H=H, HV=HV, K=K, V=V, BT=BT, BC=min(16, BT), BK=BK, BV=BV, PREC=precision, PART=part, **opts)
+    else:
+        _kda_fwd_intra_kernel[(NT, B * HV)](
+            *args, H=H, HV=HV, K=K, V=V, BT=BT, BC=min(16, BT), BK=BK, BV=BV, PREC=precision, **opts)
     return Intra(w, u, qg, kd, eg, aqk, tm)
 
 
