@@ -1,7 +1,7 @@
 """Time and check chunk_kda launch/storage variants (k3cli.ops.kda.chunk.TUNING) on one GPU.
 
     python scripts/kda_sweep.py [fla] [VARIANT ...]     # all variants by default; 'fla' adds the peer
-    python scripts/kda_sweep.py base nospill fi_kb32 bwd_split c32 c32_kb16_w4 gated_in states_in   # ~2 min
+    python scripts/kda_sweep.py base nospill fi_kb32 bwd_split c32 c32_kb16_w4 gated_in bufs_in states_in   # ~2 min
 
 For each variant: relative RMS error of o, final state and every gradient against the fp32 torch
 reference (B2 T1000 H4 HV8 K=V=128, bf16 inputs, with an initial state), and forward /
@@ -37,6 +37,8 @@ VARIANTS = {
     "gated_in": {"gated_dtype": "input"},
     "states_in": {"states_dtype": "input"},
     "inter_in": {"inter_dtype": "input"},
+    # 2-byte W, Q e^Γ, K e^(γ-Γ): the state scans' two-stage configs fit in shared memory at K = 128
+    "bufs_in": {"inter_dtype": "input", "gated_dtype": "input"},
     # measured in session 2 (notes/session2_gpu.md): within 3 % of base
     "bi_k32v32w4": {"bwd_intra_BK": 32, "bwd_intra_BV": 32, "bwd_intra_warps": 4},
     "fi_w16": {"fwd_intra_warps": 16},

@@ -27,21 +27,34 @@ def pick_configs(gpu_configs: list[triton.Config]) -> list[triton.Config]:
 
 
 # sequential state scans: value-block width trades parallelism (B*HV*V/BV programs) for per-program
-# work (BV 16 for few long sequences). ptxas -v (sm_90a): no spills for these at K <= 128; two pipeline stages of the fp32 [BT, K]
-# operand tiles need > 232 KB of shared memory at K = 128, so K = 128 runs single-stage.
+# work (BV 16 for few long sequences). ptxas -v (sm_90a): no spills for these at K <= 128. Two pipeline
+# stages (the next chunk's tiles loaded while this one computes) need the per-chunk [BT, K] operand
+# tiles twice in shared memory: at K = 128 that fits only when W, Q e^Γ, K e^(γ-Γ) are stored 2-byte
+# (TUNING inter_dtype / gated_dtype "input"); prune_state_configs drops what cannot fit.
 STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
-                 for bv, nw, ns in ((64, 8, 1), (32, 8, 1), (32, 4, 1), (16, 4, 1), (32, 8, 2), (16, 4, 2))]
+                 for bv, nw, ns in ((64, 8, 1), (32, 8, 1), (32, 4, 1), (16, 4, 1), (32, 8, 2), (16, 4, 2),
+                                    (64, 8, 2))]
+_SHARED_BYTES = 220 * 1024   # of the H100/H200's 227 KB per block, with room for the compiler's own
+
+
+def _stage_bytes(named_args, BT: int, BK: int, BV: int) -> int:
+    """Shared-memory bytes one pipeline stage of a state scan holds: its [BT, BK] operand tiles (W,
+    K e^(γ-Γ), and Q e^Γ where the kernel reads it) at their stored width, [BT, BV] fp32 tiles, Aqk."""
+    kt = sum(named_args[n].element_size() for n in ("w", "kd", "qg")
+             if isinstance(named_args.get(n), torch.Tensor))
+    return BT * BK * (kt or 12) + 2 * BT * BV * 4 + BT * BT * 4
 
 
 def prune_state_configs(configs, named_args, **kwargs):
-    """Clamp BV to the padded value width, drop duplicates and configs that cannot fit."""
-    V = named_args.get("V", kwargs.get("V"))
-    BK = named_args.get("BK", kwargs.get("BK"))
+    """Clamp BV to the padded value width, drop duplicates and configs whose stages cannot fit."""
+    def arg(name):
+        return named_args.get(name, kwargs.get(name))
+    V, BK, BT = arg("V"), arg("BK"), arg("BT")
     cap = max(16, triton.next_power_of_2(V))
     out, seen = [], set()
     for c in configs:
         key = (min(c.kwargs["BV"], cap), c.num_warps, c.num_stages)
-        if key in seen or (BK >= 128 and c.num_stages > 1):
+        if key in seen or (c.num_stages > 1 and c.num_stages * _stage_bytes(named_args, BT, BK, key[0]) > _SHARED_BYTES):
             continue
         seen.add(key)
         out.append(triton.Config({"BV": key[0]}, num_warps=key[1], num_stages=key[2]))
