@@ -84,7 +84,7 @@ BENCH_COLUMNS = {
 def _progress_line(kernel: str, row: dict) -> str:
     """One line per finished shape, on stderr, so a long run shows where it is (and a run that is
     cut short keeps its finished rows)."""
-    dims = " ".join([str(row["form"])] * ("form" in row)
+    dims = " ".join(([str(row["form"])] if "form" in row else [])
                     + [f"{k}{row[k]}" for k in ("B", "T", "L", "N", "H", "HV", "K", "D") if k in row])
     times = " ".join(f"{k}={row[k]:.4g}" for k in row
                      if k.endswith("_ms") and "p20" not in k and "p80" not in k and isinstance(row[k], float))
