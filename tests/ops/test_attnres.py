@@ -141,6 +141,23 @@ def test_list_and_stacked_agree():
     torch.testing.assert_close(fused_attnres(srcs, q, g), fused_attnres(torch.stack(srcs), q, g), rtol=0, atol=0)
 
 
+@needs_triton
+def test_address_tables_are_reused_and_follow_the_pointers():
+    """The pointer-table cache: the same sources give the same table; a table is keyed by the
+    addresses alone, so sources freed and re-allocated at those addresses still read correctly."""
+    from k3cli.ops.attnres.fused import address_table
+    srcs = [s.float() for s in make_inputs(3, 1, 4, 16, seed=2, device=DEVICE)[0]]
+    t1 = address_table(srcs)
+    assert address_table(list(srcs)) is t1
+    assert t1.tolist() == [s.data_ptr() for s in srcs]
+    assert address_table(srcs[::-1]).tolist() == [s.data_ptr() for s in srcs[::-1]]
+    q, g = torch.randn(16, device=DEVICE) * 0.5, torch.ones(16, device=DEVICE)
+    for seed in range(3):   # new values each round; the allocator tends to hand back the same addresses
+        fresh = [s.float() for s in make_inputs(3, 1, 4, 16, seed=10 + seed, device=DEVICE)[0]]
+        assert_close("h", fused_attnres(fresh, q, g), naive_attnres(fresh, q, g))
+        del fresh
+
+
 # ---------------------------------------------------------------- Triton, block form (two-phase)
 # (n completed sources, S queries, B, T, D, fused output norm, stacked)
 BLOCK_CASES = [
