@@ -205,8 +205,12 @@ class AttnResMixer(nn.Module):
             else:
                 m, lsum, o = attnres_phase1(blocks, qs, gs, self.eps, keys=keys)
             partial = None
+            # unbind, not m[r]: one stack in the backward instead of a zero-filled full-size gradient
+            # per row (and the sums of those) for each of m, lsum, o
+            fused_merge = ops is not None and o.dtype == torch.float32
+            m, lsum, o = m.unbind(0), lsum.unbind(0), o.unbind(0)
             for r, l in enumerate(range(start, stop)):
-                if ops is not None and o.dtype == torch.float32:
+                if fused_merge:
                     h = ops[2](m[r], lsum[r], o[r], partial, self.query[l], self.gain[l], self.eps,
                                out_dtype=emb.dtype)
                 else:
