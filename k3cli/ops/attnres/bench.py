@@ -134,7 +134,7 @@ def _bench_block(listed, dh, L, N, D, dtype, gen, dev, copy_gbps) -> dict:
 
     def step(phase1, merge):
         def run():
-            m, l, o = phase1(listed, queries, gains)
+            m, l, o = (t.unbind(0) for t in phase1(listed, queries, gains))   # as the model's mixer does
             hs = [merge(m[r], l[r], o[r], partial if r else None, queries[r], gains[r], out_dtype=dtype)
                   for r in range(S)]
             return torch.stack(hs).sum(0)
