@@ -20,5 +20,7 @@ timeout 300 python3 scripts/kda_sweep.py base nospill fi_kb32 fi_kb16_w16 fi_kb1
 # 3. per-stage times of the default path at the issue's shape
 timeout 60 python3 -c "from k3cli.ops.kda.bench import bench_stages; print(bench_stages((8, 2048, 16, 16, 128)))" \
   2>&1 | tee "$OUT/stages.txt"
+# 4. host vs device time of a k3-toy step, AttnRes off vs block (issue 7: block was +21 %)
+timeout 90 python3 scripts/profile_step.py 2>&1 | tee "$OUT/profile_step.txt" | grep "^== attnres"
 # then, in a second call with the winner copied into chunk.TUNING:
 #   timeout 540 python3 -m k3cli.cli bench-kernel --kernel chunk_kda --shapes k3 --against fla

@@ -1,0 +1,64 @@
+"""Where a k3-toy training step spends host and device time, AttnRes off vs block (CUDA, bf16 autocast).
+
+    python scripts/profile_step.py [--batch 8] [--seq 256] [--modes off block]
+
+For each mode: 3 warm-up steps, then torch.profiler over 3 steps (forward, backward, AdamW). Prints
+the step's wall time, the number of CUDA kernel launches per step, total device-busy time per step,
+and the top ops by self CPU time — the block-vs-off difference in launches and host time is what
+`scripts/time_k3_toy.py` (session 2: +21 % for block) could not explain.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from k3cli.config import load_config
+from k3cli.models import CausalLM
+
+
+def run(mode: str, batch: int, seq: int, steps: int = 3) -> None:
+    torch.manual_seed(0)
+    model = CausalLM(load_config("k3-toy", attnres=mode).model).cuda().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    launches = sum(e.count for e in kernels) / steps
+    busy_ms = sum(e.self_device_time_total for e in kernels) / steps / 1e3
+    print(f"\n== attnres {mode}: step {wall * 1e3:.2f} ms wall, {launches:.0f} kernels/step, "
+          f"device busy {busy_ms:.2f} ms/step")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--modes", nargs="+", default=["off", "block"])
+    args = ap.parse_args()
+    for mode in args.modes:
+        run(mode, args.batch, args.seq)
+
+
+if __name__ == "__main__":
+    main()
