@@ -97,7 +97,9 @@ def main(names):
         over = VARIANTS[name]
         chunk = over.get("chunk_size", 64)
         chunk_mod.TUNING.clear()
-        chunk_mod.TUNING.update(BASE, **{k: v for k, v in over.items() if k != "chunk_size"})
+        tuning = {k: v for k, v in over.items() if k != "chunk_size"}
+        chunk_mod.check_tuning(tuning)
+        chunk_mod.TUNING.update(BASE, **tuning)
         row = {"variant": name, "tuning": over}
         try:
             row["err"] = accuracy(ref, inputs, chunk)

@@ -49,11 +49,12 @@ def main() -> None:
     ap.add_argument("--warps", type=int, nargs="+", default=[16, 8, 4])
     ap.add_argument("--chunk", type=int, default=64, help="BT, the chunk size")
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (ptxas .maxnreg)")
+    ap.add_argument("--prec", default="tf32", choices=["tf32", "tf32x3", "ieee"], help="tl.dot input precision")
     args = ap.parse_args()
     K = V = args.K
     BKf = max(16, triton.next_power_of_2(K))
     BT = args.chunk
-    base = dict(H=16, HV=16, K=K, V=V, BT=BT, BC=min(16, BT), PREC="tf32")
+    base = dict(H=16, HV=16, K=K, V=V, BT=BT, BC=min(16, BT), PREC=args.prec)
     cases = [("fwd_intra whole-K", F._kda_fwd_intra_kernel, dict(base, BK=BKf, BV=min(64, BKf)))]
     for bk in (64, 32, 16):
         if bk < BKf:
@@ -62,7 +63,7 @@ def main() -> None:
     for part, what in ((1, "scores"), (2, "solve"), (3, "W, U")):
         cases.append((f"fwd_intra split {what} BK32", F._kda_fwd_intra_kblock_kernel,
                       dict(base, BK=min(32, BKf), BV=min(64, BKf), PART=part)))
-    state = dict(HV=16, K=K, V=V, BT=BT, BK=BKf, PREC="tf32")
+    state = dict(HV=16, K=K, V=V, BT=BT, BK=BKf, PREC=args.prec)
     for bv in (64, 32):
         cases.append((f"fwd_state BV{bv}", F._kda_fwd_state_kernel,
                       dict(state, BV=bv, USE_H0=False, STORE_HT=False, STORE_O=True, STORE_H=False, INTERPRET=False)))
@@ -74,8 +75,8 @@ def main() -> None:
         cases.append((f"bwd kside BK{bk} BV{bv}", B._kda_bwd_kside_kernel, dict(base, BK=bk, BV=bv)))
     for bv in (64, 32):
         cases.append((f"bwd vside BV{min(bv, BKf)}", B._kda_bwd_vside_kernel,
-                      dict(HV=16, V=V, BT=BT, BV=min(bv, BKf), PREC="tf32")))
-    print(f"K = V = {K}, BT = {BT}, bf16 inputs, sm_90, maxnreg {args.maxnreg}")
+                      dict(HV=16, V=V, BT=BT, BV=min(bv, BKf), PREC=args.prec)))
+    print(f"K = V = {K}, BT = {BT}, bf16 inputs, sm_90, maxnreg {args.maxnreg}, dots {args.prec}")
     print(f"{'kernel':28s} " + " ".join(f"{f'{w} warps REG/STACK':>20s}" for w in args.warps))
     seen = set()
     for name, fn, const in cases:

@@ -18,7 +18,7 @@ from k3cli.models import CausalLM
 # layer_triton: scaled max error of the Triton prefill+decode vs the torch forward, fp32; the
 # interpreter computes in fp32 (measured ≤ 1e-6). On the H200 with chunk_kda's dots in TF32 the
 # whole-model check measured 2.9e-3 (AttnRes off) and 1.4e-2 (block) — the decode recurrence is exact
-# fp32, the full forward was not (notes/session2_gpu.md). fp32 inputs now get full-fp32 dots
+# fp32, the full forward was not (notes/session2_gpu.md). fp32 inputs now get fp32-accurate dots
 # (chunk_fwd.dot_precision); the torch-backend run of the same check measured ≤ 3.6e-6, hence 1e-4.
 TOL = {"logits": 1e-4, "logits_fp64": 1e-10, "layer_triton": 1e-4 if torch.cuda.is_available() else 1e-5}
 
@@ -173,7 +173,7 @@ def test_kda_layer_triton_decode_equals_torch_forward(T, prompt):
 @pytest.mark.parametrize("attnres", ["off", "block"])
 def test_prefill_plus_decode_equals_forward_cuda(attnres):
     """On CUDA the layers pick the Triton kernels (chunk_kda, fused_recurrent_kda, fused AttnRes), all
-    in fp32 here (chunk_kda's dots in full fp32 for fp32 inputs): compare scaled."""
+    in fp32 here (chunk_kda's dots fp32-accurate, tf32x3, for fp32 inputs): compare scaled."""
     m = build("k3-toy", attnres).cuda()
     x = ids(2, 40).cuda()
     with torch.no_grad():

@@ -196,25 +196,26 @@ def bench_kda(kernel: str = "chunk_kda", shapes: str = "toy", against_fla: bool 
 
 
 def bench_stages(shape, chunk_size: int = 64) -> dict:
-    """Per-launch medians (ms) of chunk_kda's stages at one (B, T, H, HV, K) shape, CUDA only."""
+    """Per-launch medians (ms) of chunk_kda's stages at one (B, T, H, HV, K) shape, CUDA only, bf16;
+    the stages run exactly as chunk_kda runs them (chunk.TUNING and the dot precision applied)."""
     import triton
 
-    from k3cli.ops.kda.chunk_bwd import kda_bwd_intra, kda_bwd_state
-    from k3cli.ops.kda.chunk_fwd import kda_fwd_intra, kda_fwd_state
+    from k3cli.ops.kda import chunk as C_
+    from k3cli.ops.kda.chunk_fwd import dot_precision, kda_fwd_state
     device = torch.device("cuda")
     q, k, v, g, b = _inputs(*shape, torch.bfloat16, device)
     sc, C = shape[4] ** -0.5, chunk_size
+    prec = dot_precision(v.dtype)
     do = torch.randn_like(v)
     B, T, _, HV, _ = shape
-    it = kda_fwd_intra(q, k, v, g, b, sc, C, torch.float32)
-    _, _, h, vn = kda_fwd_state(it, B, T, HV, C, None, v.dtype, False, store_o=False, store_h=True)
-    dh, dvn, _ = kda_bwd_state(it, do, None, B, T, HV, C, False)
+    it = C_.fwd_intra(q, k, v, g, b, sc, C, prec)
+    h, vn = C_.recompute_states(it, None, B, T, HV, C, v.dtype, prec)
+    dh, dvn, _ = C_.bwd_state(it, do, None, B, T, HV, C, False, v.dtype, prec)
     bench = triton.testing.do_bench
     return {
-        "fwd_intra": bench(lambda: kda_fwd_intra(q, k, v, g, b, sc, C, torch.float32)),
-        "fwd_state": bench(lambda: kda_fwd_state(it, B, T, HV, C, None, v.dtype, False)),
-        "fwd_state_recompute": bench(lambda: kda_fwd_state(it, B, T, HV, C, None, v.dtype, False,
-                                                           store_o=False, store_h=True)),
-        "bwd_state": bench(lambda: kda_bwd_state(it, do, None, B, T, HV, C, False)),
-        "bwd_intra": bench(lambda: kda_bwd_intra(q, k, v, g, b, it.tm, h, dh, do, vn, dvn, sc, C)),
+        "fwd_intra": bench(lambda: C_.fwd_intra(q, k, v, g, b, sc, C, prec)),
+        "fwd_state": bench(lambda: kda_fwd_state(it, B, T, HV, C, None, v.dtype, False, precision=prec)),
+        "fwd_state_recompute": bench(lambda: C_.recompute_states(it, None, B, T, HV, C, v.dtype, prec)),
+        "bwd_state": bench(lambda: C_.bwd_state(it, do, None, B, T, HV, C, False, v.dtype, prec)),
+        "bwd_intra": bench(lambda: C_.bwd_intra(q, k, v, g, b, it.tm, h, dh, do, vn, dvn, sc, C, prec)),
     }

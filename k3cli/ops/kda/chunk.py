@@ -17,14 +17,61 @@ _CHUNK_SIZES = (16, 32, 64)
 # fwd_intra_BK: key-column block of stage 1 (None = whole K in one tile; see kda_fwd_intra).
 # fwd_intra_split: stage 1 as three launches (scores, solve, W/U); fwd_intra_maxnreg: its register cap.
 # bwd_split: per-chunk backward as two launches (V side once, key side per key block; kda_bwd_intra).
+# bwd_intra_BK / _BV: its key / value blocks (None = the launcher's choice).
 # "*_dtype" entries: "fp32", or "input" (the dtype of q/k/v: bf16 halves that buffer's traffic).
 #   inter: W, U (stage 1 -> state scans); gated: Q e^Γ, K e^(γ-Γ); states: per-chunk S_n and dS_n.
-TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None, "fwd_intra_split": False, "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None, "bwd_intra_warps": 8,
+TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None, "fwd_intra_split": False,
+          "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None, "bwd_intra_warps": 8,
           "inter_dtype": "fp32", "gated_dtype": "fp32", "states_dtype": "fp32"}
+
+
+def check_tuning(tuning: dict) -> None:
+    """Reject unknown keys and values a launcher would silently misread."""
+    unknown = set(tuning) - set(TUNING)
+    if unknown:
+        raise ValueError(f"chunk_kda TUNING: unknown keys {sorted(unknown)}; valid: {sorted(TUNING)}")
+    for name in ("inter_dtype", "gated_dtype", "states_dtype"):
+        if tuning.get(name, "fp32") not in ("fp32", "input"):
+            raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]!r} must be 'fp32' or 'input'")
+    for name in ("fwd_intra_BK", "bwd_intra_BK", "bwd_intra_BV"):
+        b = tuning.get(name)
+        if b is not None and (b < 16 or b & (b - 1)):
+            raise ValueError(f"chunk_kda TUNING: {name}={b} must be None or a power of two >= 16")
+    for name in ("fwd_intra_warps", "bwd_intra_warps"):
+        if tuning.get(name, 8) not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]} must be a power of two <= 32")
 
 
 def _tuned_dtype(name: str, x: torch.Tensor) -> torch.dtype:
     return torch.float32 if TUNING[name] == "fp32" else x.dtype
+
+
+# The stages as chunk_kda runs them (TUNING applied); bench_stages times these same calls.
+def fwd_intra(q, k, v, g, beta, scale, C, prec) -> Intra:
+    # W, U in fp32 by default: they keep the pseudo-value subtraction U - W S accurate for bf16 inputs
+    check_tuning(TUNING)
+    return kda_fwd_intra(q, k, v, g, beta, scale, C, _tuned_dtype("inter_dtype", v), _tuned_dtype("gated_dtype", v),
+                         num_warps=TUNING["fwd_intra_warps"], precision=prec, key_block=TUNING["fwd_intra_BK"],
+                         maxnreg=TUNING["fwd_intra_maxnreg"], split=TUNING["fwd_intra_split"])
+
+
+def recompute_states(it: Intra, h0, B, T, HV, C, v_dtype, prec):
+    """The chunk start states S_n and pseudo-values Vn for the backward (recomputed, not stored)."""
+    sd = torch.float32 if TUNING["states_dtype"] == "fp32" else v_dtype
+    _, _, h, vn = kda_fwd_state(it, B, T, HV, C, h0, v_dtype, False, store_o=False, store_h=True, h_dtype=sd,
+                                precision=prec)
+    return h, vn
+
+
+def bwd_state(it: Intra, do, dht, B, T, HV, C, need_dh0, v_dtype, prec):
+    sd = torch.float32 if TUNING["states_dtype"] == "fp32" else v_dtype
+    return kda_bwd_state(it, do, dht, B, T, HV, C, need_dh0, dh_dtype=sd, precision=prec)
+
+
+def bwd_intra(q, k, v, g, beta, tm, h, dh, do, vn, dvn, scale, C, prec):
+    return kda_bwd_intra(q, k, v, g, beta, tm, h, dh, do, vn, dvn, scale, C, BK=TUNING["bwd_intra_BK"],
+                         BV=TUNING["bwd_intra_BV"], num_warps=TUNING["bwd_intra_warps"], precision=prec,
+                         split=TUNING["bwd_split"])
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -40,11 +87,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         h0 = None if initial_state is None else initial_state.contiguous()
         B, T, HV = v.shape[:3]
         prec = dot_precision(v.dtype)
-        # W, U in fp32 keep the pseudo-value subtraction U - W S accurate for bf16 inputs
-        it = kda_fwd_intra(q, k, v, g, beta, scale, chunk_size, _tuned_dtype("inter_dtype", v),
-                           _tuned_dtype("gated_dtype", v), num_warps=TUNING["fwd_intra_warps"], precision=prec,
-                           key_block=TUNING["fwd_intra_BK"], maxnreg=TUNING["fwd_intra_maxnreg"],
-                           split=TUNING["fwd_intra_split"])
+        it = fwd_intra(q, k, v, g, beta, scale, chunk_size, prec)
         o, ht, _, _ = kda_fwd_state(it, B, T, HV, chunk_size, h0, v.dtype, output_final_state, precision=prec)
         ctx.save_for_backward(q, k, v, g, beta, h0, *it)
         ctx.scale, ctx.chunk_size, ctx.prec = scale, chunk_size, prec
@@ -57,17 +100,11 @@ class ChunkKDAFunction(torch.autograd.Function):
         scale, C, prec = ctx.scale, ctx.chunk_size, ctx.prec
         B, T, H, K = q.shape
         HV = v.shape[2]
-        # recompute the chunk start states S_n and pseudo-values Vn instead of storing them
-        sd = _tuned_dtype("states_dtype", v)
-        _, _, h, vn = kda_fwd_state(it, B, T, HV, C, h0, v.dtype, False, store_o=False, store_h=True, h_dtype=sd,
-                                    precision=prec)
+        h, vn = recompute_states(it, h0, B, T, HV, C, v.dtype, prec)
         do = do.contiguous()
         dht = None if dht is None else dht.contiguous().float()
-        dh, dvn, dh0 = kda_bwd_state(it, do, dht, B, T, HV, C, h0 is not None, dh_dtype=sd, precision=prec)
-        dq, dk, dv, dg, dbeta = kda_bwd_intra(q, k, v, g, beta, it.tm, h, dh, do, vn, dvn, scale, C,
-                                              BK=TUNING["bwd_intra_BK"], BV=TUNING["bwd_intra_BV"],
-                                              num_warps=TUNING["bwd_intra_warps"], precision=prec,
-                                              split=TUNING["bwd_split"])
+        dh, dvn, dh0 = bwd_state(it, do, dht, B, T, HV, C, h0 is not None, v.dtype, prec)
+        dq, dk, dv, dg, dbeta = bwd_intra(q, k, v, g, beta, it.tm, h, dh, do, vn, dvn, scale, C, prec)
         # GVA: value head hv used q/k head hv // G, so sum each group's gradients
         dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
         dk = dk.view(B, T, H, HV // H, K).sum(3).to(k.dtype)

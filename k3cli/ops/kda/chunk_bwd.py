@@ -7,6 +7,9 @@ STORE_H), two launches:
      dVn = Aqk^T dO + (K e^(γ-Γ)) dS',  dS = e^γ dS' + scale (Q e^Γ)^T dO - W^T dVn; stores dS' per
      chunk, dVn and dh0.
   2. `_kda_bwd_intra_kernel`, parallel over (chunk, batch*head, key block): dq, dk, dv, dβ, dg.
+     Alternative (chunk.TUNING bwd_split): `_kda_bwd_vside_kernel` once per chunk for the
+     key-independent V reductions, then `_kda_bwd_kside_kernel` per key block; both kernels end in
+     `_bwd_key_side`.
 """
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
 """Forward stages of the Triton chunked KDA (SPEC §2.2; derivation in README.md).
 
-Two launches:
+Two launches by default:
   1. `_kda_fwd_intra_kernel`, one program per (chunk, batch*value-head): Γ = cumsum g, the anchored
      intra-chunk scores Aqk and Akk, Tm = (I + Akk)^-1 by fp32 forward substitution, W and U.
+     Alternatives (chunk.TUNING): `_kda_fwd_intra_kblock_kernel` walks the key dim in column
+     blocks, in one launch or three (scores, in-place solve, W/U).
   2. `_kda_fwd_state_kernel`, one program per (value block, batch*value-head), sequential over
      chunks: Vn = U - W S, O = scale (Q e^Γ) S + Aqk Vn, S <- e^γ S + (K e^(γ-Γ))^T Vn.
 Intermediates live in a [B*HV, NT*BT, ...] layout padded to whole chunks (padded rows are zeros).
@@ -27,10 +29,12 @@ def pick_configs(gpu_configs: list[triton.Config]) -> list[triton.Config]:
 
 
 # sequential state scans: value-block width trades parallelism (B*HV*V/BV programs) for per-program
-# work (BV 16 for few long sequences). ptxas -v (sm_90a): no spills for these at K <= 128. Two pipeline
+# work (BV 16 for few long sequences). At K = 128, BV 64 spills (255 registers + 232 B stack for the
+# forward scan, scripts/ptxas_report.py), BV 32 does not; the autotuner times both. Two pipeline
 # stages (the next chunk's tiles loaded while this one computes) need the per-chunk [BT, K] operand
-# tiles twice in shared memory: at K = 128 that fits only when W, Q e^Γ, K e^(γ-Γ) are stored 2-byte
-# (TUNING inter_dtype / gated_dtype "input"); prune_state_configs drops what cannot fit.
+# tiles twice in shared memory: at K = 128 that fits when W, Q e^Γ, K e^(γ-Γ) are stored 2-byte
+# (TUNING inter_dtype / gated_dtype "input"; with only W 2-byte, for BV 16); prune_state_configs
+# estimates each config's bytes and drops what cannot fit.
 STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
                  for bv, nw, ns in ((64, 8, 1), (32, 8, 1), (32, 4, 1), (16, 4, 1), (32, 8, 2), (16, 4, 2),
                                     (64, 8, 2))]
@@ -382,11 +386,27 @@ class Intra(NamedTuple):
     tm: torch.Tensor     # (I + Akk)^-1
 
 
+def torch_allows_tf32() -> bool:
+    """Whether the user let torch run fp32 matmuls in TF32: the new `fp32_precision` settings
+    (torch >= 2.9; "none" defers to the global one) first, then the legacy `allow_tf32`, whose
+    read raises when the two APIs were mixed."""
+    for prec in (getattr(torch.backends.cuda.matmul, "fp32_precision", None),
+                 getattr(torch.backends, "fp32_precision", None)):
+        if prec not in (None, "none"):
+            return prec == "tf32"
+    try:
+        return bool(torch.backends.cuda.matmul.allow_tf32)
+    except RuntimeError:
+        return False
+
+
 def dot_precision(dtype: torch.dtype) -> str:
-    """`tl.dot` input precision for the non-solve products: full fp32 ("ieee") for fp32 inputs unless
-    torch allows TF32 matmuls (torch.backends.cuda.matmul.allow_tf32, off by default), else "tf32"
-    (bf16/fp16 inputs carry less precision than TF32 already). The solve is always fp32 (`_mm`)."""
-    return "ieee" if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
+    """`tl.dot` input precision for the non-solve products. fp32 inputs: "tf32x3" (three TF32
+    products, about fp32 accuracy on the tensor cores; plain TF32 put a whole fp32 model's chunked
+    forward 1.4e-2 (scaled) away from its exact-fp32 decode on the H200, and "ieee" spills at
+    K = 128 per scripts/ptxas_report.py), unless torch allows TF32 matmuls. bf16/fp16 inputs: "tf32"
+    (they carry less precision than TF32 already). The solve is always "ieee" (`_mm`)."""
+    return "tf32x3" if dtype == torch.float32 and not torch_allows_tf32() else "tf32"
 
 
 def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: torch.dtype,
