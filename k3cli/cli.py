@@ -156,6 +156,20 @@ def verify_equivalence(
         fail(f"{len(failed)} of {len(rows)} checks exceed their tolerance", code=4)
 
 
+def parse_shape(text: str) -> tuple[int, ...]:
+    """'B,T,H,HV,K' -> ints (K = V), HV a multiple of H; one error line otherwise."""
+    parts = text.replace(" ", "").split(",")
+    try:
+        dims = tuple(int(p) for p in parts)
+    except ValueError:
+        dims = ()
+    if len(dims) != 5 or min(dims) < 1:
+        fail(f"--shape '{text}': expected five positive integers B,T,H,HV,K (e.g. 8,2048,16,16,128)")
+    if dims[3] % dims[2]:
+        fail(f"--shape '{text}': HV={dims[3]} must be a multiple of H={dims[2]}")
+    return dims
+
+
 @app.command("bench-kernel")
 def bench_kernel(
     kernel: Annotated[Kernel, typer.Option(help="Kernel to time.")] = Kernel.all,
@@ -163,6 +177,9 @@ def bench_kernel(
     against_fla: Annotated[Optional[str], typer.Option(
         "--against", help="'fla': also time flash-linear-attention when it is importable.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print rows as JSON to stdout.")] = False,
+    shape: Annotated[Optional[list[str]], typer.Option(
+        help="chunk_kda / kda_gate only: time this B,T,H,HV,K shape (K = V) instead of a shape set; "
+             "repeatable, e.g. --shape 8,2048,16,16,128.")] = None,
 ):
     """Time kernels against the torch reference (and fla) measured in the same run.
 
@@ -183,11 +200,18 @@ def bench_kernel(
     if device == "cpu" and shapes != "ci":
         fail("without a GPU only --shapes ci runs (through the Triton interpreter)")
     kernels = list(BENCH_KERNELS) if kernel == Kernel.all else [kernel.value]
+    custom = None
+    if shape:
+        if device == "cpu":
+            fail("--shape needs a GPU (without one only --shapes ci runs, through the interpreter)")
+        if not set(kernels) <= {"chunk_kda", "kda_gate"}:
+            fail("--shape applies to --kernel chunk_kda or kda_gate")
+        custom = [parse_shape(s) for s in shape]
     if shapes == "toy" and "attnres" in kernels:
         kernels.remove("attnres")
         if not kernels:
             fail("attnres has no toy shape set; use --shapes ci or k3")
-    results = run_bench(kernels, shapes, against_fla == "fla")
+    results = run_bench(kernels, shapes, against_fla == "fla", custom=custom)
     if as_json:
         sys.stdout.write(json.dumps({"device": device, "results": results}, indent=2, default=str) + "\n")
         return

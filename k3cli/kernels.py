@@ -91,7 +91,10 @@ def _progress_line(kernel: str, row: dict) -> str:
     return f"[bench {kernel}] {dims}: {times}"
 
 
-def run_bench(kernels: list[str], shapes: str, against_fla: bool, progress: bool = True) -> dict[str, list[dict]]:
+def run_bench(kernels: list[str], shapes: str, against_fla: bool, progress: bool = True,
+              custom: list[tuple[int, ...]] | None = None) -> dict[str, list[dict]]:
+    """Run each kernel's benchmark on the named shape set, or (chunk_kda / kda_gate) on `custom`
+    (B, T, H, HV, K) shapes."""
     from k3cli.ops.attnres.bench import bench_attnres
     from k3cli.ops.kda.bench import bench_kda
     from k3cli.ops.kda.bench_decode import SHAPES as DECODE_SHAPES
@@ -103,7 +106,7 @@ def run_bench(kernels: list[str], shapes: str, against_fla: bool, progress: bool
             if progress:
                 print(_progress_line(k, row), file=sys.stderr, flush=True)
         if k in ("chunk_kda", "kda_gate"):
-            out[k] = bench_kda(k, "ci" if shapes == "ci" else shapes, against_fla, on_row=on_row)
+            out[k] = bench_kda(k, custom or shapes, against_fla, on_row=on_row)
         elif k == "decode":
             out[k] = bench_decode(DECODE_SHAPES["cpu" if shapes == "ci" else "gpu"], with_fla=against_fla)
             for row in out[k]:

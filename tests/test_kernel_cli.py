@@ -47,6 +47,19 @@ def test_bench_gate_ci_json():
     assert rows and all(row["fwd_ms"] > 0 for row in rows)
 
 
+def test_parse_shape(capsys):
+    import typer
+
+    from k3cli.cli import parse_shape
+    assert parse_shape("8, 2048,16,16,128") == (8, 2048, 16, 16, 128)
+    for bad, msg in (("8,2048,16,16", "five positive integers"), ("8,x,16,16,128", "five positive integers"),
+                     ("8,2048,0,16,128", "five positive integers"), ("1,64,3,4,16", "multiple of H=3")):
+        with pytest.raises(typer.Exit) as e:
+            parse_shape(bad)
+        assert e.value.exit_code == 2
+        assert msg in capsys.readouterr().err
+
+
 def test_bad_kernel_args_exit_2():
     assert runner.invoke(app, ["bench-kernel", "--shapes", "huge"]).exit_code == 2
     assert runner.invoke(app, ["bench-kernel", "--against", "xformers"]).exit_code == 2

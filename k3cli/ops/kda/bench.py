@@ -168,9 +168,10 @@ def _bench_gate(shape, device):
     return row
 
 
-def bench_kda(kernel: str = "chunk_kda", shapes: str = "toy", against_fla: bool = False,
+def bench_kda(kernel: str = "chunk_kda", shapes: str | list[tuple[int, ...]] = "toy", against_fla: bool = False,
               on_row=None) -> list[dict]:
-    """Benchmark a KDA kernel on a shape set ("ci" | "toy" | "k3"); one dict per shape.
+    """Benchmark a KDA kernel on a shape set ("ci" | "toy" | "k3") or a list of (B, T, H, HV, K=V)
+    shapes; one dict per shape.
 
     CUDA runs bf16 with triton.testing.do_bench; CPU (TRITON_INTERPRET=1) runs fp32 with a
     perf_counter loop and is only meaningful as a smoke test. `on_row(row)` is called as each shape
@@ -178,12 +179,12 @@ def bench_kda(kernel: str = "chunk_kda", shapes: str = "toy", against_fla: bool 
     """
     if kernel not in ("chunk_kda", "kda_gate"):
         raise ValueError(f"bench_kda: unknown kernel {kernel!r}; valid: 'chunk_kda', 'kda_gate'")
-    if shapes not in SHAPES:
+    if isinstance(shapes, str) and shapes not in SHAPES:
         raise ValueError(f"bench_kda: unknown shape set {shapes!r}; valid: {sorted(SHAPES)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ceiling = copy_ceiling_gbps(device)
     rows = []
-    for shape in SHAPES[shapes]:
+    for shape in SHAPES[shapes] if isinstance(shapes, str) else [tuple(x) for x in shapes]:
         row = _bench_chunk(shape, device, against_fla) if kernel == "chunk_kda" else _bench_gate(shape, device)
         row["copy_ceiling_gbps"] = ceiling
         row["fwd_io_frac_of_copy"] = row["fwd_io_gbps"] / ceiling
