@@ -50,6 +50,7 @@ VARIANTS = {
     "nospill": {"fwd_intra_BK": 32, "bwd_split": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
     # scores / solve / W,U launches: 232 / 125 / 196 registers at 8 warps (ptxas_report), no spills
     "fi_split_kb32": {"fwd_intra_split": True, "fwd_intra_BK": 32},
+    "fi_split_kb32_w16": {"fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_warps": 16},   # all spill-free
     "bwd_split": {"bwd_split": True},
     "bwd_split_k32v32": {"bwd_split": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
     # chunk 32: [32, 32] score tiles, twice the sequential scan steps (chunk_size is chunk_kda's argument)
