@@ -1,6 +1,6 @@
 """Where a k3-toy training step spends host and device time, AttnRes off vs block (CUDA, bf16 autocast).
 
-    python scripts/profile_step.py [--batch 8] [--seq 256] [--modes off block]
+    python scripts/profile_step.py [--batch 8] [--seq 256] [--modes off block] [--device cuda]
 
 For each mode: 3 warm-up steps, then torch.profiler over 3 steps (forward, backward, AdamW). Prints
 the step's wall time, the number of CUDA kernel launches per step, total device-busy time per step,
@@ -19,27 +19,33 @@ from k3cli.config import load_config
 from k3cli.models import CausalLM
 
 
-def run(mode: str, batch: int, seq: int, steps: int = 3) -> None:
+def run(mode: str, batch: int, seq: int, device: str, steps: int = 3) -> None:
     torch.manual_seed(0)
-    model = CausalLM(load_config("k3-toy", attnres=mode).model).cuda().train()
+    cuda = device.startswith("cuda")
+    model = CausalLM(load_config("k3-toy", attnres=mode).model).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
 
     def step():
         model.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
             loss = model(ids, labels=ids).loss
         loss.backward()
         opt.step()
 
     for _ in range(3):
         step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
             step()
-        torch.cuda.synchronize()
+        sync()
         wall = (time.perf_counter() - t0) / steps
     events = prof.key_averages()
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -55,9 +61,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--modes", nargs="+", default=["off", "block"])
+    ap.add_argument("--device", default="cuda", help="cuda (bf16 autocast) | cpu (fp32: a smoke test of the script)")
     args = ap.parse_args()
     for mode in args.modes:
-        run(mode, args.batch, args.seq)
+        run(mode, args.batch, args.seq, args.device)
 
 
 if __name__ == "__main__":
