@@ -1,7 +1,8 @@
 """Triton chunked KDA: autograd wrapper and public entry point (kernels in chunk_fwd.py, chunk_bwd.py).
 
-Launches: forward 2; backward 3 (state re-scan, reverse state scan, per-chunk gradients) plus the
-GVA group sum of dq, dk in torch.
+Launches with the default TUNING: forward 2; backward 3 (state re-scan, reverse state scan, per-chunk
+gradients) plus the GVA group sum of dq, dk in torch. The TUNING alternatives add one (split
+backward) or two (three-launch stage 1) launches.
 """
 from __future__ import annotations
 
