@@ -57,7 +57,7 @@ def _kda_bwd_state_step(qg, kd, eg, w, aqk, do, dh, dvn, b_ds, i_b, i_hv, i_bh, 
 
 @triton.autotune(
     configs=pick_configs(STATE_CONFIGS),
-    key=["BK", "BT", "NBH", "V"],
+    key=["BK", "BT", "NBH", "V", "PREC"],
     prune_configs_by={"early_config_prune": prune_state_configs},
 )
 @triton.jit

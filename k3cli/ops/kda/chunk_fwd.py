@@ -342,7 +342,7 @@ def _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i
 
 @triton.autotune(
     configs=pick_configs(STATE_CONFIGS),
-    key=["BK", "BT", "NBH", "V"],
+    key=["BK", "BT", "NBH", "V", "PREC"],
     prune_configs_by={"early_config_prune": prune_state_configs},
 )
 @triton.jit
