@@ -144,11 +144,14 @@ class AttnResMixer(nn.Module):
         if len(sublayers) != self.num_sublayers:
             raise ValueError(f"AttnResMixer built for {self.num_sublayers} sublayers, got {len(sublayers)}")
         ops = self._triton_ops(emb)
+        # one unbind per parameter (a single stack in the backward) instead of a select, and its
+        # zero-filled [N, D] gradient, per sublayer
+        rows = (self.query.unbind(0), self.gain.unbind(0))
         if self.mode == "full":
-            return self._full(emb, sublayers, ops)
+            return self._full(emb, sublayers, ops, rows)
         if self.impl == "naive":
-            return self._block_naive(emb, sublayers)
-        return self._block_two_phase(emb, sublayers, ops)
+            return self._block_naive(emb, sublayers, rows)
+        return self._block_two_phase(emb, sublayers, ops, rows)
 
     def _triton_ops(self, emb: torch.Tensor):
         """The Triton kernels (fused_attnres, attnres_phase1, attnres_merge), or None for torch."""
@@ -163,29 +166,30 @@ class AttnResMixer(nn.Module):
         return fused_attnres, attnres_phase1, attnres_merge
 
     def _mix(self, sources: list[torch.Tensor], keys: list[torch.Tensor] | None, l: int | None,
-             ops=None) -> torch.Tensor:
-        q, g = (self.out_query, self.out_gain) if l is None else (self.query[l], self.gain[l])
+             ops=None, rows=None) -> torch.Tensor:
+        """Mix for sublayer l (its query / gain rows from `rows`), or the output mix (l None)."""
+        q, g = (self.out_query, self.out_gain) if l is None else (rows[0][l], rows[1][l])
         if ops is not None and len(sources) <= MAX_FUSED_SOURCES:
             return ops[0](sources, q, g, self.eps)
         return naive_attnres(sources, q, g, self.eps, keys=keys)
 
-    def _full(self, emb, sublayers, ops):
+    def _full(self, emb, sublayers, ops, rows):
         # the torch form caches RMS(v) per source (each is a key for every later sublayer)
         sources, keys = [emb], (None if ops else source_keys([emb], self.eps))
         for l, f in enumerate(sublayers):
-            v = f(self._mix(sources, keys, l, ops)).to(emb.dtype)
+            v = f(self._mix(sources, keys, l, ops, rows)).to(emb.dtype)
             sources.append(v)
             keys = None if ops else keys + source_keys([v], self.eps)
         return self._mix(sources, keys, None, ops)
 
-    def _block_naive(self, emb, sublayers):
+    def _block_naive(self, emb, sublayers, rows):
         N, S = self.num_sublayers, self.block_size
         blocks, keys, partial = [emb], source_keys([emb], self.eps), None
         for l, f in enumerate(sublayers):
             if partial is None:
-                h = self._mix(blocks, keys, l)
+                h = self._mix(blocks, keys, l, rows=rows)
             else:
-                h = self._mix(blocks + [partial], keys + source_keys([partial], self.eps), l)
+                h = self._mix(blocks + [partial], keys + source_keys([partial], self.eps), l, rows=rows)
             v = f(h).to(emb.dtype)
             partial = v if partial is None else partial + v
             if (l + 1) % S == 0 or l + 1 == N:
@@ -194,12 +198,12 @@ class AttnResMixer(nn.Module):
                 partial = None
         return self._mix(blocks, keys, None)
 
-    def _block_two_phase(self, emb, sublayers, ops):
+    def _block_two_phase(self, emb, sublayers, ops, rows):
         N, S = self.num_sublayers, self.block_size
         blocks, keys = [emb], (None if ops else source_keys([emb], self.eps))
         for start in range(0, N, S):
             stop = min(start + S, N)
-            qs, gs = self.query[start:stop], self.gain[start:stop]
+            qs, gs = torch.stack(rows[0][start:stop]), torch.stack(rows[1][start:stop])
             if ops is not None and len(blocks) <= MAX_FUSED_SOURCES:
                 m, lsum, o = ops[1](blocks, qs, gs, self.eps)
             else:
@@ -211,10 +215,10 @@ class AttnResMixer(nn.Module):
             m, lsum, o = m.unbind(0), lsum.unbind(0), o.unbind(0)
             for r, l in enumerate(range(start, stop)):
                 if fused_merge:
-                    h = ops[2](m[r], lsum[r], o[r], partial, self.query[l], self.gain[l], self.eps,
+                    h = ops[2](m[r], lsum[r], o[r], partial, rows[0][l], rows[1][l], self.eps,
                                out_dtype=emb.dtype)
                 else:
-                    h = attnres_merge(m[r], lsum[r], o[r], partial, self.query[l], self.gain[l], self.eps)
+                    h = attnres_merge(m[r], lsum[r], o[r], partial, rows[0][l], rows[1][l], self.eps)
                 v = sublayers[l](h.to(emb.dtype)).to(emb.dtype)
                 partial = v if partial is None else partial + v
             blocks.append(partial)
