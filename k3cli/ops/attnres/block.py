@@ -218,15 +218,14 @@ class Phase1Function(torch.autograd.Function):
     def forward(ctx, queries, gains, eps, src, *flat):
         wt = queries.float() * gains.float()
         m, l, o = phase1_fwd(src, wt, eps)
-        ctx.save_for_backward(queries, gains, m, *flat)
+        ctx.save_for_backward(queries, gains, m, wt, *flat)
         ctx.eps, ctx.src = eps, src
         ctx.mark_non_differentiable(m)
         return m, l, o
 
     @staticmethod
     def backward(ctx, dm, dl, do):
-        queries, gains, m, *_ = ctx.saved_tensors
-        wt = queries.float() * gains.float()
+        queries, gains, m, wt, *_ = ctx.saved_tensors
         dl = torch.zeros_like(m) if dl is None else dl.float().contiguous()
         do = torch.zeros(m.shape + (ctx.src.D,), dtype=torch.float32, device=m.device) if do is None \
             else do.float().contiguous()
@@ -267,16 +266,15 @@ class MergeFunction(torch.autograd.Function):
             o, l, m, o if partial is None else partial, wt, h, h if y is None else y,
             wt if norm_weight is None else norm_weight, stat, M, D, eps, norm_eps,
             HAS_PARTIAL=partial is not None, HAS_NORM=norm_weight is not None, **_row_launch(D))
-        ctx.save_for_backward(partial, query, gain, norm_weight, h, stat)
+        ctx.save_for_backward(partial, query, gain, norm_weight, h, stat, wt)
         ctx.eps = eps
         ctx.set_materialize_grads(False)
         return h if y is None else (h, y)
 
     @staticmethod
     def backward(ctx, dh, dy=None):
-        partial, query, gain, norm_weight, h, stat = ctx.saved_tensors
+        partial, query, gain, norm_weight, h, stat, wt = ctx.saved_tensors
         M, D = stat.shape[1], h.shape[-1]
-        wt = query.float() * gain.float()
         G = num_programs(M, h.device)
         do = torch.empty(h.shape, dtype=torch.float32, device=h.device)
         dl = torch.empty(h.shape[:-1], dtype=torch.float32, device=h.device)

@@ -319,18 +319,17 @@ class FusedAttnResFunction(torch.autograd.Function):
     def forward(ctx, query, gain, norm_weight, eps, norm_eps, src, *flat):
         wt = query.float() * gain.float()
         h, y, stat = attnres_fwd(src, wt, eps, norm_weight, norm_eps)
-        ctx.save_for_backward(query, gain, norm_weight, h, stat, *flat)
+        ctx.save_for_backward(query, gain, norm_weight, h, stat, wt, *flat)
         ctx.eps, ctx.src = eps, src
         ctx.set_materialize_grads(False)
         return h if y is None else (h, y)
 
     @staticmethod
     def backward(ctx, dh, dy=None):
-        query, gain, norm_weight, h, stat, *flat = ctx.saved_tensors
+        query, gain, norm_weight, h, stat, wt, *flat = ctx.saved_tensors
         src = ctx.src
         if dh is None and dy is None:
             return (None,) * (6 + len(flat))
-        wt = query.float() * gain.float()
         dh = None if dh is None else dh.contiguous()
         dy = None if dy is None else dy.contiguous()
         dx, dwt, dnw = attnres_bwd(src, wt, h, dh, dy, norm_weight, stat, ctx.eps)
