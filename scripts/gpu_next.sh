@@ -16,7 +16,7 @@ timeout 120 python3 -m pytest -q -m gpu tests/models/test_decode.py tests/layers
   "tests/ops/test_kda.py::test_chunk_kda_fp32_gpu_is_fp32_accurate" -p no:cacheprovider \
   --tb=line 2>&1 | tee "$OUT/gpu_tests.txt" | tail -5
 # 2. variants (each checked against the fp32 reference before it is timed); one JSON line per variant
-timeout 270 python3 scripts/kda_sweep.py base nospill fi_kb32 fi_kb16_w16 fi_kb16_r128 fi_split_kb32 fi_split_kb32_w16 bwd_split bwd_split_k32v32 c32 \
+timeout 270 python3 scripts/kda_sweep.py base guess nospill fi_kb32 fi_kb16_w16 fi_kb16_r128 fi_split_kb32 fi_split_kb32_w16 bwd_split bwd_split_k32v32 bwd_split_k32v32_w16 c32 \
   c32_kb16_w4 gated_in bufs_in states_in combo 2>&1 | tee "$OUT/sweep.txt" | tail -14
 # 3. per-stage times of the default path at the shape
 timeout 50 python3 -c "from k3cli.ops.kda.bench import bench_stages; print(bench_stages((8, 2048, 16, 16, 128)))" \

@@ -53,6 +53,10 @@ VARIANTS = {
     "fi_split_kb32_w16": {"fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_warps": 16},   # all spill-free
     "bwd_split": {"bwd_split": True},
     "bwd_split_k32v32": {"bwd_split": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
+    "bwd_split_k32v32_w16": {"bwd_split": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32, "bwd_intra_warps": 16},
+    # the session-2 guess from ptxas_report: every launch spill-free or nearly, 2-stage scans
+    "guess": {"fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_warps": 16, "bwd_split": True,
+              "bwd_intra_BK": 32, "bwd_intra_BV": 32, "inter_dtype": "input", "gated_dtype": "input"},
     # chunk 32: [32, 32] score tiles, twice the sequential scan steps (chunk_size is chunk_kda's argument)
     "c32": {"chunk_size": 32},
     "c32_kb16_w4": {"chunk_size": 32, "fwd_intra_BK": 16, "fwd_intra_warps": 4},
@@ -97,10 +101,11 @@ def main(names):
     for name in names:
         over = VARIANTS[name]
         chunk = over.get("chunk_size", 64)
-        chunk_mod.TUNING.clear()
         tuning = {k: v for k, v in over.items() if k != "chunk_size"}
+        chunk_mod.TUNING.clear()
+        chunk_mod.TUNING.update(BASE)
         chunk_mod.check_tuning(tuning)
-        chunk_mod.TUNING.update(BASE, **tuning)
+        chunk_mod.TUNING.update(tuning)
         row = {"variant": name, "tuning": over}
         try:
             row["err"] = accuracy(ref, inputs, chunk)
