@@ -254,3 +254,46 @@ def test_error_text_is_not_rich_markup_or_emoji(tmp_path):
     assert not (tmp_path / "r").exists()  # nothing written, no empty run left behind
     r = runner.invoke(app, ["layout", "--set", "model.[bold]x=1"])
     assert r.exit_code == 2 and "model.[bold]x" in r.stderr
+
+
+class _FakeRun:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def log(self, record, step):
+        self.calls.append(("log", step, dict(record)))
+
+    def finish(self):
+        self.calls.append(("finish",))
+
+
+def test_wandb_logging_records_every_logged_step(corpus, tmp_path, monkeypatch):
+    """`--wandb offline`: one init with the resolved config, one log per logged step (the same
+    records as metrics.jsonl), finish at the end. A stand-in module replaces the optional package
+    (the real one, 0.31 offline, was run by hand: it wrote runs/*/wandb/offline-run-*)."""
+    import sys
+    import types
+    calls = []
+    fake = types.ModuleType("wandb")
+
+    def init(project, dir, mode, config):
+        calls.append(("init", project, dir, mode, config))
+        return _FakeRun(calls)
+
+    fake.init = init
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    run = tmp_path / "wb-run"
+    args = ["train", "--preset", "k3-toy", "--out", str(run), "--data", str(corpus), "--wandb", "offline"]
+    for s in TINY:
+        args += ["--set", s]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert calls[0][:4] == ("init", "k3", str(run), "offline")
+    assert calls[0][4]["train"]["steps"] == 6 and calls[0][4]["model"]["arch"] == "k3"
+    assert calls[-1] == ("finish",)
+    logged = [c for c in calls if c[0] == "log"]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [c[1] for c in logged] == [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    for (_, _, rec), m in zip(logged, metrics):
+        assert rec["loss"] == pytest.approx(m["loss"])
+    assert any("val_loss" in rec for _, _, rec in logged)
