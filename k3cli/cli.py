@@ -257,6 +257,11 @@ def train(
 
     if resume not in (None, "auto"):
         fail(f"--resume takes 'auto', got '{resume}'")
+    if wandb.value != "off":   # fail before any data or model work
+        try:
+            import wandb as _wandb  # noqa: F401
+        except ImportError:
+            fail("--wandb needs the wandb package: pip install 'k3cli[wandb]'")
     flags = {"data.source": data, "train.steps": steps, "train.device": device, "train.seed": seed,
              "train.time_limit_s": time_limit}
     flags = {k: v for k, v in flags.items() if v is not None}

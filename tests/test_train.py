@@ -297,3 +297,16 @@ def test_wandb_logging_records_every_logged_step(corpus, tmp_path, monkeypatch):
     for (_, _, rec), m in zip(logged, metrics):
         assert rec["loss"] == pytest.approx(m["loss"])
     assert any("val_loss" in rec for _, _, rec in logged)
+
+
+def test_wandb_missing_is_one_line_exit_2(corpus, tmp_path, monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "wandb", None)   # makes `import wandb` raise ImportError
+    run = tmp_path / "wb-missing"
+    args = ["train", "--preset", "k3-toy", "--out", str(run), "--data", str(corpus), "--wandb", "offline"]
+    for s in TINY:
+        args += ["--set", s]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2
+    assert r.stderr.strip().splitlines() == ["error: --wandb needs the wandb package: pip install 'k3cli[wandb]'"]
+    assert not run.exists()   # checked before any data, model or run-directory work
