@@ -60,7 +60,13 @@ class LatentMoE(nn.Module):
         return ids_TK, top_TK / top_TK.sum(-1, keepdim=True)
 
     def forward(self, x: torch.Tensor, dispatch: str | None = None) -> torch.Tensor:
-        """x [B, T, D] -> [B, T, D]. `dispatch` overrides the configured mode."""
+        """x [B, T, D] -> [B, T, D]. `dispatch` overrides the configured mode.
+
+        With the configured padded_bmm and at most num_experts tokens (decode steps), the dense form
+        runs instead: same values up to summation order, and no host sync — padded_bmm must read the
+        largest group size back to size its buffer (one sync per MoE layer per call on a GPU). On
+        CPU, k3-toy decode: 1251 → 1163 torch ops and 4.82 → 4.27 ms per token.
+        """
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
         ids_TK, w_TK = self.route(x_TD)
@@ -69,6 +75,8 @@ class LatentMoE(nn.Module):
                 self.load_counts += torch.bincount(ids_TK.flatten(), minlength=self.num_experts)
         z_TL = self.down_proj(x_TD)
         mode = dispatch or self.dispatch
+        if dispatch is None and mode == "padded_bmm" and x_TD.shape[0] <= self.num_experts:
+            mode = "dense"
         if mode == "padded_bmm":
             u_TL = self._padded_bmm(z_TL, ids_TK, w_TK)
         elif mode == "loop":

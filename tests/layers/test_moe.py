@@ -148,3 +148,32 @@ def test_parameter_shapes():
         expected |= {f"shared.{j}.gate_proj.weight": (12, 16), f"shared.{j}.up_proj.weight": (12, 16),
                      f"shared.{j}.down_proj.weight": (16, 12)}
     assert shapes == expected
+
+
+def _host_syncs(fn) -> int:
+    """Calls that read a tensor value back to the host (a device sync on a GPU) while fn runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def test_few_tokens_take_the_sync_free_dense_path():
+    """Configured padded_bmm: up to num_experts tokens (decode) run the dense form — same values,
+    no host read-back — and more tokens the padded path, which reads the largest group size back."""
+    m = make(E=6, k=2)
+    for T, syncs in ((1, 0), (6, 0), (7, 1)):
+        x = torch.randn(1, T, 16, dtype=torch.float64)
+        with torch.no_grad():
+            assert _host_syncs(lambda: m(x)) == syncs, T
+            check(f"T{T} auto vs dense", m(x), m(x, dispatch="dense"), "y")
+            check(f"T{T} auto vs padded", m(x), m(x, dispatch="padded_bmm"), "y")
