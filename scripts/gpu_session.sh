@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU measurement the open issues (5, 6, 7) still owe, in one device call.
+# Session 1's plan for the GPU measurements issues 5-7 owed (session 2 ran them in gpu_call1-3.sh;
+# results in notes/session2_gpu.md). Start the next session from gpu_next.sh instead.
 #
 # Before the call, here (CPU machine), fetch the optional peer so it is timed in the same run:
 #   echo /.whl/ >> .git/info/exclude
