@@ -34,7 +34,7 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def bench_context(model: CausalLM, ctx: int, steps: int, baseline: bool, device: torch.device) -> dict:
     gen = torch.Generator().manual_seed(ctx)
     ids = torch.randint(0, model.config.vocab_size, (1, ctx + steps), generator=gen).to(device)
