@@ -19,7 +19,7 @@ from k3cli.ops.attnres.fused import (
     ROW_OPTIONS,
     Sources,
     _configs,
-    _norm_bwd,
+    _dh_tile,
     _prune_by_registers,
     _rms_score,
     _src_ptr,
@@ -143,14 +143,9 @@ def merge_bwd_kernel(p, wt, h, dh, dy, nw, stat, do, dl, dp, dw_part, dnw_part, 
         m_t = o_t < M
         m_td = m_t[:, None] & m_d[None, :]
         o_td = o_t.to(tl.int64)[:, None] * D + o_d[None, :]
-        b_h = tl.load(h + o_td, mask=m_td, other=0.).to(tl.float32)
-        b_dh = tl.zeros([BT, BD], tl.float32)
-        if HAS_DH:
-            b_dh = tl.load(dh + o_td, mask=m_td, other=0.).to(tl.float32)
-        if HAS_NORM and HAS_DY:
-            b_dh, b_dnw = _norm_bwd(b_h, b_dh, dy, nw, stat + 2 * M, o_td, o_t, o_d, m_t, m_td, m_d, D,
-                                    HAS_DH)
-            acc_dnw += b_dnw
+        b_h, b_dh, b_dnw = _dh_tile(h, dh, dy, nw, stat + 2 * M, o_td, o_t, o_d, m_t, m_td, m_d, D, HAS_NORM,
+                                    HAS_DH, HAS_DY, BT, BD)
+        acc_dnw += b_dnw
         b_delta = tl.sum(b_dh * b_h, 1)
         b_A = tl.load(stat + o_t, mask=m_t, other=0.)
         tl.store(do + o_td, b_A[:, None] * b_dh, mask=m_td)

@@ -64,6 +64,29 @@ def _rms_score(b_v, b_w, m_t, D, eps):
 
 
 @triton.jit
+def _src_tile(x, ptrs, i, n, stride_n, o_td, m_td, USE_TABLE: tl.constexpr):
+    """Tile o_td of source i in its stored dtype; zeros for i >= n (the prefetch past the last
+    source reads nothing: its index is clamped and its mask off)."""
+    return tl.load(_src_ptr(x, ptrs, tl.minimum(i, n - 1), stride_n, USE_TABLE) + o_td, mask=m_td & (i < n),
+                   other=0.)
+
+
+@triton.jit
+def _dh_tile(h, dh, dy, nw, stat_rh, o_td, o_t, o_d, m_t, m_td, m_d, D, HAS_NORM: tl.constexpr,
+             HAS_DH: tl.constexpr, HAS_DY: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """A backward's tile of h (fp32) and the gradient reaching it: dh, plus the fused output
+    norm's share when y was used; and that tile's dnw (zeros without the norm)."""
+    b_h = tl.load(h + o_td, mask=m_td, other=0.).to(tl.float32)
+    b_dh = tl.zeros([BT, BD], tl.float32)
+    if HAS_DH:
+        b_dh = tl.load(dh + o_td, mask=m_td, other=0.).to(tl.float32)
+    b_dnw = tl.zeros([BD], tl.float32)
+    if HAS_NORM and HAS_DY:
+        b_dh, b_dnw = _norm_bwd(b_h, b_dh, dy, nw, stat_rh, o_td, o_t, o_d, m_t, m_td, m_d, D, HAS_DH)
+    return b_h, b_dh, b_dnw
+
+
+@triton.jit
 def _norm_bwd(b_h, b_dh, dy, nw, stat_rh, o_td, o_t, o_d, m_t, m_td, m_d, D,
               HAS_DH: tl.constexpr):
     """Add RMSNorm's backward (y = h·r_h·nw) to dh; return (dh_total, this tile's dnw)."""
@@ -103,12 +126,11 @@ def attnres_fwd_kernel(x, ptrs, wt, out, y, nw, m_out, l_out, stat,
     b_o = tl.zeros([BT, BD], tl.float32)
     # software prefetch: source i + 1 is in flight while source i is reduced (the while loop is
     # not pipelined by the compiler, and one row per program leaves too few bytes in flight)
-    b_next = tl.load(_src_ptr(x, ptrs, n * 0, stride_n, USE_TABLE) + o_td, mask=m_td, other=0.)
     i = n * 0
+    b_next = _src_tile(x, ptrs, i, n, stride_n, o_td, m_td, USE_TABLE)
     while i < n:
         b_v = b_next.to(tl.float32)
-        b_next = tl.load(_src_ptr(x, ptrs, tl.minimum(i + 1, n - 1), stride_n, USE_TABLE) + o_td,
-                         mask=m_td & (i + 1 < n), other=0.)
+        b_next = _src_tile(x, ptrs, i + 1, n, stride_n, o_td, m_td, USE_TABLE)
         _, b_s = _rms_score(b_v, b_w, m_t, D, eps)
         b_mn = tl.maximum(b_m, b_s)
         b_a = tl.exp(b_m - b_mn)
@@ -155,21 +177,16 @@ def attnres_bwd_kernel(x, ptrs, wt, h, dh, dy, nw, stat, dx, dw_part, dnw_part,
         m_t = o_t < M
         m_td = m_t[:, None] & m_d[None, :]
         o_td = o_t.to(tl.int64)[:, None] * D + o_d[None, :]
-        b_h = tl.load(h + o_td, mask=m_td, other=0.).to(tl.float32)
-        b_dh = tl.zeros([BT, BD], tl.float32)
-        if HAS_DH:
-            b_dh = tl.load(dh + o_td, mask=m_td, other=0.).to(tl.float32)
-        if HAS_NORM and HAS_DY:
-            b_dh, b_dnw = _norm_bwd(b_h, b_dh, dy, nw, stat + M, o_td, o_t, o_d, m_t, m_td, m_d, D, HAS_DH)
-            acc_dnw += b_dnw
+        b_h, b_dh, b_dnw = _dh_tile(h, dh, dy, nw, stat + M, o_td, o_t, o_d, m_t, m_td, m_d, D, HAS_NORM,
+                                    HAS_DH, HAS_DY, BT, BD)
+        acc_dnw += b_dnw
         b_lse = tl.load(stat + o_t, mask=m_t, other=0.)
         b_delta = tl.sum(b_dh * b_h, 1)
-        b_next = tl.load(_src_ptr(x, ptrs, n * 0, stride_n, USE_TABLE) + o_td, mask=m_td, other=0.)
         i = n * 0
+        b_next = _src_tile(x, ptrs, i, n, stride_n, o_td, m_td, USE_TABLE)
         while i < n:
             b_v = b_next.to(tl.float32)
-            b_next = tl.load(_src_ptr(x, ptrs, tl.minimum(i + 1, n - 1), stride_n, USE_TABLE) + o_td,
-                             mask=m_td & (i + 1 < n), other=0.)
+            b_next = _src_tile(x, ptrs, i + 1, n, stride_n, o_td, m_td, USE_TABLE)
             b_r, b_s = _rms_score(b_v, b_w, m_t, D, eps)
             b_a = tl.where(m_t, tl.exp(b_s - b_lse), 0.)
             b_dsr = b_a * (tl.sum(b_dh * b_v, 1) - b_delta) * b_r
