@@ -23,6 +23,7 @@ from k3cli.ops.kda.chunk_fwd import (
     _anchored_factors,
     _intra_scores,
     _load_chunk_qkg,
+    _scan_start,
     interpreting,
     pick_configs,
     prune_state_configs,
@@ -68,13 +69,7 @@ def _kda_bwd_state_kernel(qg, kd, eg, w, aqk, do, dht, dh, dvn, dh0, T, NT, NBH,
                           PREC: tl.constexpr):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
-    p_state = i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
-    b_ds = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_DHT:
-        b_ds += tl.load(dht + p_state, mask=m_kv, other=0.)
+    b_ds, p_state, m_kv = _scan_start(dht, i_bh, i_v, K, V, BK, BV, USE_DHT)
     if INTERPRET:
         # the interpreter cannot take a runtime bound in range() with numpy >= 2.4
         i_r = 0

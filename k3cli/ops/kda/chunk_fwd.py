@@ -340,6 +340,21 @@ def _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i
     return b_s * b_eg[:, None] + tl.dot(tl.trans(b_kd), b_vn, input_precision=PREC)
 
 
+@triton.jit
+def _scan_start(s0, i_bh, i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                USE_S0: tl.constexpr):
+    """A state scan's [BK, BV] fp32 carry for (batch*head i_bh, value block i_v): s0's block when
+    USE_S0, else zeros; with its offsets and mask into any [B*HV, K, V] state tensor."""
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    p_state = i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+    b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_S0:
+        b_s += tl.load(s0 + p_state, mask=m_kv, other=0.)
+    return b_s, p_state, m_kv
+
+
 @triton.autotune(
     configs=pick_configs(STATE_CONFIGS),
     key=["BK", "BT", "NBH", "V", "PREC"],
@@ -353,13 +368,7 @@ def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, T, NT, NBH,
                           STORE_H: tl.constexpr, INTERPRET: tl.constexpr, PREC: tl.constexpr):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
-    p_state = i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
-    b_s = tl.zeros([BK, BV], dtype=tl.float32)
-    if USE_H0:
-        b_s += tl.load(h0 + p_state, mask=m_kv, other=0.)
+    b_s, p_state, m_kv = _scan_start(h0, i_bh, i_v, K, V, BK, BV, USE_H0)
     if INTERPRET:
         # the interpreter cannot take a runtime bound in range() with numpy >= 2.4
         i_n = 0
