@@ -215,12 +215,13 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, s
     return {"step": state["step"], "loader": state["loader"], "extra": state["extra"], "path": path}
 
 
-def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
+def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int, newest: Path | None = None) -> list[Path]:
     """Delete complete checkpoints older than the newest `keep_last` complete ones (at least one is
     always kept, and so is the newest one that passes the checksum test); incomplete folders and temp
-    folders are left alone. Returns the deleted folders."""
+    folders are left alone. Returns the deleted folders. `newest`: a checkpoint the caller has just
+    saved (and so checksummed) — taken as the newest verified one instead of hashing it again."""
     complete = [p for _, p in list_checkpoints(run_dir) if is_complete(p, verify=False)]
-    latest = find_latest_checkpoint(run_dir)
+    latest = Path(newest) if newest is not None else find_latest_checkpoint(run_dir)
     doomed = [p for p in complete[:-max(1, keep_last)] if p != latest]
     for p in doomed:
         shutil.rmtree(p)

@@ -304,11 +304,11 @@ def train_tokenizer(train: list[Document], vocab_size: int, min_frequency: int =
 def save_tokenizer(tok: Tokenizer, run_dir: str | os.PathLike) -> Path:
     """Write `run_dir/tokenizer.json` (atomically) and return its path."""
     path = Path(run_dir) / "tokenizer.json"
-    _write_atomic(path, tok.to_str())
+    write_text_atomic(path, tok.to_str())
     return path
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
     # temp name + rename: a concurrent reader sees the old file or the whole new one, never half
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
@@ -471,7 +471,7 @@ def prepare_data(data_cfg, vocab_size: int, seq_len: int, cache_dir: str | os.Pa
     else:
         say(f"training byte-level BPE (vocab {vocab_size}) on the train split")
         tok = train_tokenizer(train, vocab_size, data_cfg.min_frequency)
-        _write_atomic(tok_path, tok.to_str())
+        write_text_atomic(tok_path, tok.to_str())
 
     dtype = np.uint16 if vocab_size <= 2**16 else np.int32
     streams, tokens_cached = {}, True

@@ -25,7 +25,7 @@ from k3cli.checkpoint import (
     save_checkpoint,
 )
 from k3cli.config import RunConfig, config_to_dict, dump_config, flatten, load_config
-from k3cli.data import load_tokenizer, prepare_data, save_tokenizer
+from k3cli.data import load_tokenizer, prepare_data, save_tokenizer, write_text_atomic
 from k3cli.models.causal_lm import CausalLM
 
 # parameters named like this take no weight decay (besides every parameter with ndim < 2)
@@ -90,10 +90,13 @@ def evaluate_loss(model: CausalLM, batches: list[torch.Tensor], device: torch.de
 
 
 def moe_imbalance(layers: list) -> float | None:
-    """Max over MoE layers of (max expert load / mean expert load) since the last bias update."""
+    """Max over MoE layers of (max expert load / mean expert load) since the last bias update
+    (0 for a layer that saw no tokens); one read-back for all layers, as it runs every step."""
     if not layers:
         return None
-    return max(float(m.load_stats()["max_over_mean"]) for m in layers)
+    load = torch.stack([m.load_counts for m in layers]).double()                 # [layers, E]
+    ratio = torch.where(load.sum(1) > 0, load.amax(1) / load.mean(1), 0.0)
+    return float(ratio.max())
 
 
 @dataclass
@@ -123,7 +126,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
     else:
         data = prepare_data(cfg.data, cfg.model.vocab_size, tc.seq_len, progress=log)
         save_tokenizer(data.tokenizer, run_dir)
-        _write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
+        write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
     log(f"data: {data.n_train_docs} train / {data.n_val_docs} val documents, {len(data.train_tokens):,} / "
         f"{len(data.val_tokens):,} tokens, {data.bytes_per_token_val:.2f} bytes per val token")
 
@@ -154,7 +157,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
         else:
             log(f"no checkpoint in {run_dir} yet; starting from step 0")
         if resuming:  # only keys that may change on resume differ; record them now
-            _write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
+            write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
 
     autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
     accum = tc.global_batch_size // tc.micro_batch_size
@@ -221,7 +224,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
         if (tc.ckpt_every and step % tc.ckpt_every == 0) or last_step or out_of_time or paused:
             path = save_checkpoint(run_dir, step, model, opt, sched, loader.state_dict(),
                                    extra={"val_loss": val_loss, "train_loss": loss_val})
-            prune_checkpoints(run_dir, tc.keep_last)
+            prune_checkpoints(run_dir, tc.keep_last, newest=path)
             log(f"checkpoint: {path}")
         if out_of_time and not last_step:
             log(f"time limit of {tc.time_limit_s:.0f} s reached at step {step}; resume with --resume auto")
@@ -268,12 +271,6 @@ def _stop(run_dir: Path, why: str) -> None:
     raise TrainingStopped(f"{why}. Last good checkpoint: {last if last else 'none'}")
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def _truncate_metrics(path: Path, step: int) -> None:
     """Drop metric lines after `step` (written after the checkpoint we resume from), so a resumed
     run's metrics.jsonl has each step once; the old file is replaced atomically."""
@@ -286,7 +283,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
                 keep.append(line)
         except (json.JSONDecodeError, KeyError, TypeError):  # a line cut by a crash mid-write
             continue
-    _write_text_atomic(path, "".join(line + "\n" for line in keep))
+    write_text_atomic(path, "".join(line + "\n" for line in keep))
 
 
 def _format(r: dict) -> str:
