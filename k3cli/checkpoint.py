@@ -184,11 +184,12 @@ def find_latest_checkpoint(run_dir: str | os.PathLike, verify: bool = True) -> P
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=None,
-                    restore_rng: bool = True) -> dict:
+                    restore_rng: bool = True, verify: bool = True) -> dict:
     """Load weights into `model` (on its own device) and, when given, the optimizer and scheduler
-    state; restore the RNG states. Returns {'step', 'loader', 'extra', 'path'}."""
+    state; restore the RNG states. Returns {'step', 'loader', 'extra', 'path'}. `verify=False` skips
+    the checksums (marker and sizes are still checked) for a path find_latest_checkpoint just verified."""
     path = Path(path)
-    if not is_complete(path, verify=True):
+    if not is_complete(path, verify=verify):
         raise CheckpointError(f"{path} is not a complete checkpoint (missing or mismatched {MARKER})")
     try:
         safetensors.torch.load_model(_unwrap(model), str(path / MODEL_FILE), strict=True)

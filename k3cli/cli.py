@@ -344,20 +344,15 @@ def generate_cmd(
 
     The text goes to stdout; prefill and decode tokens/s to stderr."""
     from k3cli.checkpoint import CheckpointError
-    from k3cli.data import DataError, load_tokenizer
-    from k3cli.evaluate import load_model, locate
+    from k3cli.data import DataError
+    from k3cli.evaluate import open_run
     from k3cli.generate import check_sampling, generate
-    from k3cli.train import flush_denormals, resolve_device
 
     try:
         check_sampling(temperature, top_k, top_p)
         if max_new_tokens < 0:
             raise ValueError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
-        run_dir, ckpt_dir = locate(run, ckpt)
-        dev = resolve_device(device)
-        flush_denormals(dev)
-        tok = load_tokenizer(run_dir)
-        _, model, step = load_model(run_dir, ckpt_dir, dev)
+        _, ckpt_dir, dev, _, model, step, tok = open_run(run, ckpt, device)
     except (ConfigError, DataError, CheckpointError, ValueError, FileNotFoundError) as e:
         fail(str(e))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -34,12 +35,34 @@ def locate(run: str | None, ckpt: str | None) -> tuple[Path, Path]:
     return run_dir, path
 
 
-def load_model(run_dir: Path, ckpt: Path, device: torch.device) -> tuple[RunConfig, CausalLM, int]:
+def load_model(run_dir: Path, ckpt: Path, device: torch.device,
+               verify: bool = True) -> tuple[RunConfig, CausalLM, int]:
     cfg = load_config(str(run_dir / "config.yaml"))
     model = CausalLM(cfg.model).to(device)
-    state = load_checkpoint(ckpt, model, restore_rng=False)
+    state = load_checkpoint(ckpt, model, restore_rng=False, verify=verify)
     model.eval()
     return cfg, model, state["step"]
+
+
+class OpenedRun(NamedTuple):
+    run_dir: Path
+    ckpt_dir: Path
+    device: torch.device
+    cfg: RunConfig
+    model: CausalLM
+    step: int
+    tokenizer: object
+
+
+def open_run(run: str | None, ckpt: str | None, device: str = "auto") -> OpenedRun:
+    """What `k3 eval` and `k3 generate` start from: the checkpoint (`--run`: its newest verified one,
+    checksummed once), the device, the model in eval mode and the run's tokenizer."""
+    run_dir, ckpt_dir = locate(run, ckpt)
+    dev = resolve_device(device)
+    flush_denormals(dev)
+    tok = load_tokenizer(run_dir)
+    cfg, model, step = load_model(run_dir, ckpt_dir, dev, verify=run is None)
+    return OpenedRun(run_dir, ckpt_dir, dev, cfg, model, step, tok)
 
 
 def unigram_entropy(tokens) -> float:
@@ -52,11 +75,7 @@ def unigram_entropy(tokens) -> float:
 
 def evaluate_run(run: str | None = None, ckpt: str | None = None, batches: int | None = None,
                  batch_size: int | None = None, device: str = "auto", log=print) -> dict:
-    run_dir, ckpt_dir = locate(run, ckpt)
-    dev = resolve_device(device)
-    flush_denormals(dev)
-    cfg, model, step = load_model(run_dir, ckpt_dir, dev)
-    tok = load_tokenizer(run_dir)
+    run_dir, ckpt_dir, dev, cfg, model, step, tok = open_run(run, ckpt, device)
     data = prepare_data(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, tokenizer=tok, progress=log)
     n, bs = batches or cfg.eval.batches, batch_size or cfg.eval.batch_size
     val = data.val_batches(n, bs)

@@ -125,8 +125,9 @@ def generate(model: CausalLM, tokenizer, prompt: str, max_new_tokens: int = 128,
             stream_callback(text[state["sent"]:])
             state["sent"] = len(text)
 
+    # streaming re-decodes the growing text per token; without a callback there is nothing to stream
     ids, stopped, prefill_s, decode_s = generate_ids(model, prompt_ids, max_new_tokens, temperature, top_k,
-                                                     top_p, seed, on_token)
+                                                     top_p, seed, on_token if stream_callback is not None else None)
     text = tokenizer.decode(ids)
     if stream_callback is not None and len(text) > state["sent"]:
         stream_callback(text[state["sent"]:])

@@ -147,7 +147,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
             raise ValueError(f"{run_dir} has checkpoint folders but none verifies; nothing was changed. "
                              "Move them aside to start over, or resume from a copy that is intact")
         if ckpt is not None:
-            state = load_checkpoint(ckpt, model, opt, sched)
+            state = load_checkpoint(ckpt, model, opt, sched, verify=False)   # just verified above
             loader.load_state_dict(state["loader"])
             step = state["step"]
             loss_val = state["extra"].get("train_loss", loss_val)
