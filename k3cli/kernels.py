@@ -26,8 +26,6 @@ def prepare_device() -> str:
     if torch.cuda.is_available():
         return "cuda"
     if os.environ.get("TRITON_INTERPRET") != "1":
-        import sys
-
         if any(m.startswith("k3cli.ops.") and m != "k3cli.ops.__init__" for m in sys.modules):
             raise RuntimeError("no CUDA device, and the Triton kernels were imported without "
                                "TRITON_INTERPRET=1; set it before starting Python")
@@ -91,7 +89,7 @@ def _progress_line(kernel: str, row: dict) -> str:
     return f"[bench {kernel}] {dims}: {times}"
 
 
-def run_bench(kernels: list[str], shapes: str, against_fla: bool, progress: bool = True,
+def run_bench(kernels: list[str], shapes: str, against_fla: bool,
               custom: list[tuple[int, ...]] | None = None) -> dict[str, list[dict]]:
     """Run each kernel's benchmark on the named shape set, or (chunk_kda / kda_gate) on `custom`
     (B, T, H, HV, K) shapes."""
@@ -103,8 +101,7 @@ def run_bench(kernels: list[str], shapes: str, against_fla: bool, progress: bool
     out = {}
     for k in kernels:
         def on_row(row, k=k):
-            if progress:
-                print(_progress_line(k, row), file=sys.stderr, flush=True)
+            print(_progress_line(k, row), file=sys.stderr, flush=True)
         if k in ("chunk_kda", "kda_gate"):
             out[k] = bench_kda(k, custom or shapes, against_fla, on_row=on_row)
         elif k == "decode":

@@ -174,6 +174,6 @@ def test_few_tokens_take_the_sync_free_dense_path():
     for T, syncs in ((1, 0), (6, 0), (7, 1)):
         x = torch.randn(1, T, 16, dtype=torch.float64)
         with torch.no_grad():
-            assert _host_syncs(lambda: m(x)) == syncs, T
+            assert _host_syncs(lambda x=x: m(x)) == syncs, T
             check(f"T{T} auto vs dense", m(x), m(x, dispatch="dense"), "y")
             check(f"T{T} auto vs padded", m(x), m(x, dispatch="padded_bmm"), "y")
