@@ -102,8 +102,10 @@ class GatedMLA(nn.Module):
         # scores and softmax in fp32 (fp64 stays fp64 for identity tests)
         wd = torch.float64 if q.dtype == torch.float64 else torch.float32
         score = torch.einsum("bthj,bsj->bhts", q_abs, c).to(wd) * self.scale         # (B, H, T, S)
-        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(past)
-        attn = score.masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
+        if T > 1:   # one query (a decode step) sees the whole cache: nothing to mask
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(past)
+            score = score.masked_fill(~mask, float("-inf"))
+        attn = score.softmax(-1).to(q.dtype)
         o_lat = torch.einsum("bhts,bsj->bhtj", attn, c)                              # (B, H, T, r)
         return torch.einsum("bhtj,hvj->bhtv", o_lat, self.W_UV)                      # (B, H, T, d_v)
 

@@ -115,11 +115,12 @@ class LatentMoE(nn.Module):
         src_EC = torch.where(c_C < counts_E[:, None], starts_E[:, None] + c_C, T * K)   # (E, C)
         z_pad = torch.cat([z_SL, z_SL.new_zeros(1, L)])                             # (S + 1, L)
         out_ECL = self._experts(z_pad[src_EC.flatten()].view(E, C, L))              # (E, C, L)
-        # sorted slot i sits at padded row ids[i]·C + (i − starts[ids[i]])
+        # sorted slot i sits at padded row ids[i]·C + (i − starts[ids[i]]); scattering those rows back
+        # through the permutation gives each slot's row in token order (one gather, no inverse argsort)
         sorted_ids_S = ids_S[order_S]
         row_S = sorted_ids_S * C + torch.arange(T * K, device=z_TL.device) - starts_E[sorted_ids_S]
-        out_SL = out_ECL.reshape(E * C, L)[row_S]                                   # (S, L) sorted
-        out_SL = out_SL[torch.argsort(order_S)]                                     # (S, L) token order
+        row_tok_S = torch.empty_like(row_S).scatter_(0, order_S, row_S)
+        out_SL = out_ECL.reshape(E * C, L)[row_tok_S]                               # (S, L) token order
         return (out_SL.view(T, K, L) * w_TK.to(out_SL.dtype)[..., None]).sum(1)   # (T, L)
 
     def _loop(self, z_TL, ids_TK, w_TK):
