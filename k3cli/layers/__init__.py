@@ -5,10 +5,10 @@ from k3cli.layers.ffn import SiTUExpert, SwiGLUMLP, situ_glu
 from k3cli.layers.kda import KDAAttention
 from k3cli.layers.mla import GatedMLA
 from k3cli.layers.moe import LatentMoE
-from k3cli.layers.norm import RMSNorm, rms_norm
+from k3cli.layers.norm import RMSNorm, l2norm, rms_norm
 
 __all__ = [
     "AttnResMixer", "DecoderBlock", "GatedMLA", "KDAAttention", "LatentMoE", "RMSNorm", "SiTUExpert",
-    "SwiGLUMLP", "attnres_merge", "attnres_phase1", "build_attn", "build_ffn", "naive_attnres",
+    "SwiGLUMLP", "attnres_merge", "attnres_phase1", "build_attn", "build_ffn", "l2norm", "naive_attnres",
     "rms_norm", "situ_glu",
 ]

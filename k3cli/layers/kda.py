@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3cli.layers.norm import RMSNorm
+from k3cli.layers.norm import RMSNorm, l2norm
 
 
 def _dt_bias_init(n: int, dt_min: float = 1e-3, dt_max: float = 0.1) -> torch.Tensor:
@@ -28,16 +28,6 @@ def _dt_bias_init(n: int, dt_min: float = 1e-3, dt_max: float = 0.1) -> torch.Te
     """
     dt = torch.exp(torch.rand(n) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
     return dt + torch.log(-torch.expm1(-dt))
-
-
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(Σ x² + eps) over the last dim in fp32 (fp64 stays fp64), cast back to x.dtype.
-
-    The same form as chunk_kda's in-kernel option; explicit dtypes so that under autocast q and k keep
-    v's dtype (F.normalize's norm would promote them to fp32).
-    """
-    xf = x if x.dtype == torch.float64 else x.float()
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _short_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -139,7 +129,7 @@ class KDAAttention(nn.Module):
                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=self.A_log,
                       dt_bias=self.dt_bias.view(HV, K), lower_bound=self.lower_bound)[0]
         else:
-            o = self._kda(_l2norm(q), _l2norm(k), v, g_raw, beta, cache)           # (B, T, HV, V)
+            o = self._kda(l2norm(q), l2norm(k), v, g_raw, beta, cache)           # (B, T, HV, V)
         o = self.o_norm(o)
         if self.output_gate:
             o = o * torch.sigmoid(self.g_b(self.g_a(x))).view(B, T, HV, V)

@@ -17,6 +17,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     return y.to(x.dtype)
 
 
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(Σ x² + eps) over the last dim in fp32 (fp64 stays fp64), cast back to x.dtype.
+
+    KDA's q / k normalisation (SPEC §2.1), shared by the layer and the kernels' torch paths; explicit
+    dtypes so that under autocast q and k keep v's dtype (F.normalize's norm would promote them).
+    """
+    xf = x if x.dtype == torch.float64 else x.float()
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim with a learnable gain [D] (initialised to 1)."""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from k3cli.layers.norm import l2norm
 from k3cli.ops.kda.checks import check_kda_inputs
 from k3cli.ops.kda.chunk_bwd import kda_bwd_intra, kda_bwd_state
 from k3cli.ops.kda.chunk_fwd import Intra, dot_precision, kda_fwd_intra, kda_fwd_state
@@ -75,12 +76,6 @@ def bwd_intra(q, k, v, g, beta, tm, h, dh, do, vn, dvn, scale, C, prec):
                          split=TUNING["bwd_split"])
 
 
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(Σ x² + eps) over the last dim, computed in fp32 (SPEC §2.1: q, k are L2-normalised)."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state):
@@ -140,7 +135,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
               chunk_size)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if use_qk_l2norm_in_kernel:
-        q, k = _l2norm(q), _l2norm(k)
+        q, k = l2norm(q), l2norm(k)
     if use_gate_in_kernel:
         from k3cli.ops.kda.gate import kda_gate
         g = kda_gate(g, A_log, dt_bias, lower_bound=lower_bound, chunk_size=chunk_size, cumsum=False)

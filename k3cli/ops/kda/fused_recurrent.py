@@ -170,12 +170,12 @@ def _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_ga
 
 def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                use_gate_in_kernel, A_log, dt_bias, lower_bound):
-    """The same computation in torch (differentiable): L2 norm and gate as in chunk.py / gate.py."""
-    from k3cli.ops.kda.chunk import _l2norm
+    """The same computation in torch (differentiable): the layers' l2norm, the torch gate, the recurrence."""
+    from k3cli.layers.norm import l2norm
     from k3cli.ops.kda.naive import naive_kda_gate, naive_recurrent_kda
 
     if use_qk_l2norm_in_kernel:
-        q, k = _l2norm(q), _l2norm(k)
+        q, k = l2norm(q), l2norm(k)
     if use_gate_in_kernel:
         g = naive_kda_gate(g, A_log, dt_bias, lower_bound)
     return naive_recurrent_kda(q, k, v, g, beta, scale, initial_state, output_final_state)
