@@ -25,6 +25,12 @@ __all__ = [
 ]
 
 
+def _did_you_mean(value, options, prefix: str = "") -> str:
+    """" (did you mean 'PREFIX<closest>'?)" for the option closest to `value`, or "" when none is."""
+    close = difflib.get_close_matches(str(value), [str(o) for o in options], n=1)
+    return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+
+
 @dataclass
 class TrainConfig:
     steps: int = 1000
@@ -127,8 +133,7 @@ def resolve_preset(name: str, kind: str = "model") -> Path:
     cand = preset_dir() / ("attnres" if kind == "attnres" else "") / f"{name}.yaml"
     if not cand.is_file():
         known = list_presets(kind)
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        hint = _did_you_mean(name, known)
         raise ConfigError(f"unknown {'AttnRes overlay' if kind == 'attnres' else 'preset'} '{name}'"
                           f"{hint}; available: {', '.join(known)}")
     return cand
@@ -201,8 +206,7 @@ def _coerce(value: Any, tp: Any, key: str, choices: tuple | None) -> Any:
     if not ok:
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
     if choices is not None and value not in choices:
-        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        hint = _did_you_mean(value, choices)
         raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, choices))}{hint}")
     return value
 
@@ -214,8 +218,7 @@ def _build(cls: type, data: dict, prefix: str, source: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for k in data:
         if k not in fields:
-            close = difflib.get_close_matches(str(k), list(fields), n=1)
-            hint = f" (did you mean '{prefix}.{close[0]}'?)" if close else ""
+            hint = _did_you_mean(k, fields, f"{prefix}.")
             raise ConfigError(f"unknown config key '{prefix}.{k}'{hint} ({source})")
     kwargs = {}
     choices = getattr(cls, "CHOICES", {})
@@ -285,8 +288,7 @@ def load_config(preset: str | None = "k3-toy", config_file: str | None = None,
     model_data = dict(merged.get("model") or {})
     arch = model_data.get("arch", "k3")
     if arch not in MODEL_CLASSES:
-        close = difflib.get_close_matches(str(arch), list(MODEL_CLASSES), n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        hint = _did_you_mean(arch, MODEL_CLASSES)
         raise ConfigError(f"model.arch: {arch!r} is not one of {', '.join(MODEL_CLASSES)}{hint}")
     model = _build(MODEL_CLASSES[arch], model_data, "model", "resolved config")
     rest = {k: v for k, v in merged.items() if k != "model"}
@@ -299,8 +301,7 @@ def _validate_keys(data: dict, source: str) -> None:
     sections = {f.name for f in dataclasses.fields(RunConfig)}
     for k, v in data.items():
         if k not in sections:
-            close = difflib.get_close_matches(str(k), sorted(sections), n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            hint = _did_you_mean(k, sorted(sections))
             raise ConfigError(f"unknown config section '{k}'{hint} ({source})")
         cls = ModelConfig if k == "model" else typing.get_type_hints(RunConfig)[k]
         _check_keys(cls, v, k, source)
@@ -313,8 +314,7 @@ def _check_keys(cls: type, data: Any, prefix: str, source: str) -> None:
     names = [f.name for f in dataclasses.fields(cls)]
     for k, v in data.items():
         if k not in names:
-            close = difflib.get_close_matches(str(k), names, n=1)
-            hint = f" (did you mean '{prefix}.{close[0]}'?)" if close else ""
+            hint = _did_you_mean(k, names, f"{prefix}.")
             raise ConfigError(f"unknown config key '{prefix}.{k}'{hint} ({source})")
         if dataclasses.is_dataclass(hints[k]):
             _check_keys(hints[k], v, f"{prefix}.{k}", source)
