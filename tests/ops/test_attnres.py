@@ -4,7 +4,6 @@ CPU tier: torch references always; Triton kernels under TRITON_INTERPRET=1 (tiny
 the interpreter is wrong for bf16). GPU tier (@pytest.mark.gpu): bf16 full-size shapes.
 Tolerances: the one table in k3cli/ops/attnres/verify.py (`tolerance(name, dtype)`).
 """
-import os
 
 import pytest
 import torch
@@ -28,7 +27,6 @@ from k3cli.ops.attnres.verify import (
     verify_attnres,
 )
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 needs_triton = pytest.mark.triton

@@ -3,15 +3,14 @@
 CPU tier: the Triton kernel under TRITON_INTERPRET=1, fp32, tiny shapes (the interpreter is wrong for
 bf16). GPU tier (@pytest.mark.gpu): bf16 at the real K3 head size, skipped without CUDA.
 """
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from k3cli.ops.kda.naive import naive_kda_gate, naive_recurrent_kda
+from k3cli.ops.kda.verify import rel_rms
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 pytestmark = pytest.mark.triton
@@ -19,11 +18,6 @@ gpu = pytest.mark.gpu
 
 # relative RMS error limits against the fp32 reference, per output and input precision
 TOL = {"o": 1e-5, "ht": 1e-5, "o_bf16": 0.02, "ht_bf16": 0.02}
-
-
-def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double(), ref.double()
-    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
 def assert_close(name: str, x: torch.Tensor, ref: torch.Tensor) -> None:

@@ -3,15 +3,14 @@
 CPU tier: torch references always; Triton kernels under TRITON_INTERPRET=1 (tiny shapes).
 GPU tier (@pytest.mark.gpu): bf16 full-size shapes, skipped without CUDA.
 """
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from k3cli.ops.kda import chunk_local_cumsum, naive_chunk_kda, naive_kda_gate, naive_recurrent_kda
+from k3cli.ops.kda.verify import rel_rms
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 needs_triton = pytest.mark.triton
@@ -20,11 +19,6 @@ gpu = pytest.mark.gpu
 # relative RMS error limits against the fp32 (or fp64) reference, per output
 TOL = {"o": 0.005, "ht": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dh0": 0.008,
        "dg": 0.02, "dbeta": 0.02, "dg_raw": 0.008, "dA_log": 0.008, "ddt_bias": 0.008}
-
-
-def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double(), ref.double()
-    return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
 def assert_close(name: str, x: torch.Tensor, ref: torch.Tensor, tol: float | None = None) -> None:

@@ -1,4 +1,4 @@
-"""Kernel-vs-reference checks for the CLI (`k3 verify ...` wraps `verify_kda`).
+"""Kernel-vs-reference checks for the CLI (`k3 verify-equivalence` wraps `verify_kda`).
 
 Every row compares one output or gradient of the Triton kernel against the fp32 torch reference
 fed the same (rounded) inputs: relative RMS error, max abs error, the tolerance, pass/fail.
@@ -40,13 +40,14 @@ def _device() -> str:
     raise RuntimeError("verify_kda needs a CUDA device or TRITON_INTERPRET=1 (set before Python starts)")
 
 
-def _rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
+def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖x − ref‖ / ‖ref‖ over all elements, in fp64 (the KDA tests' and verify rows' error)."""
     x, ref = x.double(), ref.double()
     return ((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
 def _row(name, x, ref, tol):
-    err = _rel_rms(x, ref)
+    err = rel_rms(x, ref)
     return (name, err, (x.double() - ref.double()).abs().max().item(), tol, err <= tol)
 
 
