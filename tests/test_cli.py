@@ -36,11 +36,14 @@ def test_layout_json_is_machine_readable():
 
 
 def test_layout_block_groups_with_odd_s():
-    r = runner.invoke(app, ["layout", "--preset", "k3-toy", "--attnres", "block",
-                            "--set", "model.num_hidden_layers=5", "--json"])
+    # S = 3 through --set (the --attnres block overlay would pin S = 2): groups straddle blocks
+    r = runner.invoke(app, ["layout", "--preset", "k3-toy", "--set", "model.attnres.mode=block",
+                            "--set", "model.attnres.block_size=3", "--set", "model.num_hidden_layers=5", "--json"])
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert data["pattern"] == "KDA KDA KDA MLA MLA"
+    assert [(b["attn_group"], b["ffn_group"]) for b in data["blocks"]] == [
+        ("b1", "b1"), ("b1", "b2"), ("b2", "b2"), ("b3", "b3"), ("b3", "b4")]
 
 
 def test_config_show_round_trips(tmp_path):

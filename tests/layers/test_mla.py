@@ -56,11 +56,19 @@ def test_absorbed_equals_decompressed_equals_sdpa(B, T, D, H, ql, r, dq, dv):
             check(f"d{name} absorb={absorb}", g[name], g_ref[name], "grad")
 
 
-def test_config_flag_selects_path():
+@pytest.mark.parametrize("absorb", [True, False])
+def test_config_flag_selects_path(absorb, monkeypatch):
+    """The configured flag picks the path (the other one would raise), with the same values as asking for it."""
     torch.manual_seed(0)
-    m = GatedMLA(16, 2, 8, 4, 8, 8, absorb=True).double()
+    m = GatedMLA(16, 2, 8, 4, 8, 8, absorb=absorb).double()
     x = torch.randn(1, 5, 16, dtype=torch.float64)
-    check("flag", m(x), m(x, absorb=True), "y")
+    expected = m(x, absorb=absorb)
+
+    def wrong_path(*args, **kwargs):
+        raise AssertionError(f"absorb={absorb} took the other path")
+
+    monkeypatch.setattr(m, "_decompressed" if absorb else "_absorbed", wrong_path)
+    check("flag", m(x), expected, "y")
 
 
 def test_causal():
