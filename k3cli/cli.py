@@ -173,7 +173,7 @@ def parse_shape(text: str) -> tuple[int, ...]:
 @app.command("bench-kernel")
 def bench_kernel(
     kernel: Annotated[Kernel, typer.Option(help="Kernel to time.")] = Kernel.all,
-    shapes: Annotated[str, typer.Option(help="ci (tiny, CPU interpreter) | toy | k3 (BENCHMARKS.md shapes).")] = "k3",
+    shapes: Annotated[str, typer.Option(help="ci (tiny, CPU interpreter) | toy | k3 (the shapes of the published fla H200 figures).")] = "k3",
     against_fla: Annotated[Optional[str], typer.Option(
         "--against", help="'fla': also time flash-linear-attention when it is importable.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print rows as JSON to stdout.")] = False,
@@ -184,8 +184,9 @@ def bench_kernel(
     """Time kernels against the torch reference (and fla) measured in the same run.
 
     Forward and forward+backward medians with spread (warm-up excluded), Mtok/s, achieved GB/s
-    against a device copy measured in the same run. fla† columns are BENCHMARKS.md's H200 figures,
-    for orientation only; ratios are only meaningful against peers timed in the same run."""
+    against a device copy measured in the same run. fla† columns are fla's published H200 figures
+    (kept in the bench modules), for orientation only; the fla columns without † are fla timed in
+    this run (--against fla), the only ones to take ratios against."""
     from k3cli.kernels import BENCH_KERNELS, prepare_device, run_bench
     from k3cli.report import print_bench
 

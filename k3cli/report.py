@@ -83,7 +83,8 @@ def print_bench(console: Console, results: dict[str, list[dict]]) -> None:
         for r in rows:
             table.add_row(*[_fmt(r.get(key), spec) for key, _, spec in cols])
         console.print(table)
-    console.print("fla† = flash-linear-attention figures from BENCHMARKS.md (H200), not measured in this run.")
+    console.print("fla† = flash-linear-attention's published H200 figures, not measured in this run; "
+                  "fla without † was timed in this run.")
 
 
 def print_compare(console: Console, data: dict) -> None:
