@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# The next session's first device call (~9 min, each step time-boxed): which chunk_kda variant wins at K = 128, and the GPU
-# checks that session 2 could not run after its last changes. Carry fla: see gpu_session.sh's header.
-#   run(command="bash scripts/gpu_next.sh", carry=[".whl"], timeout_s=600)
+# The next session's first device call (~9 min, each step time-boxed): which chunk_kda variant wins at
+# K = 128, and the GPU checks that session 2 could not run after its last changes.
+# fla rides along as wheels (the device has no network); here, once:
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       -d .whl fla-core==0.6.0 einops
+# then: run(command="bash scripts/gpu_next.sh", carry=[".whl"], timeout_s=600)
 set -uo pipefail
 OUT=${OUT:-/tmp/k3-gpu}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
