@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from k3cli.layers.norm import rms_norm
+
 
 def _work_dtype(x: torch.Tensor) -> torch.dtype:
     # fp64 inputs keep fp64 (tight identity tests); everything else runs in fp32
@@ -17,15 +19,6 @@ def _work_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _stack(sources: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
     return sources if isinstance(sources, torch.Tensor) else torch.stack(list(sources))
-
-
-def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x²) + eps) over the last dim, no gain."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def _out_norm(h: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float) -> torch.Tensor:
-    return _rms(h, norm_eps) * norm_weight.to(h.dtype)
 
 
 def naive_attnres(sources, query, gain, eps: float = 1e-6, norm_weight=None, norm_eps: float = 1e-6,
@@ -44,12 +37,12 @@ def naive_attnres(sources, query, gain, eps: float = 1e-6, norm_weight=None, nor
     v_all = _stack(sources)
     wd = _work_dtype(v_all)
     v = v_all.to(wd)
-    s = torch.einsum("d,nbtd->nbt", (query * gain).to(wd), _rms(v, eps))    # (n, B, T)
+    s = torch.einsum("d,nbtd->nbt", (query * gain).to(wd), rms_norm(v, None, eps))    # (n, B, T)
     alpha = s.softmax(0)
     h = torch.einsum("nbt,nbtd->btd", alpha, v)                                # (B, T, D)
     out = [h.to(v_all.dtype)]
     if norm_weight is not None:
-        out.append(_out_norm(h, norm_weight, norm_eps).to(v_all.dtype))
+        out.append(rms_norm(h, norm_weight, norm_eps).to(v_all.dtype))
     if return_weights:
         out.append(alpha)
     return out[0] if len(out) == 1 else tuple(out)
@@ -68,7 +61,7 @@ def naive_attnres_phase1(sources, queries, gains, eps: float = 1e-6):
     v_all = _stack(sources)
     wd = _work_dtype(v_all)
     v = v_all.to(wd)
-    s = torch.einsum("qd,nbtd->qnbt", (queries * gains).to(wd), _rms(v, eps))  # (S, n, B, T)
+    s = torch.einsum("qd,nbtd->qnbt", (queries * gains).to(wd), rms_norm(v, None, eps))  # (S, n, B, T)
     m = s.amax(1)                                                               # (S, B, T)
     p = (s - m[:, None]).exp()
     return m, p.sum(1), torch.einsum("qnbt,nbtd->qbtd", p, v)
@@ -92,14 +85,14 @@ def naive_attnres_merge(m, l, o, partial, query, gain, eps: float = 1e-6, norm_w
         h = o / l[..., None]
     else:
         p = partial.to(wd)
-        s = torch.einsum("d,btd->bt", (query * gain).to(wd), _rms(p, eps))       # (B, T)
+        s = torch.einsum("d,btd->bt", (query * gain).to(wd), rms_norm(p, None, eps))       # (B, T)
         m_new = torch.maximum(m, s)
         a, b = (m - m_new).exp(), (s - m_new).exp()
         h = (o * a[..., None] + b[..., None] * p) / (l * a + b)[..., None]
     out_dtype = wd if out_dtype is None else out_dtype
     if norm_weight is None:
         return h.to(out_dtype)
-    return h.to(out_dtype), _out_norm(h, norm_weight, norm_eps).to(out_dtype)
+    return h.to(out_dtype), rms_norm(h, norm_weight, norm_eps).to(out_dtype)
 
 
 def naive_attnres_block(blocks, partial, query, gain, eps: float = 1e-6):
