@@ -74,40 +74,36 @@ def naive_kda_gate(g_raw, A_log, dt_bias=None, lower_bound=-5.0):
     return lower_bound * torch.sigmoid(A_log.to(wd).exp()[:, None] * x)
 
 
-def _intra_scores(q, k, G, sub):
-    """(Mqk, Mkk): M[i, j] = sum_d a_id k_jd exp(G_id - G_jd) for j <= i inside each chunk, else 0,
-    for a = q and a = k; the G-only factors are built once for both.
+def _intra_scores(a, b, G, sub):
+    """M[i, j] = sum_d a_id b_jd exp(G_id - G_jd) for j <= i inside each chunk, else 0.
 
-    q, k, G: [..., C, K]. Blocks strictly below the diagonal use the factorisation
+    a, b, G: [..., C, K]. Blocks strictly below the diagonal use the factorisation
     exp(G_i - c) * exp(c - G_j) with c = G at the first row of the query sub-chunk (both factors
     <= 1); the diagonal sub-blocks use exact pairwise differences (safe for any g).
     """
-    C, K = q.shape[-2:]
+    C, K = a.shape[-2:]
     ns = C // sub
-    lead = q.shape[:-2]
+    lead = a.shape[:-2]
+    idx = torch.arange(C, device=a.device)
+    # anchors: G at the first row of each query sub-chunk, broadcast to that sub-chunk's rows
+    c = G[..., ::sub, :]                                                   # (..., ns, K)
+    c_rows = c.repeat_interleave(sub, dim=-2)                              # (..., C, K)
+    a_sc = a * (G - c_rows).exp()                                          # query side, <= 1
+    # key side for every anchor: exp(c_s - G_j), only used where j precedes sub-chunk s
+    before = idx[None, :] < (torch.arange(ns, device=a.device) * sub)[:, None]   # (ns, C)
+    expo = torch.where(before[..., None], c[..., :, None, :] - G[..., None, :, :], 0.0)
+    b_sc = b[..., None, :, :] * expo.exp()                                 # (..., ns, C, K)
+    a_blk = a_sc.reshape(*lead, ns, sub, K)
+    off = torch.einsum("...sik,...sjk->...sij", a_blk, b_sc)               # (..., ns, sub, C)
+    off = torch.where(before[:, None, :], off, 0.0).reshape(*lead, C, C)
     # diagonal sub-blocks: exact exp(G_i - G_j) for j <= i in the same sub-chunk
     Gb = G.reshape(*lead, ns, sub, K)
-    tri = torch.tril(torch.ones(sub, sub, dtype=torch.bool, device=q.device))
-    e_diag = torch.where(tri[..., None], Gb[..., :, None, :] - Gb[..., None, :, :], 0.0).exp()
-    k_blk = k.reshape(*lead, ns, sub, K)
-    if ns > 1:
-        idx = torch.arange(C, device=q.device)
-        # anchors: G at the first row of each query sub-chunk, broadcast to that sub-chunk's rows
-        c = G[..., ::sub, :]                                               # (..., ns, K)
-        e_q = (G - c.repeat_interleave(sub, dim=-2)).exp()                 # query side, <= 1
-        # key side for every anchor: exp(c_s - G_j), only used where j precedes sub-chunk s
-        before = idx[None, :] < (torch.arange(ns, device=q.device) * sub)[:, None]   # (ns, C)
-        expo = torch.where(before[..., None], c[..., :, None, :] - G[..., None, :, :], 0.0)
-        k_sc = k[..., None, :, :] * expo.exp()                             # (..., ns, C, K)
-    out = []
-    for a in (q, k):
-        diag = torch.einsum("...sik,...sjk,...sijk->...sij", a.reshape(*lead, ns, sub, K), k_blk, e_diag)
-        M = _scatter_diag(torch.where(tri, diag, 0.0))
-        if ns > 1:   # with one sub-chunk per chunk there is nothing below the diagonal blocks
-            off = torch.einsum("...sik,...sjk->...sij", (a * e_q).reshape(*lead, ns, sub, K), k_sc)
-            M = torch.where(before[:, None, :], off, 0.0).reshape(*lead, C, C) + M
-        out.append(M)
-    return out[0], out[1]
+    tri = torch.tril(torch.ones(sub, sub, dtype=torch.bool, device=a.device))
+    d = torch.where(tri[..., None], Gb[..., :, None, :] - Gb[..., None, :, :], 0.0)
+    diag = torch.einsum("...sik,...sjk,...sijk->...sij", a.reshape(*lead, ns, sub, K),
+                        b.reshape(*lead, ns, sub, K), d.exp())
+    diag = torch.where(tri, diag, 0.0)
+    return off + _scatter_diag(diag)
 
 
 def _scatter_diag(diag):
@@ -144,17 +140,17 @@ def naive_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fin
     gam = G[..., -1:, :]                                                   # γ, (B, HV, n, 1, K)
     sub = 16 if C % 16 == 0 else C
     idx = torch.arange(C, device=q.device)
-    Mqk, Mkk = _intra_scores(q_, k_, G, sub)
+    Mqk = _intra_scores(q_, k_, G, sub)
+    Mkk = _intra_scores(k_, k_, G, sub)
     Aqk = scale * Mqk
     Akk = torch.where(idx[:, None] > idx[None, :], Mkk, 0.0) * b_
     eye = torch.eye(C, dtype=wd, device=q.device)
-    eG = G.exp()
-    rhs = torch.cat([b_ * k_ * eG, b_ * v_], dim=-1)                       # (B, HV, n, C, K+V)
+    rhs = torch.cat([b_ * k_ * G.exp(), b_ * v_], dim=-1)                  # (B, HV, n, C, K+V)
     # a flat batch of 2-D systems is much faster on CPU than the 5-D batched call
     WU = torch.linalg.solve_triangular((eye + Akk).reshape(-1, C, C), rhs.reshape(-1, C, K + V),
                                        upper=False, unitriangular=True).view(B, HV, n, C, K + V)
     W, U = WU[..., :K], WU[..., K:]
-    qg = scale * q_ * eG
+    qg = scale * q_ * G.exp()
     kd = k_ * (gam - G).exp()
     S = q.new_zeros(B, HV, K, V, dtype=wd) if initial_state is None else initial_state.to(wd)
     outs = []
