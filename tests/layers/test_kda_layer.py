@@ -12,7 +12,9 @@ from k3cli.testing import make_check
 # max |a − b| / max(1, max |b|), fp64; naive_kda_gate runs in fp32 even for fp64 inputs (SPEC §2.3),
 # so gradients that flow back through the gate carry fp32 rounding
 TOL = {"y": 1e-10, "grad": 1e-10, "grad_through_gate": 1e-5,
-       "triton_vs_torch": 1e-2}  # fp32 on GPU, Triton dots in TF32: measured ≤ 6.2e-3 (dA_log, G = 2)
+       # fp32 on GPU: ≤ 6.2e-3 measured (dA_log, G = 2) when chunk_kda ran fp32 dots in TF32 (session 1);
+       # fp32 inputs now use tf32x3 (chunk_fwd.dot_precision), not yet re-measured, so the bound stays
+       "triton_vs_torch": 1e-2}
 GATE_PARAMS = ("A_log", "dt_bias", "f_a.weight", "f_b.weight")
 
 
