@@ -385,7 +385,7 @@ def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, T, NT, NBH,
 
 
 class Intra(NamedTuple):
-    """Stage-1 buffers, all [B*HV, NT*BT, X] (eg: [B*HV, NT, K]); W, U in `inter_dtype`, the rest fp32."""
+    """Stage-1 buffers, all [B*HV, NT*BT, X] (eg: [B*HV, NT, K]); W, U in `inter_dtype`, qg, kd in `gated_dtype`, the rest fp32."""
     w: torch.Tensor      # Tm diag(β) (K ⊙ e^Γ)
     u: torch.Tensor      # Tm diag(β) V
     qg: torch.Tensor     # scale · Q ⊙ e^Γ
