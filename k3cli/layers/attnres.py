@@ -134,24 +134,31 @@ class AttnResMixer(nn.Module):
         nn.init.zeros_(self.out_query)
         nn.init.ones_(self.out_gain)
 
-    def forward(self, emb: torch.Tensor, sublayers: Sequence[Callable[[torch.Tensor], torch.Tensor]]):
-        """emb [B, T, D]; sublayers: N callables h [B, T, D] -> raw output [B, T, D] (each applies its
-        own pre-norm). Returns the final mix [B, T, D] (before the model's final RMSNorm).
+    def forward(self, emb: torch.Tensor, sublayers: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+                norms: Sequence[nn.Module] | None = None, final_norm: nn.Module | None = None):
+        """emb [B, T, D]; sublayers: N callables [B, T, D] -> raw output [B, T, D]. Without `norms`
+        each applies its own pre-norm to the mix it gets; with `norms` (N RMSNorm modules: weight,
+        eps) the mixer applies norm l to mix l and sublayer l gets the normalised input — on the
+        Triton path the norm is fused into the mix kernel. `final_norm`: likewise for the final mix.
+        Returns the final mix [B, T, D] (normalised by `final_norm` when given).
 
         Sources are kept in emb's dtype (under autocast the sublayers return bf16 while the embedding
         stays fp32), as the plain residual stream x + v would be.
         """
         if len(sublayers) != self.num_sublayers:
             raise ValueError(f"AttnResMixer built for {self.num_sublayers} sublayers, got {len(sublayers)}")
+        if norms is not None and len(norms) != self.num_sublayers:
+            raise ValueError(f"AttnResMixer built for {self.num_sublayers} sublayers, got {len(norms)} norms")
         ops = self._triton_ops(emb)
         # one unbind per parameter (a single stack in the backward) instead of a select, and its
         # zero-filled [N, D] gradient, per sublayer
         rows = (self.query.unbind(0), self.gain.unbind(0))
+        norms = list(norms) if norms is not None else [None] * self.num_sublayers
         if self.mode == "full":
-            return self._full(emb, sublayers, ops, rows)
+            return self._full(emb, sublayers, ops, rows, norms, final_norm)
         if self.impl == "naive":
-            return self._block_naive(emb, sublayers, rows)
-        return self._block_two_phase(emb, sublayers, ops, rows)
+            return self._block_naive(emb, sublayers, rows, norms, final_norm)
+        return self._block_two_phase(emb, sublayers, ops, rows, norms, final_norm)
 
     def _triton_ops(self, emb: torch.Tensor):
         """The Triton kernels (fused_attnres, attnres_phase1, attnres_merge), or None for torch."""
@@ -166,39 +173,44 @@ class AttnResMixer(nn.Module):
         return fused_attnres, attnres_phase1, attnres_merge
 
     def _mix(self, sources: list[torch.Tensor], keys: list[torch.Tensor] | None, l: int | None,
-             ops=None, rows=None) -> torch.Tensor:
-        """Mix for sublayer l (its query / gain rows from `rows`), or the output mix (l None)."""
+             ops=None, rows=None, norm: nn.Module | None = None) -> torch.Tensor:
+        """Mix for sublayer l (its query / gain rows from `rows`), or the output mix (l None);
+        passed through `norm` (an RMSNorm; fused into the kernel on the Triton path) when given."""
         q, g = (self.out_query, self.out_gain) if l is None else (rows[0][l], rows[1][l])
         if ops is not None and len(sources) <= MAX_FUSED_SOURCES:
-            return ops[0](sources, q, g, self.eps)
-        return naive_attnres(sources, q, g, self.eps, keys=keys)
+            if norm is None:
+                return ops[0](sources, q, g, self.eps)
+            return ops[0](sources, q, g, self.eps, norm_weight=norm.weight, norm_eps=norm.eps)[1]
+        h = naive_attnres(sources, q, g, self.eps, keys=keys)
+        return h if norm is None else norm(h)
 
-    def _full(self, emb, sublayers, ops, rows):
+    def _full(self, emb, sublayers, ops, rows, norms, final_norm):
         # the torch form caches RMS(v) per source (each is a key for every later sublayer)
         sources, keys = [emb], (None if ops else source_keys([emb], self.eps))
         for l, f in enumerate(sublayers):
-            v = f(self._mix(sources, keys, l, ops, rows)).to(emb.dtype)
+            v = f(self._mix(sources, keys, l, ops, rows, norms[l])).to(emb.dtype)
             sources.append(v)
             keys = None if ops else keys + source_keys([v], self.eps)
-        return self._mix(sources, keys, None, ops)
+        return self._mix(sources, keys, None, ops, norm=final_norm)
 
-    def _block_naive(self, emb, sublayers, rows):
+    def _block_naive(self, emb, sublayers, rows, norms, final_norm):
         N, S = self.num_sublayers, self.block_size
         blocks, keys, partial = [emb], source_keys([emb], self.eps), None
         for l, f in enumerate(sublayers):
             if partial is None:
-                h = self._mix(blocks, keys, l, rows=rows)
+                h = self._mix(blocks, keys, l, rows=rows, norm=norms[l])
             else:
-                h = self._mix(blocks + [partial], keys + source_keys([partial], self.eps), l, rows=rows)
+                h = self._mix(blocks + [partial], keys + source_keys([partial], self.eps), l, rows=rows,
+                              norm=norms[l])
             v = f(h).to(emb.dtype)
             partial = v if partial is None else partial + v
             if (l + 1) % S == 0 or l + 1 == N:
                 blocks.append(partial)
                 keys += source_keys([partial], self.eps)
                 partial = None
-        return self._mix(blocks, keys, None)
+        return self._mix(blocks, keys, None, norm=final_norm)
 
-    def _block_two_phase(self, emb, sublayers, ops, rows):
+    def _block_two_phase(self, emb, sublayers, ops, rows, norms, final_norm):
         N, S = self.num_sublayers, self.block_size
         blocks, keys = [emb], (None if ops else source_keys([emb], self.eps))
         for start in range(0, N, S):
@@ -214,16 +226,22 @@ class AttnResMixer(nn.Module):
             fused_merge = ops is not None and o.dtype == torch.float32
             m, lsum, o = m.unbind(0), lsum.unbind(0), o.unbind(0)
             for r, l in enumerate(range(start, stop)):
-                if fused_merge:
+                norm = norms[l]
+                if fused_merge and norm is not None:
+                    # the sublayer's pre-norm in the merge kernel: h and y = RMSNorm(h)·w in one pass
+                    h = ops[2](m[r], lsum[r], o[r], partial, rows[0][l], rows[1][l], self.eps,
+                               norm_weight=norm.weight, norm_eps=norm.eps, out_dtype=emb.dtype)[1]
+                elif fused_merge:
                     h = ops[2](m[r], lsum[r], o[r], partial, rows[0][l], rows[1][l], self.eps,
                                out_dtype=emb.dtype)
                 else:
                     h = attnres_merge(m[r], lsum[r], o[r], partial, rows[0][l], rows[1][l], self.eps)
+                    h = h.to(emb.dtype) if norm is None else norm(h.to(emb.dtype))
                 v = sublayers[l](h.to(emb.dtype)).to(emb.dtype)
                 partial = v if partial is None else partial + v
             blocks.append(partial)
             keys = None if ops else keys + source_keys([partial], self.eps)
-        return self._mix(blocks, keys, None, ops)
+        return self._mix(blocks, keys, None, ops, norm=final_norm)
 
     def extra_repr(self) -> str:
         return f"mode={self.mode}, block_size={self.block_size}, impl={self.impl}, eps={self.eps}"

@@ -1,7 +1,9 @@
 """Decoder block (SPEC §1) and the two factories that turn a layer spec into modules.
 
 DecoderBlock(x): x = x + attn(attn_norm(x)); x = x + ffn(ffn_norm(x))   (pre-norm residual).
-With AttnRes on, the model drives the two sublayers itself through `sublayers()`.
+With AttnRes on, the model drives the two sublayers itself: `sublayer_cores()` (attn, ffn without
+their pre-norms) with `sublayer_norms()`, so the mixer can fuse each pre-norm into its mix kernel;
+`sublayers()` gives them with the pre-norms applied.
 `cache` (the attention layer's KDACache / MLACache) makes the attention sublayer continue a decode.
 """
 from __future__ import annotations
@@ -84,6 +86,13 @@ class DecoderBlock(nn.Module):
         """The two atomic sublayers AttnRes mixes over (the attention one bound to `cache`)."""
         attn = self.attn_sublayer if cache is None else functools.partial(self.attn_sublayer, cache=cache)
         return [attn, self.ffn_sublayer]
+
+    def sublayer_cores(self, cache=None) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+        """attn and ffn without their pre-norms (inputs already normalised by `sublayer_norms()`)."""
+        return [self.attn if cache is None else functools.partial(self.attn, cache=cache), self.ffn]
+
+    def sublayer_norms(self) -> list[RMSNorm]:
+        return [self.attn_norm, self.ffn_norm]
 
     def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]."""

@@ -74,8 +74,13 @@ class CausalLM(nn.Module):
                 x = block(x, cache)
         else:
             # token-local: the same mixer runs over the sublayers of however many tokens come in
-            x = self.attnres(x, [f for block, c in zip(self.blocks, caches) for f in block.sublayers(c)])
-        x = self.norm(x)
+            # the mixer applies each sublayer's pre-norm (fused into its kernel on CUDA) and the final norm
+            cores = [f for block, c in zip(self.blocks, caches) for f in block.sublayer_cores(c)]
+            norms = [n for block in self.blocks for n in block.sublayer_norms()]
+            return self._head(self.attnres(x, cores, norms=norms, final_norm=self.norm))
+        return self._head(self.norm(x))
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> ModelOutput:

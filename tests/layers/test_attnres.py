@@ -2,6 +2,8 @@
 
 The zero-init == off identity runs on whole CausalLMs in tests/models/test_causal_lm.py.
 """
+import os
+
 import pytest
 import torch
 
@@ -166,6 +168,92 @@ def test_fused_impl_equals_torch(mode, N, S):
     subs = make_sublayers(N, dtype=torch.float32, device="cuda")
     y_ref, g_ref = run(make_mixer(N, mode, S, impl="two_phase").float().cuda(), emb, subs)
     y, g = run(make_mixer(N, mode, S, impl="fused").float().cuda(), emb, subs)
+    check("y", y, y_ref, "fused")
+    for name in g_ref:
+        check(f"d{name}", g[name], g_ref[name], "fused")
+
+
+def make_cores(n: int, seed: int = 0, dtype=torch.float64, device="cpu") -> list:
+    """Sublayer stand-ins without an input normalisation of their own (so the mixer's norm gains
+    and eps show in every output and gradient)."""
+    gen = torch.Generator().manual_seed(seed)
+    ws = [(torch.randn(D, D, generator=gen, dtype=torch.float64) / D ** 0.5).to(device, dtype) for _ in range(n)]
+    return [lambda h, w=w: torch.tanh(h @ w) * 3.0 for w in ws]
+
+
+def _norms(N, seed=3, dtype=torch.float64, device="cpu"):
+    """N RMSNorms with random gains (so a wrong or missing gain shows)."""
+    from k3cli.layers.norm import RMSNorm
+    gen = torch.Generator().manual_seed(seed)
+    norms = [RMSNorm(D, eps=1e-6).to(device, dtype) for _ in range(N + 1)]
+    with torch.no_grad():
+        for n in norms:
+            n.weight.copy_(1 + 0.5 * torch.randn(D, generator=gen, dtype=torch.float64))
+    return norms[:N], norms[N]
+
+
+def _run_with_norms(mixer, emb, cores, norms, final):
+    """Gradients of the mixer's parameters, emb and every norm gain."""
+    for n in norms + [final]:
+        n.zero_grad()
+    y, grads = run_fn(lambda e: mixer(e, cores, norms=norms, final_norm=final), mixer, emb)
+    for i, n in enumerate(norms + [final]):
+        grads[f"norm{i}"] = n.weight.grad.clone()
+    return y, grads
+
+
+def run_fn(fn, mixer, emb):
+    mixer.zero_grad()
+    emb = emb.detach().clone().requires_grad_(True)
+    y = fn(emb)
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(2), dtype=y.dtype).to(y.device))
+    return y.detach(), {"emb": emb.grad, **{n: p.grad.clone() for n, p in mixer.named_parameters()}}
+
+
+@pytest.mark.parametrize("mode,N,S,impl", [("full", 5, 1, "two_phase"), ("block", 7, 3, "two_phase"),
+                                           ("block", 6, 2, "naive")])
+def test_mixer_applied_norms_equal_sublayers_own_norms(mode, N, S, impl):
+    # norms=[...] (the model's path: the mixer normalises, fused on CUDA) is the same function as
+    # sublayers that normalise their own input, and the final_norm the same as norming the output
+    cores = make_cores(N)
+    norms, final = _norms(N)
+    own = [lambda h, f=f, n=n: f(n(h)) for f, n in zip(cores, norms)]
+    emb = torch.randn(2, 5, D, dtype=torch.float64)
+    mixer = make_mixer(N, mode, S, impl=impl)
+    y_ref, g_ref = run_fn(lambda e: final(mixer(e, own)), mixer, emb)
+    for i, n in enumerate(norms + [final]):
+        g_ref[f"norm{i}"] = n.weight.grad.clone()
+    y, g = _run_with_norms(mixer, emb, cores, norms, final)
+    check("y", y, y_ref, "h")
+    for name in g_ref:
+        check(f"d{name}", g[name], g_ref[name], "grad")
+
+
+NORM_FUSED_CASES = [("full", 5, 1), ("block", 7, 3), ("block", 4, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode,N,S", NORM_FUSED_CASES)
+def test_fused_norms_equal_torch_cuda(mode, N, S):
+    _check_fused_norms(mode, N, S, "cuda", T=33)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton interpreter tier (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("mode,N,S", NORM_FUSED_CASES)
+def test_fused_norms_equal_torch_interpreter(mode, N, S):
+    _check_fused_norms(mode, N, S, "cpu", T=3)
+
+
+def _check_fused_norms(mode, N, S, device, T):
+    # the fused pre-norm (merge / full kernel with norm_weight) against the torch mixer, fp32
+    cores = make_cores(N, dtype=torch.float32, device=device)
+    emb = torch.randn(2, T, D, device=device)
+    out = []
+    for impl in ("two_phase", "fused"):
+        norms, final = _norms(N, dtype=torch.float32, device=device)
+        out.append(_run_with_norms(make_mixer(N, mode, S, impl=impl).float().to(device), emb, cores, norms, final))
+    (y_ref, g_ref), (y, g) = out
     check("y", y, y_ref, "fused")
     for name in g_ref:
         check(f"d{name}", g[name], g_ref[name], "fused")
