@@ -1,7 +1,8 @@
 """Time one training step of k3-toy (forward+backward, plus an AdamW step with --optim) for AttnRes
 off / full / block, and print total / active parameter counts of kda-toy, k3-toy and k3-0.5b.
 CPU runs fp32 (median of 3 after a warm-up); CUDA runs under bf16 autocast like `k3 train`
-(median of --repeats after 3 warm-ups).
+(median of --repeats after 3 warm-ups). The variants run interleaved, round by round, and
+the host column is the time until the step's last launch returned.
 
     .venv/bin/python scripts/time_k3_toy.py [--batch 8] [--seq 256] [--threads N] [--device cuda] [--optim]
 """
@@ -17,11 +18,16 @@ from k3cli.config import load_config
 from k3cli.models import CausalLM
 
 
-def time_step(model: CausalLM, ids: torch.Tensor, repeats: int = 3, optim: bool = False) -> float:
+def make_step(model: CausalLM, ids: torch.Tensor, optim: bool = False):
+    """One timed step -> (wall seconds incl. the device, host seconds until the last launch returned)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if optim else None
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=ids.is_cuda)
 
-    def step() -> float:
+    def sync() -> None:
+        if ids.is_cuda:
+            torch.cuda.synchronize()
+
+    def step() -> tuple[float, float]:
         model.zero_grad(set_to_none=True)
         sync()
         t0 = time.perf_counter()
@@ -30,16 +36,16 @@ def time_step(model: CausalLM, ids: torch.Tensor, repeats: int = 3, optim: bool 
         loss.backward()
         if opt is not None:
             opt.step()
+        host = time.perf_counter() - t0
         sync()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, host
 
-    def sync() -> None:
-        if ids.is_cuda:
-            torch.cuda.synchronize()
+    return step
 
-    for _ in range(3 if ids.is_cuda else 1):  # warm-up (CUDA: compile, autotune)
-        step()
-    return statistics.median(step() for _ in range(repeats))
+
+# (label, AttnRes mode, mixer impl or None for the default)
+VARIANTS = [("off", "off", None), ("full", "full", None), ("block", "block", None),
+            ("block/torch-mix", "block", "two_phase")]
 
 
 def main() -> None:
@@ -53,8 +59,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    repeats = args.repeats or (20 if args.device.startswith("cuda") else 3)
-    precision = "bf16 autocast" if args.device.startswith("cuda") else "fp32"
+    cuda = args.device.startswith("cuda")
+    repeats = args.repeats or (20 if cuda else 3)
+    precision = "bf16 autocast" if cuda else "fp32"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.device} {precision}")
 
     print("\nparameters            total        active")
@@ -64,12 +71,29 @@ def main() -> None:
         print(f"  {preset:<10} {m.num_parameters():>14,} {m.num_active_parameters():>13,}")
 
     what = "training step (fwd+bwd+AdamW)" if args.optim else "forward+backward"
-    print(f"\nk3-toy {what}, B={args.batch}, T={args.seq} (median of {repeats} after warm-up)")
-    for attnres in ("off", "full", "block"):
+    print(f"\nk3-toy {what}, B={args.batch}, T={args.seq}: median of {repeats} rounds after warm-up, "
+          "the variants interleaved round by round; host = until the last launch returned", flush=True)
+    steps = {}
+    for label, mode, impl in VARIANTS:
+        if not cuda and impl is not None:
+            continue   # on CPU the default impl is the torch mix already
         torch.manual_seed(0)
-        model = CausalLM(load_config("k3-toy", attnres=attnres).model).to(args.device).train()
+        model = CausalLM(load_config("k3-toy", attnres=mode).model).to(args.device).train()
+        if impl is not None:
+            model.attnres.impl = impl
         ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device=args.device)
-        print(f"  attnres {attnres:<6} {time_step(model, ids, repeats, args.optim) * 1e3:9.2f} ms")
+        steps[label] = make_step(model, ids, args.optim)
+        for _ in range(3 if cuda else 1):   # warm-up (CUDA: compile, autotune)
+            steps[label]()
+    times = {label: [] for label in steps}
+    for _ in range(repeats):
+        for label, step in steps.items():
+            times[label].append(step())
+    off = statistics.median(w for w, _ in times["off"])
+    for label, ts in times.items():
+        wall = statistics.median(w for w, _ in ts)
+        host = statistics.median(h for _, h in ts)
+        print(f"  attnres {label:<16} {wall * 1e3:9.2f} ms  (host {host * 1e3:7.2f} ms)  {wall / off:5.3f}x off")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,39 @@
+"""Where stage 1 of chunk_kda spends its time: the key-blocked stage-1 kernel launched part by part.
+
+    python scripts/kda_stage1_parts.py      # CUDA, bf16
+
+PART 1 = scores (+ the gated operands), 2 = the in-place (I + Akk)^-1 solve, 3 = W and U; 0 = all in
+one launch (what chunk_kda runs by default with 2-byte buffers). Medians of triton.testing.do_bench,
+one line per (shape, key block). Not a correctness check (parts 1-3 run on the same buffers in order
+once before timing, so each timed launch sees valid inputs).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from k3cli.ops.kda.bench import _inputs
+from k3cli.ops.kda.chunk_fwd import _kda_fwd_intra_kblock_kernel, dot_precision, kda_fwd_intra
+
+
+def main() -> None:
+    for shape in ((8, 2048, 16, 16, 128), (1, 16384, 16, 16, 128), (8, 2048, 8, 8, 16)):
+        B, T, H, HV, K = shape
+        q, k, v, g, b = _inputs(*shape, torch.bfloat16, torch.device("cuda"))
+        prec = dot_precision(v.dtype)
+        BT, NT = 64, triton.cdiv(T, 64)
+        for bk in sorted({min(K, 128), min(K, 32)}, reverse=True):
+            it = kda_fwd_intra(q, k, v, g, b, K ** -0.5, BT, v.dtype, v.dtype, precision=prec, key_block=bk)
+            args = (q, k, v, g, b, *it[:2], it.qg, it.kd, it.eg, it.aqk, it.tm, K ** -0.5, T, NT)
+
+            def launch(part):
+                return lambda: _kda_fwd_intra_kblock_kernel[(NT, B * HV)](
+                    *args, H=H, HV=HV, K=K, V=K, BT=BT, BC=16, BK=bk, BV=min(64, K), PREC=prec, PART=part,
+                    num_warps=8, num_stages=1)
+            t = {p: triton.testing.do_bench(launch(p)) for p in (1, 2, 3, 0)}
+            print(f"{shape} BK {bk}: scores {t[1]:.3f}  solve {t[2]:.3f}  W,U {t[3]:.3f}  "
+                  f"(sum {t[1] + t[2] + t[3]:.3f})  one launch {t[0]:.3f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
