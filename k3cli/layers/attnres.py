@@ -53,11 +53,12 @@ def naive_attnres(sources: Sequence[torch.Tensor], query: torch.Tensor, gain: to
 
     sources: [N, B, T, D] or a list of N [B, T, D]; query, gain [D]; keys: `source_keys(sources)` if
     already computed (the mixer caches them: each source is a key for every later sublayer).
+    gain None: `query` is w̃ = query ⊙ gain already (the same for the phase functions below).
     Returns h [B, T, D] in the sources' dtype (and, with return_weights, α [N, B, T] fp32).
     """
     wd = _wd(sources[0])
     keys = source_keys(sources, eps) if keys is None else keys
-    w = (query * gain).to(wd)
+    w = (query if gain is None else query * gain).to(wd)
     # a matvec per source and an accumulated weighted sum: einsum over [N, B, T, D] lowers to
     # B·T tiny bmms and was ~4× slower on CPU for k3-toy
     s = torch.stack([key @ w for key in keys])                                           # (N, B, T)
@@ -78,7 +79,7 @@ def attnres_phase1(blocks: Sequence[torch.Tensor], queries: torch.Tensor, gains:
     """
     wd = _wd(blocks[0])
     keys = source_keys(blocks, eps) if keys is None else keys
-    w = (queries * gains).to(wd)
+    w = (queries if gains is None else queries * gains).to(wd)
     s = torch.stack([key @ w.T for key in keys]).permute(3, 0, 1, 2)                    # (S, n, B, T)
     m = s.amax(1)                                                                         # (S, B, T)
     p = (s - m[:, None]).exp()
@@ -97,7 +98,7 @@ def attnres_merge(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, partial: to
     if partial is None:
         return o / l[..., None]
     p = partial.to(o.dtype)
-    s = rms_norm(p, None, eps) @ (query * gain).to(o.dtype)                               # (B, T)
+    s = rms_norm(p, None, eps) @ (query if gain is None else query * gain).to(o.dtype)                               # (B, T)
     m_new = torch.maximum(m, s)
     a, b = (m - m_new).exp(), (s - m_new).exp()
     return (o * a[..., None] + b[..., None] * p) / (l * a + b)[..., None]
@@ -151,8 +152,12 @@ class AttnResMixer(nn.Module):
             raise ValueError(f"AttnResMixer built for {self.num_sublayers} sublayers, got {len(norms)} norms")
         ops = self._triton_ops(emb)
         # one unbind per parameter (a single stack in the backward) instead of a select, and its
-        # zero-filled [N, D] gradient, per sublayer
-        rows = (self.query.unbind(0), self.gain.unbind(0))
+        # zero-filled [N, D] gradient, per sublayer; the kernels take w̃ = query ⊙ gain, formed once
+        # for all sublayers (one product and its backward instead of one per kernel call)
+        if ops is not None:
+            rows = ((self.query * self.gain).unbind(0), (None,) * self.num_sublayers)
+        else:
+            rows = (self.query.unbind(0), self.gain.unbind(0))
         norms = list(norms) if norms is not None else [None] * self.num_sublayers
         if self.mode == "full":
             return self._full(emb, sublayers, ops, rows, norms, final_norm)
@@ -215,7 +220,8 @@ class AttnResMixer(nn.Module):
         blocks, keys = [emb], (None if ops else source_keys([emb], self.eps))
         for start in range(0, N, S):
             stop = min(start + S, N)
-            qs, gs = torch.stack(rows[0][start:stop]), torch.stack(rows[1][start:stop])
+            qs = torch.stack(rows[0][start:stop])
+            gs = None if rows[1][start] is None else torch.stack(rows[1][start:stop])
             if ops is not None and len(blocks) <= MAX_FUSED_SOURCES:
                 m, lsum, o = ops[1](blocks, qs, gs, self.eps)
             else:
@@ -237,8 +243,11 @@ class AttnResMixer(nn.Module):
                 else:
                     h = attnres_merge(m[r], lsum[r], o[r], partial, rows[0][l], rows[1][l], self.eps)
                     h = h.to(emb.dtype) if norm is None else norm(h.to(emb.dtype))
-                v = sublayers[l](h.to(emb.dtype)).to(emb.dtype)
-                partial = v if partial is None else partial + v
+                v = sublayers[l](h.to(emb.dtype))
+                # the sum promotes a half-precision v to emb's dtype itself, as the residual x + v does
+                partial = v.to(emb.dtype) if partial is None else partial + v
+                if partial.dtype != emb.dtype:   # a v wider than emb (e.g. fp32 into a bf16 model)
+                    partial = partial.to(emb.dtype)
             blocks.append(partial)
             keys = None if ops else keys + source_keys([partial], self.eps)
         return self._mix(blocks, keys, None, ops, norm=final_norm)

@@ -27,6 +27,8 @@ from k3cli.ops.attnres.fused import (
     block_d,
     check_vector,
     num_programs,
+    w_tilde,
+    w_tilde_grads,
 )
 
 
@@ -211,7 +213,7 @@ class Phase1Function(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, queries, gains, eps, src, *flat):
-        wt = queries.float() * gains.float()
+        wt = w_tilde(queries, gains)
         m, l, o = phase1_fwd(src, wt, eps)
         ctx.save_for_backward(queries, gains, m, wt, *flat)
         ctx.eps, ctx.src = eps, src
@@ -225,8 +227,7 @@ class Phase1Function(torch.autograd.Function):
         do = torch.zeros(m.shape + (ctx.src.D,), dtype=torch.float32, device=m.device) if do is None \
             else do.float().contiguous()
         dx, dwt = phase1_bwd(ctx.src, wt, m, do, dl, ctx.eps)
-        dq = (dwt * gains.float()).to(queries.dtype)
-        dg = (dwt * queries.float()).to(gains.dtype)
+        dq, dg = w_tilde_grads(dwt, queries, gains)
         return (dq, dg, None, None, *ctx.src.grads(dx))
 
 
@@ -237,14 +238,14 @@ def attnres_phase1(sources, queries: torch.Tensor, gains: torch.Tensor, eps: flo
     Args:
         sources: list of n tensors [B, T, D] or one stacked [n, B, T, D] (b_0 and the completed
             block sums); 1 ≤ n ≤ 32.
-        queries, gains: [S, D].
+        queries, gains: [S, D]; gains None: queries are w̃ = queries ⊙ gains already.
     Returns:
         m [S, B, T] (non-differentiable), l [S, B, T], o [S, B, T, D] (unnormalised), all fp32.
     """
     src = Sources(sources)
     if queries.dim() != 2 or queries.shape[1] != src.D:
         raise ValueError(f"queries: expected [S, {src.D}], got {tuple(queries.shape)}")
-    check_vector("gains", gains, tuple(queries.shape), src.x.device)
+    check_vector("gains", gains, tuple(queries.shape), src.x.device)   # None: queries are w̃
     check_vector("queries", queries, tuple(queries.shape), src.x.device)
     return Phase1Function.apply(queries, gains, float(eps), src, *src.flat)
 
@@ -253,14 +254,15 @@ class MergeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, l, o, m, partial, query, gain, norm_weight, eps, norm_eps, out_dtype):
         M, D = l.numel(), o.shape[-1]
-        wt = query.float() * gain.float()
+        wt = w_tilde(query, gain)
         h = torch.empty(o.shape, dtype=out_dtype, device=o.device)
         y = torch.empty_like(h) if norm_weight is not None else None
         stat = torch.empty(3, M, dtype=torch.float32, device=o.device)
-        merge_fwd_kernel[(triton.cdiv(M, _row_launch(D)["BT"]),)](
+        launch = _row_launch(D)
+        merge_fwd_kernel[(triton.cdiv(M, launch["BT"]),)](
             o, l, m, o if partial is None else partial, wt, h, h if y is None else y,
             wt if norm_weight is None else norm_weight, stat, M, D, eps, norm_eps,
-            HAS_PARTIAL=partial is not None, HAS_NORM=norm_weight is not None, **_row_launch(D))
+            HAS_PARTIAL=partial is not None, HAS_NORM=norm_weight is not None, **launch)
         ctx.save_for_backward(partial, query, gain, norm_weight, h, stat, wt)
         ctx.eps = eps
         ctx.set_materialize_grads(False)
@@ -284,9 +286,8 @@ class MergeFunction(torch.autograd.Function):
             do, dl, do if dp is None else dp, dw_part, dnw_part, M, D, ctx.eps,
             HAS_PARTIAL=partial is not None, HAS_NORM=norm_weight is not None, HAS_DH=dh is not None,
             HAS_DY=dy is not None, **_row_launch(D))
-        dwt = dw_part.sum(0)
-        dq = (dwt * gain.float()).to(query.dtype) if partial is not None else None
-        dg = (dwt * query.float()).to(gain.dtype) if partial is not None else None
+        # without a partial the merge does not depend on w̃
+        dq, dg = w_tilde_grads(dw_part.sum(0), query, gain) if partial is not None else (None, None)
         dnw = dnw_part.sum(0).to(norm_weight.dtype) if norm_weight is not None else None
         return dl, do, None, dp, dq, dg, dnw, None, None, None
 
@@ -301,7 +302,7 @@ def attnres_merge(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, partial: to
     Args:
         m, l: [B, T] fp32; o: [B, T, D] fp32 — one query's slice of `attnres_phase1`'s output.
         partial: [B, T, D] or None (first sublayer of a block).
-        query, gain: [D].
+        query, gain: [D]; gain None: query is w̃ already.
         norm_weight: [D] or None; if given, also return y = RMSNorm(h) · norm_weight (eps norm_eps).
         out_dtype: dtype of h (and y); default o's dtype (fp32). Pass the model dtype to halve the write.
     Returns:

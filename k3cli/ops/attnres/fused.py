@@ -283,6 +283,18 @@ def address_table(srcs: list[torch.Tensor]) -> torch.Tensor:
     return table
 
 
+def w_tilde(query: torch.Tensor, gain: torch.Tensor | None) -> torch.Tensor:
+    """The scoring vector(s) w̃ = query ⊙ gain in fp32; gain None: query is w̃ already."""
+    return query.float() if gain is None else query.float() * gain.float()
+
+
+def w_tilde_grads(dwt: torch.Tensor, query: torch.Tensor, gain: torch.Tensor | None):
+    """(d query, d gain) from d w̃ (d gain None when gain is None)."""
+    if gain is None:
+        return dwt.to(query.dtype), None
+    return (dwt * gain.float()).to(query.dtype), (dwt * query.float()).to(gain.dtype)
+
+
 def check_vector(name: str, t: torch.Tensor | None, shape: tuple, device) -> None:
     if t is None:
         return
@@ -343,7 +355,7 @@ class FusedAttnResFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, gain, norm_weight, eps, norm_eps, src, *flat):
-        wt = query.float() * gain.float()
+        wt = w_tilde(query, gain)
         h, y, stat = attnres_fwd(src, wt, eps, norm_weight, norm_eps)
         ctx.save_for_backward(query, gain, norm_weight, h, stat, wt, *flat)
         ctx.eps, ctx.src = eps, src
@@ -359,8 +371,7 @@ class FusedAttnResFunction(torch.autograd.Function):
         dh = None if dh is None else dh.contiguous()
         dy = None if dy is None else dy.contiguous()
         dx, dwt, dnw = attnres_bwd(src, wt, h, dh, dy, norm_weight, stat, ctx.eps)
-        dq = (dwt * gain.float()).to(query.dtype)
-        dg = (dwt * query.float()).to(gain.dtype)
+        dq, dg = w_tilde_grads(dwt, query, gain)
         dnw = None if dnw is None else dnw.to(norm_weight.dtype)
         return (dq, dg, dnw, None, None, None, *src.grads(dx))
 
@@ -372,7 +383,8 @@ def fused_attnres(sources, query: torch.Tensor, gain: torch.Tensor, eps: float =
     Args:
         sources: list of n tensors [B, T, D] (read in place through a pointer table; each gets its
             gradient) or one stacked [n, B, T, D] buffer (one gradient [n, B, T, D]); 1 ≤ n ≤ 32.
-        query, gain: [D]; scores are (query ⊙ gain) · RMS(v_i), softmax over i in fp32.
+        query, gain: [D]; scores are (query ⊙ gain) · RMS(v_i), softmax over i in fp32. gain may be
+            None: query is then w̃ = query ⊙ gain itself (the mixer forms all rows in one product).
         eps: RMS eps of the scores.
         norm_weight: [D] or None; if given, also return y = RMSNorm(h) · norm_weight (eps norm_eps).
     Returns:
