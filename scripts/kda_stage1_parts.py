@@ -22,8 +22,10 @@ def main() -> None:
         q, k, v, g, b = _inputs(*shape, torch.bfloat16, torch.device("cuda"))
         prec = dot_precision(v.dtype)
         BT, NT = 64, triton.cdiv(T, 64)
-        for bk in sorted({min(K, 128), min(K, 32)}, reverse=True):
-            it = kda_fwd_intra(q, k, v, g, b, K ** -0.5, BT, v.dtype, v.dtype, precision=prec, key_block=bk)
+        for bk in sorted({K, min(K, 32)}, reverse=True):
+            # key_block None with 2-byte gated buffers: the key-blocked kernel at BK = K
+            it = kda_fwd_intra(q, k, v, g, b, K ** -0.5, BT, v.dtype, v.dtype, precision=prec,
+                               key_block=None if bk == K else bk)
             args = (q, k, v, g, b, *it[:2], it.qg, it.kd, it.eg, it.aqk, it.tm, K ** -0.5, T, NT)
 
             def launch(part):
