@@ -103,7 +103,8 @@ def run_bench(kernels: list[str], shapes: str, against_fla: bool,
         def on_row(row, k=k):
             print(_progress_line(k, row), file=sys.stderr, flush=True)
         if k in ("chunk_kda", "kda_gate"):
-            out[k] = bench_kda(k, custom or shapes, against_fla, on_row=on_row)
+            out[k] = bench_kda(k, custom or shapes, against_fla, on_row=on_row,
+                               on_step=lambda msg, k=k: print(f"[bench {k}] {msg}", file=sys.stderr, flush=True))
         elif k == "decode":
             out[k] = bench_decode(DECODE_SHAPES["cpu" if shapes == "ci" else "gpu"], with_fla=against_fla)
             for row in out[k]:

@@ -106,16 +106,20 @@ def _fwd_bwd_fns(fn, args, device, out_like=2):
     return fwd, fwd_bwd
 
 
-def _bench_chunk(shape, device, against_fla):
+def _bench_chunk(shape, device, against_fla, on_step=None):
     from k3cli.ops.kda import chunk_kda
     B, T, H, HV, K = shape
+    step = (lambda msg: on_step(f"{shape}: {msg}")) if on_step is not None else (lambda msg: None)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     args = _inputs(B, T, H, HV, K, dtype, device)
     fwd, fwd_bwd = _fwd_bwd_fns(chunk_kda, args, device)
     row = {"kernel": "chunk_kda", "B": B, "T": T, "H": H, "HV": HV, "K": K, "V": K, "dtype": str(dtype),
            "first_call_fwd_s": _first_call(fwd, device), "first_call_fwd_bwd_s": _first_call(fwd_bwd, device)}
+    step(f"first call (compile + autotune) fwd {row['first_call_fwd_s']:.1f} s, "
+         f"fwd+bwd {row['first_call_fwd_bwd_s']:.1f} s")
     row["fwd_ms"], row["fwd_p20_ms"], row["fwd_p80_ms"] = time_fn(fwd, device)
     row["fwd_bwd_ms"], row["fwd_bwd_p20_ms"], row["fwd_bwd_p80_ms"] = time_fn(fwd_bwd, device)
+    step(f"fwd {row['fwd_ms']:.4g} ms, fwd+bwd {row['fwd_bwd_ms']:.4g} ms")
     esz = args[0].element_size()
     io_bytes = B * T * (2 * H * K * esz + HV * K * esz + HV * K * 4 + HV * esz + HV * K * esz)
     row["fwd_mtok_s"] = B * T / (row["fwd_ms"] * 1e-3) / 1e6
@@ -131,14 +135,18 @@ def _bench_chunk(shape, device, against_fla):
         if device.type == "cuda":
             torch.cuda.empty_cache()
     row["torch_ref_fwd_ms"], row["torch_ref_fwd_bwd_ms"] = ref_fwd, ref_fb
+    step("torch reference " + ("skipped (too large)" if ref_fwd is None else f"fwd {ref_fwd:.4g} ms, fwd+bwd {ref_fb:.4g} ms"))
     row["speedup_vs_torch_fwd"] = None if ref_fwd is None else ref_fwd / row["fwd_ms"]
     row["speedup_vs_torch_fwd_bwd"] = None if ref_fb is None else ref_fb / row["fwd_bwd_ms"]
     fla = _fla_chunk_kda() if against_fla else None
     row["fla_fwd_ms"] = row["fla_fwd_bwd_ms"] = None
     if fla is not None:
         ff, ffb = _fwd_bwd_fns(lambda *a: fla(*a), args, device)
+        step("fla: compiling and timing (tens of seconds per new shape)")
         row["fla_fwd_ms"] = time_fn(ff, device)[0]
+        step(f"fla fwd {row['fla_fwd_ms']:.4g} ms")
         row["fla_fwd_bwd_ms"] = time_fn(ffb, device)[0]
+        step(f"fla fwd+bwd {row['fla_fwd_bwd_ms']:.4g} ms")
     doc = FLA_DOC.get(shape, (None, None))
     row["fla_doc_fwd_ms"], row["fla_doc_fwd_bwd_ms"] = doc
     return row
@@ -169,13 +177,14 @@ def _bench_gate(shape, device):
 
 
 def bench_kda(kernel: str = "chunk_kda", shapes: str | list[tuple[int, ...]] = "toy", against_fla: bool = False,
-              on_row=None) -> list[dict]:
+              on_row=None, on_step=None) -> list[dict]:
     """Benchmark a KDA kernel on a shape set ("ci" | "toy" | "k3") or a list of (B, T, H, HV, K=V)
     shapes; one dict per shape.
 
     CUDA runs bf16 with triton.testing.do_bench; CPU (TRITON_INTERPRET=1) runs fp32 with a
     perf_counter loop and is only meaningful as a smoke test. `on_row(row)` is called as each shape
-    finishes (progress output; a long run that is cut short still shows its finished rows).
+    finishes (progress output; a long run that is cut short still shows its finished rows);
+    `on_step(message)` (chunk_kda) after each phase of a shape: first call, timings, reference, fla.
     """
     if kernel not in ("chunk_kda", "kda_gate"):
         raise ValueError(f"bench_kda: unknown kernel {kernel!r}; valid: 'chunk_kda', 'kda_gate'")
@@ -185,7 +194,7 @@ def bench_kda(kernel: str = "chunk_kda", shapes: str | list[tuple[int, ...]] = "
     ceiling = copy_ceiling_gbps(device)
     rows = []
     for shape in SHAPES[shapes] if isinstance(shapes, str) else [tuple(x) for x in shapes]:
-        row = _bench_chunk(shape, device, against_fla) if kernel == "chunk_kda" else _bench_gate(shape, device)
+        row = _bench_chunk(shape, device, against_fla, on_step) if kernel == "chunk_kda" else _bench_gate(shape, device)
         row["copy_ceiling_gbps"] = ceiling
         row["fwd_io_frac_of_copy"] = row["fwd_io_gbps"] / ceiling
         rows.append(row)
