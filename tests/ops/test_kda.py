@@ -137,6 +137,8 @@ TRITON_CASES = [
     # K > 64: the backward splits the key dim into 64-wide blocks (K = 96: a masked second block)
     pytest.param(1, 70, 1, 2, 96, 32, 64, torch.float32, True, id="T70-K96-G2-kblocks"),
     pytest.param(1, 40, 1, 1, 128, 128, 64, torch.float32, True, id="T40-K128"),
+    # half inputs with K > 64: the default ("auto") stores W, U, Q e^Γ, K e^(γ-Γ) 2-byte
+    pytest.param(1, 70, 1, 2, 96, 32, 64, torch.float16, True, id="T70-K96-G2-fp16-2byte-buffers"),
 ]
 
 
@@ -169,7 +171,10 @@ TUNING_CASES = [
                  id="bwd-split-T1-K24"),
     pytest.param({"gated_dtype": "input", "states_dtype": "input", "inter_dtype": "input"},
                  1, 70, 1, 1, 32, 32, 64, id="input-dtype-buffers"),
-    pytest.param({"gated_dtype": "fp32", "inter_dtype": "fp32"}, 1, 70, 1, 2, 40, 24, 64, id="fp32-buffers-G2"),
+    # "auto" stores 2-byte buffers from K = 65 up: fp32 ones are the alternative there
+    pytest.param({"gated_dtype": "fp32", "inter_dtype": "fp32"}, 1, 70, 1, 2, 96, 24, 64, id="fp32-buffers-K96-G2"),
+    # and 2-byte ones below
+    pytest.param({"gated_dtype": "input", "inter_dtype": "input"}, 1, 70, 1, 1, 40, 24, 64, id="input-buffers-K40"),
 ]
 
 
@@ -203,7 +208,7 @@ def test_chunk_kda_tuning_alternatives_match_recurrent(tuning, B, T, H, G, K, V,
 
 def test_check_tuning_rejects_bad_entries():
     from k3cli.ops.kda.chunk import check_tuning
-    for bad, msg in (({"fwd_intra_bk": 32}, "unknown keys"), ({"gated_dtype": "bf16"}, "'fp32' or 'input'"),
+    for bad, msg in (({"fwd_intra_bk": 32}, "unknown keys"), ({"gated_dtype": "bf16"}, "must be one of"),
                      ({"bwd_intra_BK": 24}, "power of two"), ({"fwd_intra_warps": 3}, "power of two")):
         with pytest.raises(ValueError, match=msg):
             check_tuning(bad)

@@ -20,15 +20,20 @@ _CHUNK_SIZES = (16, 32, 64)
 # fwd_intra_split: stage 1 as three launches (scores, solve, W/U); fwd_intra_maxnreg: its register cap.
 # bwd_split: per-chunk backward as two launches (V side once, key side per key block; kda_bwd_intra).
 # bwd_intra_BK / _BV: its key / value blocks (None = the launcher's choice).
-# "*_dtype" entries: "fp32", or "input" (the dtype of q/k/v: bf16 halves that buffer's traffic).
+# "*_dtype" entries: "fp32", "input" (the dtype of q/k/v: bf16 halves that buffer's traffic), or
+#   "auto": "input" for K > 64, "fp32" below.
 #   inter: W, U (stage 1 -> state scans); gated: Q e^Γ, K e^(γ-Γ); states: per-chunk S_n and dS_n.
-#   W, U, Q e^Γ, K e^(γ-Γ) follow the input dtype by default: on the H200 (session 3, bf16, K = V = 128)
-#   that took B8 T2048 H16 from 1.865 / 7.389 to 1.664 / 6.679 ms (fwd / fwd+bwd) and B1 T16384 from
-#   3.049 / 11.234 to 2.207 / 8.525, at max relative RMS error 3.1e-3 (dq) against the fp32 reference
-#   (notes/session3_gpu.md). With bf16 buffers stage 1 runs its key-blocked kernel (BK = K).
+#   Why "auto" for W, U, Q e^Γ, K e^(γ-Γ) (H200, bf16, session 3, notes/session3_gpu.md): at K = V = 128
+#   2-byte buffers took B8 T2048 H16 from 1.865 / 7.389 to 1.664 / 6.679 ms (fwd / fwd+bwd) and
+#   B1 T16384 from 3.049 / 11.234 to 2.207 / 8.525, max relative RMS error 3.1e-3 (dq) against the fp32
+#   reference; at the toy shape (B8 T2048 H8 K16) they made the forward slower, 0.266 ms against
+#   0.209 ms with fp32 buffers (session 1), because 2-byte Q e^Γ / K e^(γ-Γ) need the key-blocked
+#   stage-1 kernel. K in between (e.g. 64) is not measured; it keeps fp32.
 TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None, "fwd_intra_split": False,
           "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None, "bwd_intra_warps": 8,
-          "inter_dtype": "input", "gated_dtype": "input", "states_dtype": "fp32"}
+          "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32"}
+_DTYPE_CHOICES = ("auto", "fp32", "input")
+_AUTO_INPUT_MIN_K = 65
 
 
 def check_tuning(tuning: dict) -> None:
@@ -37,8 +42,8 @@ def check_tuning(tuning: dict) -> None:
     if unknown:
         raise ValueError(f"chunk_kda TUNING: unknown keys {sorted(unknown)}; valid: {sorted(TUNING)}")
     for name in ("inter_dtype", "gated_dtype", "states_dtype"):
-        if tuning.get(name, "fp32") not in ("fp32", "input"):
-            raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]!r} must be 'fp32' or 'input'")
+        if tuning.get(name, "fp32") not in _DTYPE_CHOICES:
+            raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]!r} must be one of {_DTYPE_CHOICES}")
     for name in ("fwd_intra_BK", "bwd_intra_BK", "bwd_intra_BV"):
         b = tuning.get(name)
         if b is not None and (b < 16 or b & (b - 1)):
@@ -48,28 +53,34 @@ def check_tuning(tuning: dict) -> None:
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]} must be a power of two <= 32")
 
 
-def _tuned_dtype(name: str, x: torch.Tensor) -> torch.dtype:
-    return torch.float32 if TUNING[name] == "fp32" else x.dtype
+def _tuned_dtype(name: str, dtype: torch.dtype, K: int) -> torch.dtype:
+    """The storage dtype TUNING[name] picks for inputs of `dtype` and key width K."""
+    choice = TUNING[name]
+    if choice == "auto":
+        choice = "input" if K >= _AUTO_INPUT_MIN_K else "fp32"
+    return torch.float32 if choice == "fp32" else dtype
 
 
 # The stages as chunk_kda runs them (TUNING applied); bench_stages times these same calls.
 def fwd_intra(q, k, v, g, beta, scale, C, prec) -> Intra:
     check_tuning(TUNING)
-    return kda_fwd_intra(q, k, v, g, beta, scale, C, _tuned_dtype("inter_dtype", v), _tuned_dtype("gated_dtype", v),
+    K = q.shape[-1]
+    return kda_fwd_intra(q, k, v, g, beta, scale, C, _tuned_dtype("inter_dtype", v.dtype, K),
+                         _tuned_dtype("gated_dtype", v.dtype, K),
                          num_warps=TUNING["fwd_intra_warps"], precision=prec, key_block=TUNING["fwd_intra_BK"],
                          maxnreg=TUNING["fwd_intra_maxnreg"], split=TUNING["fwd_intra_split"])
 
 
 def recompute_states(it: Intra, h0, B, T, HV, C, v_dtype, prec):
     """The chunk start states S_n and pseudo-values Vn for the backward (recomputed, not stored)."""
-    sd = torch.float32 if TUNING["states_dtype"] == "fp32" else v_dtype
+    sd = _tuned_dtype("states_dtype", v_dtype, it.w.shape[-1])
     _, _, h, vn = kda_fwd_state(it, B, T, HV, C, h0, v_dtype, False, store_o=False, store_h=True, h_dtype=sd,
                                 precision=prec)
     return h, vn
 
 
 def bwd_state(it: Intra, do, dht, B, T, HV, C, need_dh0, v_dtype, prec):
-    sd = torch.float32 if TUNING["states_dtype"] == "fp32" else v_dtype
+    sd = _tuned_dtype("states_dtype", v_dtype, it.w.shape[-1])
     return kda_bwd_state(it, do, dht, B, T, HV, C, need_dh0, dh_dtype=sd, precision=prec)
 
 
