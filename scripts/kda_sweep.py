@@ -57,6 +57,16 @@ VARIANTS = {
     # the session-2 guess from ptxas_report: every launch spill-free or nearly, 2-stage scans
     "guess": {"fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_warps": 16, "bwd_split": True,
               "bwd_intra_BK": 32, "bwd_intra_BV": 32, "inter_dtype": "input", "gated_dtype": "input"},
+    # session 3: stage-1 scores per (chunk, 16-row sub-chunk) in [16, 32] tiles (ptxas: 220 regs at 8 warps,
+    # 255 at 4, no spills; 4x the programs of the one-launch stage 1), then the solve and W, U launches
+    "fi_subchunk": {"fwd_intra_subchunk": True},
+    "fi_subchunk_w8": {"fwd_intra_subchunk": True, "fwd_intra_subchunk_warps": 8},
+    "fi_subchunk_w2": {"fwd_intra_subchunk": True, "fwd_intra_subchunk_warps": 2},
+    "fi_subchunk_kb32": {"fwd_intra_subchunk": True, "fwd_intra_BK": 32},
+    # bf16 per-chunk states for the backward scans (not reached by session 3's sweep)
+    "states_in_s3": {"states_dtype": "input"},
+    # the pre-session-3 default at K = 128 (TUNING "auto" now picks 2-byte buffers there)
+    "fp32_bufs": {"inter_dtype": "fp32", "gated_dtype": "fp32"},
     # chunk 32: [32, 32] score tiles, twice the sequential scan steps (chunk_size is chunk_kda's argument)
     "c32": {"chunk_size": 32},
     "c32_kb16_w4": {"chunk_size": 32, "fwd_intra_BK": 16, "fwd_intra_warps": 4},

@@ -18,6 +18,8 @@ _CHUNK_SIZES = (16, 32, 64)
 # Launch and storage choices, in one place so scripts/kda_sweep.py can time alternatives on a GPU.
 # fwd_intra_BK: key-column block of stage 1 (None = whole K in one tile; see kda_fwd_intra).
 # fwd_intra_split: stage 1 as three launches (scores, solve, W/U); fwd_intra_maxnreg: its register cap.
+# fwd_intra_subchunk: stage 1's scores per (chunk, 16-row query sub-chunk) in [16, K] tiles, then the
+#   solve and W/U launches (fwd_intra_subchunk_warps: the scores kernel's warps). Not yet timed on a GPU.
 # bwd_split: per-chunk backward as two launches (V side once, key side per key block; kda_bwd_intra).
 # bwd_intra_BK / _BV: its key / value blocks (None = the launcher's choice).
 # "*_dtype" entries: "fp32", "input" (the dtype of q/k/v: bf16 halves that buffer's traffic), or
@@ -30,6 +32,7 @@ _CHUNK_SIZES = (16, 32, 64)
 #   0.209 ms with fp32 buffers (session 1), because 2-byte Q e^Γ / K e^(γ-Γ) need the key-blocked
 #   stage-1 kernel. K in between (e.g. 64) is not measured; it keeps fp32.
 TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None, "fwd_intra_split": False,
+          "fwd_intra_subchunk": False, "fwd_intra_subchunk_warps": 4,
           "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None, "bwd_intra_warps": 8,
           "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32"}
 _DTYPE_CHOICES = ("auto", "fp32", "input")
@@ -48,7 +51,7 @@ def check_tuning(tuning: dict) -> None:
         b = tuning.get(name)
         if b is not None and (b < 16 or b & (b - 1)):
             raise ValueError(f"chunk_kda TUNING: {name}={b} must be None or a power of two >= 16")
-    for name in ("fwd_intra_warps", "bwd_intra_warps"):
+    for name in ("fwd_intra_warps", "bwd_intra_warps", "fwd_intra_subchunk_warps"):
         if tuning.get(name, 8) not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]} must be a power of two <= 32")
 
@@ -68,7 +71,8 @@ def fwd_intra(q, k, v, g, beta, scale, C, prec) -> Intra:
     return kda_fwd_intra(q, k, v, g, beta, scale, C, _tuned_dtype("inter_dtype", v.dtype, K),
                          _tuned_dtype("gated_dtype", v.dtype, K),
                          num_warps=TUNING["fwd_intra_warps"], precision=prec, key_block=TUNING["fwd_intra_BK"],
-                         maxnreg=TUNING["fwd_intra_maxnreg"], split=TUNING["fwd_intra_split"])
+                         maxnreg=TUNING["fwd_intra_maxnreg"], split=TUNING["fwd_intra_split"],
+                         subchunk=TUNING["fwd_intra_subchunk"], subchunk_warps=TUNING["fwd_intra_subchunk_warps"])
 
 
 def recompute_states(it: Intra, h0, B, T, HV, C, v_dtype, prec):

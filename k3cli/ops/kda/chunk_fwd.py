@@ -309,6 +309,117 @@ def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, sc
 
 
 @triton.jit
+def _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, c, i_k, T, H: tl.constexpr, HV: tl.constexpr,
+                   K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """Rows of sub-chunk c of chunk i_n, key columns [i_k*BK, (i_k+1)*BK): q, k [BC, BK] fp32 (head
+    i_h) and g [BC, BK] fp32 (head i_hv); zeros past T and past K."""
+    o_i = i_n * BT + c * BC + tl.arange(0, BC)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m = (o_i < T)[:, None] & (o_k < K)[None, :]
+    tok = (i_b * T + o_i).to(tl.int64)
+    p_qk = tok[:, None] * (H * K) + i_h * K + o_k[None, :]
+    b_q = tl.load(q + p_qk, mask=m, other=0.).to(tl.float32)
+    b_k = tl.load(k + p_qk, mask=m, other=0.).to(tl.float32)
+    b_g = tl.load(g + tok[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m, other=0.).to(tl.float32)
+    return b_q, b_k, b_g
+
+
+@triton.jit
+def _kda_fwd_scores_subchunk_kernel(q, k, g, beta, qg, kd, eg, aqk, tm, scale, T, NT,
+                                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                                    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """Stage 1, scores only, one program per (chunk, query sub-chunk a, batch*value-head): rows
+    [a*BC, (a+1)*BC) of Aqk (scaled, j <= i) and of β_i Akk (j < i) as BC x BC blocks against key
+    sub-chunks c <= a (zeros for c > a), plus this sub-chunk's rows of Q e^Γ, K e^(γ-Γ) (and e^γ from
+    a = 0). Tiles are [BC, BK] with BK a key-column block (scores accumulate over blocks; every key
+    column's Γ is independent): no [BT, K] tile and no masked redundant rows, at the price of
+    re-reading earlier sub-chunks' k and g (from L2). Anchored like `_anchored_factors`:
+    e_q = e^(Γ_i - Γ_a0) <= 1, e_k = e^(Γ_a0 - Γ_j) <= 1 for j < a0 (inside the diagonal block
+    <= e^(15 |g|max)). The solve and W, U follow as PART 2 and 3 of the key-blocked kernel."""
+    i_na, i_bh = tl.program_id(0), tl.program_id(1)
+    NC: tl.constexpr = BT // BC
+    i_n, a = i_na // NC, i_na % NC
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    o_c = tl.arange(0, BC)
+    i_row = a * BC + o_c
+    base = (i_bh * NT * BT + i_n * BT).to(tl.int64)
+    # one [BC, BC] accumulator pair per key sub-chunk (NC <= 4)
+    s_q0 = tl.zeros([BC, BC], dtype=tl.float32)
+    s_k0 = tl.zeros([BC, BC], dtype=tl.float32)
+    s_q1 = tl.zeros([BC, BC], dtype=tl.float32)
+    s_k1 = tl.zeros([BC, BC], dtype=tl.float32)
+    s_q2 = tl.zeros([BC, BC], dtype=tl.float32)
+    s_k2 = tl.zeros([BC, BC], dtype=tl.float32)
+    s_q3 = tl.zeros([BC, BC], dtype=tl.float32)
+    s_k3 = tl.zeros([BC, BC], dtype=tl.float32)
+    for i_k in range((K + BK - 1) // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        # this key block's g over the chunk: Γ before sub-chunk a and γ (the chunk's total)
+        b_pre = tl.zeros([BK], dtype=tl.float32)
+        b_gam = tl.zeros([BK], dtype=tl.float32)
+        for c in tl.static_range(NC):
+            _, _, b_gc = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, c, i_k, T, H, HV, K, BT, BC, BK)
+            b_sum = tl.sum(b_gc, 0)
+            b_pre += tl.where(c < a, b_sum, 0.)
+            b_gam += b_sum
+        b_qa, b_ka, b_ga = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, a, i_k, T, H, HV, K, BT, BC, BK)
+        b_Ga = b_pre[None, :] + tl.cumsum(b_ga, 0)
+        # the gated operands of the state scans for these rows and columns
+        p_rk = (base + i_row)[:, None] * K + o_k[None, :]
+        tl.store(qg + p_rk, (b_qa * tl.exp(b_Ga) * scale).to(qg.dtype.element_ty), mask=m_k[None, :])
+        tl.store(kd + p_rk, (b_ka * tl.exp(b_gam[None, :] - b_Ga)).to(kd.dtype.element_ty), mask=m_k[None, :])
+        if a == 0:
+            tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=m_k)
+        b_anchor = tl.sum(tl.where(o_c[:, None] == 0, b_Ga, 0.), 0)
+        e_q = tl.exp(b_Ga - b_anchor[None, :])
+        b_qe = b_qa * e_q
+        b_ke = b_ka * e_q
+        # key sub-chunks c <= a, their Γ from a running prefix
+        b_run = tl.zeros([BK], dtype=tl.float32)
+        for c in tl.static_range(NC):
+            if c <= a:
+                _, b_kc, b_gc = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, c, i_k, T, H, HV, K, BT, BC, BK)
+                b_Gc = b_run[None, :] + tl.cumsum(b_gc, 0)
+                b_run += tl.sum(b_gc, 0)
+                b_kb = tl.trans(b_kc * tl.exp(b_anchor[None, :] - b_Gc))
+                if c == 0:
+                    s_q0 += tl.dot(b_qe, b_kb, input_precision=PREC)
+                    s_k0 += tl.dot(b_ke, b_kb, input_precision=PREC)
+                elif c == 1:
+                    s_q1 += tl.dot(b_qe, b_kb, input_precision=PREC)
+                    s_k1 += tl.dot(b_ke, b_kb, input_precision=PREC)
+                elif c == 2:
+                    s_q2 += tl.dot(b_qe, b_kb, input_precision=PREC)
+                    s_k2 += tl.dot(b_ke, b_kb, input_precision=PREC)
+                else:
+                    s_q3 += tl.dot(b_qe, b_kb, input_precision=PREC)
+                    s_k3 += tl.dot(b_ke, b_kb, input_precision=PREC)
+    m_i = (i_n * BT + i_row) < T
+    b_beta = tl.load(beta + (i_b * T + i_n * BT + i_row).to(tl.int64) * HV + i_hv, mask=m_i, other=0.)
+    b_beta = b_beta.to(tl.float32)
+    p_row = (base + i_row)[:, None] * BT
+    _store_score_block(aqk, tm, p_row, s_q0, s_k0, b_beta, scale, i_row, a, 0, BC)
+    if NC > 1:
+        _store_score_block(aqk, tm, p_row, s_q1, s_k1, b_beta, scale, i_row, a, 1, BC)
+    if NC > 2:
+        _store_score_block(aqk, tm, p_row, s_q2, s_k2, b_beta, scale, i_row, a, 2, BC)
+        _store_score_block(aqk, tm, p_row, s_q3, s_k3, b_beta, scale, i_row, a, 3, BC)
+
+
+@triton.jit
+def _store_score_block(aqk, tm, p_row, b_sq, b_sk, b_beta, scale, i_row, a, c: tl.constexpr, BC: tl.constexpr):
+    """Block (a, c) of scale·Aqk (j <= i) and β_i Akk (j < i); the causal masks bite only on the
+    diagonal block, and blocks c > a are zeros (their accumulators were never touched)."""
+    j_col = c * BC + tl.arange(0, BC)
+    b_sq = tl.where((i_row[:, None] >= j_col[None, :]) | (c < a), b_sq, 0.)
+    b_sk = tl.where((i_row[:, None] > j_col[None, :]) | (c < a), b_sk, 0.)
+    tl.store(aqk + p_row + j_col[None, :], b_sq * scale)
+    tl.store(tm + p_row + j_col[None, :], b_sk * b_beta[:, None])
+
+
+@triton.jit
 def _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i_v, i_n, T, NT,
                         HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -420,13 +531,16 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: torch.dtype,
                   gated_dtype: torch.dtype = torch.float32, num_warps: int = 8, precision: str = "tf32",
-                  key_block: int | None = None, maxnreg: int | None = None, split: bool = False) -> Intra:
+                  key_block: int | None = None, maxnreg: int | None = None, split: bool = False,
+                  subchunk: bool = False, subchunk_warps: int = 4) -> Intra:
     """Launch stage 1 (one program per chunk and batch*value-head). W, U are stored in `inter_dtype`,
     Q e^Γ and K e^(γ-Γ) in `gated_dtype`; everything else fp32. `precision`: see dot_precision.
     `key_block` (16, 32, 64): walk the key dim in blocks of that many columns when K is wider
     (`_kda_fwd_intra_kblock_kernel`, also used for a non-fp32 `gated_dtype`); None: whole-K tiles.
     `maxnreg`: per-thread register cap (ptxas .maxnreg; 128 at 8 warps = two blocks per SM).
-    `split`: three launches (scores, solve, W/U) of the key-blocked kernel instead of one."""
+    `split`: three launches (scores, solve, W/U) of the key-blocked kernel instead of one.
+    `subchunk`: the scores from `_kda_fwd_scores_subchunk_kernel` (one program per chunk and query
+    sub-chunk, `subchunk_warps` warps), then the key-blocked kernel's solve and W/U launches."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
@@ -446,7 +560,17 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     # the whole-K kernel passes Γ through the qg buffer, which must then be fp32
     opts = {"num_warps": num_warps, "num_stages": 1, **({} if maxnreg is None else {"maxnreg": maxnreg})}
     args = (q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T, NT)
-    if (key_block is not None and key_block < BK) or gated_dtype != torch.float32 or split:
+    if subchunk:
+        # scores per (chunk, query sub-chunk) in [BC, K] tiles, then the key-blocked kernel's solve and W, U
+        BC = min(16, BT)
+        _kda_fwd_scores_subchunk_kernel[(NT * (BT // BC), B * HV)](
+            q, k, g, beta, qg, kd, eg, aqk, tm, scale, T, NT, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=min(BK, 32),
+            PREC=precision, num_warps=subchunk_warps, num_stages=1)
+        BK = min(BK, key_block or BK)
+        for part in (2, 3):
+            _kda_fwd_intra_kblock_kernel[(NT, B * HV)](
+                *args, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=BV, PREC=precision, PART=part, **opts)
+    elif (key_block is not None and key_block < BK) or gated_dtype != torch.float32 or split:
         BK = min(BK, key_block or BK)
         for part in (1, 2, 3) if split else (0,):
             _kda_fwd_intra_kblock_kernel[(NT, B * HV)](
