@@ -26,7 +26,7 @@ def main() -> None:
             # key_block None with 2-byte gated buffers: the key-blocked kernel at BK = K
             it = kda_fwd_intra(q, k, v, g, b, K ** -0.5, BT, v.dtype, v.dtype, precision=prec,
                                key_block=None if bk == K else bk)
-            args = (q, k, v, g, b, *it[:2], it.qg, it.kd, it.eg, it.aqk, it.tm, K ** -0.5, T, NT)
+            args = (q, k, v, g, b, *it[:2], it.qg, it.kd, it.eg, it.aqk, it.tm, it.mkk, K ** -0.5, T, NT)
 
             def launch(part):
                 return lambda: _kda_fwd_intra_kblock_kernel[(NT, B * HV)](

@@ -63,6 +63,11 @@ VARIANTS = {
     "fi_subchunk_w8": {"fwd_intra_subchunk": True, "fwd_intra_subchunk_warps": 8},
     "fi_subchunk_w2": {"fwd_intra_subchunk": True, "fwd_intra_subchunk_warps": 2},
     "fi_subchunk_kb32": {"fwd_intra_subchunk": True, "fwd_intra_BK": 32},
+    # session 3: the backward reads the forward's stored Mkk for dβ instead of recomputing the scores per key
+    # block (ptxas K128 8 warps: bwd_intra 255 regs, 1296 B stack vs 1192 recomputing; fewer instructions)
+    "bwd_mkk": {"bwd_stored_mkk": True},
+    "bwd_mkk_split_k32v32": {"bwd_stored_mkk": True, "bwd_split": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
+    "fi_subchunk_bwd_mkk": {"fwd_intra_subchunk": True, "bwd_stored_mkk": True},
     # bf16 per-chunk states for the backward scans (not reached by session 3's sweep)
     "states_in_s3": {"states_dtype": "input"},
     # the pre-session-3 default at K = 128 (TUNING "auto" now picks 2-byte buffers there)

@@ -55,19 +55,19 @@ def main() -> None:
     BKf = max(16, triton.next_power_of_2(K))
     BT = args.chunk
     base = dict(H=16, HV=16, K=K, V=V, BT=BT, BC=min(16, BT), PREC=args.prec)
-    cases = [("fwd_intra whole-K", F._kda_fwd_intra_kernel, dict(base, BK=BKf, BV=min(64, BKf)))]
+    cases = [("fwd_intra whole-K", F._kda_fwd_intra_kernel, dict(base, BK=BKf, BV=min(64, BKf), STORE_MKK=False))]
     for bk in (64, 32, 16):
         if bk < BKf:
             cases.append((f"fwd_intra kblock BK{bk}", F._kda_fwd_intra_kblock_kernel,
-                          dict(base, BK=bk, BV=min(64, BKf), PART=0)))
+                          dict(base, BK=bk, BV=min(64, BKf), PART=0, STORE_MKK=False)))
     cases.append(("fwd scores sub-chunk", F._kda_fwd_scores_subchunk_kernel,
-                  dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=min(32, BKf), PREC=args.prec)))
+                  dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=min(32, BKf), PREC=args.prec, STORE_MKK=False)))
     for bk in (BKf, 32):
         cases.append((f"fwd_intra solve / W,U BK{bk}", F._kda_fwd_intra_kblock_kernel,
-                      dict(base, BK=min(bk, BKf), BV=min(64, BKf), PART=3)))
+                      dict(base, BK=min(bk, BKf), BV=min(64, BKf), PART=3, STORE_MKK=False)))
     for part, what in ((1, "scores"), (2, "solve"), (3, "W, U")):
         cases.append((f"fwd_intra split {what} BK32", F._kda_fwd_intra_kblock_kernel,
-                      dict(base, BK=min(32, BKf), BV=min(64, BKf), PART=part)))
+                      dict(base, BK=min(32, BKf), BV=min(64, BKf), PART=part, STORE_MKK=False)))
     state = dict(HV=16, K=K, V=V, BT=BT, BK=BKf, PREC=args.prec)
     for bv in (64, 32):
         cases.append((f"fwd_state BV{bv}", F._kda_fwd_state_kernel,
@@ -76,13 +76,17 @@ def main() -> None:
                       dict(state, BV=bv, USE_DHT=False, STORE_DH0=False, INTERPRET=False)))
     for bk, bv in ((64, 64), (32, 64), (32, 32)):
         bk, bv = min(bk, BKf), min(bv, BKf)
-        cases.append((f"bwd_intra BK{bk} BV{bv}", B._kda_bwd_intra_kernel, dict(base, BK=bk, BV=bv)))
-        cases.append((f"bwd kside BK{bk} BV{bv}", B._kda_bwd_kside_kernel, dict(base, BK=bk, BV=bv)))
+        for stored in (False, True):
+            tag = " stored Mkk" if stored else ""
+            cases.append((f"bwd_intra BK{bk} BV{bv}{tag}", B._kda_bwd_intra_kernel,
+                          dict(base, BK=bk, BV=bv, STORED_MKK=stored)))
+            cases.append((f"bwd kside BK{bk} BV{bv}{tag}", B._kda_bwd_kside_kernel,
+                          dict(base, BK=bk, BV=bv, STORED_MKK=stored)))
     for bv in (64, 32):
         cases.append((f"bwd vside BV{min(bv, BKf)}", B._kda_bwd_vside_kernel,
                       dict(HV=16, V=V, BT=BT, BV=min(bv, BKf), PREC=args.prec)))
     print(f"K = V = {K}, BT = {BT}, bf16 inputs, sm_90, maxnreg {args.maxnreg}, dots {args.prec}")
-    print(f"{'kernel':28s} " + " ".join(f"{f'{w} warps REG/STACK':>20s}" for w in args.warps))
+    print(f"{'kernel':34s} " + " ".join(f"{f'{w} warps REG/STACK':>20s}" for w in args.warps))
     seen = set()
     for name, fn, const in cases:
         if name in seen:
@@ -95,7 +99,7 @@ def main() -> None:
                 cols.append(f"{reg:>10d} / {stack:<7d}")
             except Exception as e:  # report, keep going
                 cols.append(f"{type(e).__name__:>20s}")
-        print(f"{name:28s} " + " ".join(f"{c:>20s}" for c in cols), flush=True)
+        print(f"{name:34s} " + " ".join(f"{c:>20s}" for c in cols), flush=True)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ _CHUNK_SIZES = (16, 32, 64)
 # fwd_intra_split: stage 1 as three launches (scores, solve, W/U); fwd_intra_maxnreg: its register cap.
 # fwd_intra_subchunk: stage 1's scores per (chunk, 16-row query sub-chunk) in [16, K] tiles, then the
 #   solve and W/U launches (fwd_intra_subchunk_warps: the scores kernel's warps). Not yet timed on a GPU.
+# bwd_stored_mkk: stage 1 also stores the raw Mkk, and the per-chunk backward reads it for dβ instead of
+#   recomputing the intra-chunk scores in every key block. Not yet timed on a GPU.
 # bwd_split: per-chunk backward as two launches (V side once, key side per key block; kda_bwd_intra).
 # bwd_intra_BK / _BV: its key / value blocks (None = the launcher's choice).
 # "*_dtype" entries: "fp32", "input" (the dtype of q/k/v: bf16 halves that buffer's traffic), or
@@ -32,7 +34,7 @@ _CHUNK_SIZES = (16, 32, 64)
 #   0.209 ms with fp32 buffers (session 1), because 2-byte Q e^Γ / K e^(γ-Γ) need the key-blocked
 #   stage-1 kernel. K in between (e.g. 64) is not measured; it keeps fp32.
 TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None, "fwd_intra_split": False,
-          "fwd_intra_subchunk": False, "fwd_intra_subchunk_warps": 4,
+          "fwd_intra_subchunk": False, "fwd_intra_subchunk_warps": 4, "bwd_stored_mkk": False,
           "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None, "bwd_intra_warps": 8,
           "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32"}
 _DTYPE_CHOICES = ("auto", "fp32", "input")
@@ -72,7 +74,8 @@ def fwd_intra(q, k, v, g, beta, scale, C, prec) -> Intra:
                          _tuned_dtype("gated_dtype", v.dtype, K),
                          num_warps=TUNING["fwd_intra_warps"], precision=prec, key_block=TUNING["fwd_intra_BK"],
                          maxnreg=TUNING["fwd_intra_maxnreg"], split=TUNING["fwd_intra_split"],
-                         subchunk=TUNING["fwd_intra_subchunk"], subchunk_warps=TUNING["fwd_intra_subchunk_warps"])
+                         subchunk=TUNING["fwd_intra_subchunk"], subchunk_warps=TUNING["fwd_intra_subchunk_warps"],
+                         store_mkk=TUNING["bwd_stored_mkk"])
 
 
 def recompute_states(it: Intra, h0, B, T, HV, C, v_dtype, prec):
@@ -88,8 +91,8 @@ def bwd_state(it: Intra, do, dht, B, T, HV, C, need_dh0, v_dtype, prec):
     return kda_bwd_state(it, do, dht, B, T, HV, C, need_dh0, dh_dtype=sd, precision=prec)
 
 
-def bwd_intra(q, k, v, g, beta, tm, h, dh, do, vn, dvn, scale, C, prec):
-    return kda_bwd_intra(q, k, v, g, beta, tm, h, dh, do, vn, dvn, scale, C, BK=TUNING["bwd_intra_BK"],
+def bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale, C, prec):
+    return kda_bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale, C, BK=TUNING["bwd_intra_BK"],
                          BV=TUNING["bwd_intra_BV"], num_warps=TUNING["bwd_intra_warps"], precision=prec,
                          split=TUNING["bwd_split"])
 
@@ -118,7 +121,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         do = do.contiguous()
         dht = None if dht is None else dht.contiguous().float()
         dh, dvn, dh0 = bwd_state(it, do, dht, B, T, HV, C, h0 is not None, v.dtype, prec)
-        dq, dk, dv, dg, dbeta = bwd_intra(q, k, v, g, beta, it.tm, h, dh, do, vn, dvn, scale, C, prec)
+        dq, dk, dv, dg, dbeta = bwd_intra(q, k, v, g, beta, it.tm, it.mkk, h, dh, do, vn, dvn, scale, C, prec)
         # GVA: value head hv used q/k head hv // G, so sum each group's gradients
         dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
         dk = dk.view(B, T, H, HV // H, K).sum(3).to(k.dtype)

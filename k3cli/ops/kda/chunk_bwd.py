@@ -86,18 +86,28 @@ def _kda_bwd_state_kernel(qg, kd, eg, w, aqk, do, dht, dh, dvn, dh0, T, NT, NBH,
 
 
 @triton.jit
-def _bwd_key_side(q, k, g, dq, dk, dg, dbeta, b_dqg, b_dkd, b_dx, b_dgam, b_daqk, b_dakk, b_dbeta, b_beta,
-                  scale, i_b, i_h, i_hv, i_n, i_k, slot, T, NBT, H: tl.constexpr, HV: tl.constexpr,
-                  K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+def _bwd_key_side(q, k, g, mkk, dq, dk, dg, dbeta, b_dqg, b_dkd, b_dx, b_dgam, b_daqk, b_dakk, b_dbeta, b_beta,
+                  scale, i_b, i_h, i_hv, i_n, i_k, slot, T, NT, NBT, H: tl.constexpr, HV: tl.constexpr,
+                  K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                  STORED_MKK: tl.constexpr):
     """The key-block part of the per-chunk backward, after the reductions over V: from d(Q e^Γ) (b_dqg,
     unscaled), d(K e^(γ-Γ)) (b_dkd), minus d(β K e^Γ) (b_dx), Σ_v S dS (b_dgam), dO Vn^T (b_daqk) and
-    dY Vn^T (b_dakk), both unmasked, to dq, dk, dg and this block's dβ share (stored in dβ slot `slot`).
+    dY Vn^T (b_dakk), both unmasked, to dq, dk, dg and this block's dβ share (stored in dβ slot `slot`);
+    the Mkk term of dβ recomputes this key block's partial Mkk, or with STORED_MKK reads the forward's
+    stored Mkk (`mkk`) in key block 0.
     q, k, Γ are loaded only here, to keep them out of the V loop's registers."""
     o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     m_t = (i_n * BT + o_t) < T
     m_k = o_k < K
     tok = (i_b * T + i_n * BT + o_t).to(tl.int64)
+    # raw-score gradients: Aqk = scale * Mqk (j <= i), Akk = β_i Mkk (j < i)
+    if STORED_MKK:
+        # the dβ term from the forward's stored Mkk (all key dims), in key block 0 only, before q, k,
+        # Γ are loaded
+        b_dakk = -tl.where(o_t[:, None] > o_t[None, :], b_dakk, 0.)
+        p_tt = ((i_b * HV + i_hv) * NT * BT + i_n * BT + o_t).to(tl.int64)[:, None] * BT + o_t[None, :]
+        b_dbeta += tl.sum(b_dakk * tl.load(mkk + p_tt, mask=(o_t[:, None] >= 0) & (i_k == 0), other=0.), 1)
     b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK)
     b_gam = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), 0)
     b_eg = tl.exp(b_G)
@@ -112,12 +122,13 @@ def _bwd_key_side(q, k, g, dq, dk, dg, dbeta, b_dqg, b_dkd, b_dx, b_dgam, b_daqk
     b_dG = b_dkg * b_kg - b_dkd * b_kd + b_dqg * b_q * b_eg
     b_dgam = b_dgam * tl.exp(b_gam) + tl.sum(b_dkd * b_kd, 0)
 
-    # raw-score gradients: Aqk = scale * Mqk (j <= i), Akk = β_i Mkk (j < i); Mkk is a sum over key
-    # dims, so this key block's share of dβ uses this block's partial Mkk
-    _, b_mkk = _intra_scores(b_q, b_k, b_G, BT, BC, PREC)
+    if not STORED_MKK:
+        # Mkk is a sum over key dims: this key block's share of dβ uses this block's partial Mkk
+        _, b_mkk = _intra_scores(b_q, b_k, b_G, BT, BC, PREC)
     b_dmq = tl.where(o_t[:, None] >= o_t[None, :], b_daqk, 0.) * scale
-    b_dakk = -tl.where(o_t[:, None] > o_t[None, :], b_dakk, 0.)
-    b_dbeta += tl.sum(b_dakk * b_mkk, 1)
+    if not STORED_MKK:
+        b_dakk = -tl.where(o_t[:, None] > o_t[None, :], b_dakk, 0.)
+        b_dbeta += tl.sum(b_dakk * b_mkk, 1)
     b_dmk = b_dakk * b_beta[:, None]
     for a in range(BT // BC):
         e_q, e_k, m_a, m_up = _anchored_factors(b_G, a, BT, BC)
@@ -145,10 +156,10 @@ def _bwd_key_side(q, k, g, dq, dk, dg, dbeta, b_dqg, b_dkd, b_dx, b_dgam, b_daqk
 
 
 @triton.jit
-def _kda_bwd_intra_kernel(q, k, v, g, beta, tm, h, dh, do, vn, dvn, dq, dk, dv, dg, dbeta, scale, T, NT, NBT,
+def _kda_bwd_intra_kernel(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, dq, dk, dv, dg, dbeta, scale, T, NT, NBT,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                          PREC: tl.constexpr):
+                          PREC: tl.constexpr, STORED_MKK: tl.constexpr):
     i_n, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -195,8 +206,8 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, tm, h, dh, do, vn, dvn, dq, dk, dv, 
         b_dbeta += tl.where(first, tl.sum(b_dy * b_v, 1), 0.)
         tl.store(dv + p_io, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv & first)
 
-    _bwd_key_side(q, k, g, dq, dk, dg, dbeta, b_dqg, b_dkd, b_dx, b_dgam, b_daqk, b_dakk, b_dbeta, b_beta,
-                  scale, i_b, i_h, i_hv, i_n, i_k, i_k, T, NBT, H, HV, K, BT, BC, BK, PREC)
+    _bwd_key_side(q, k, g, mkk, dq, dk, dg, dbeta, b_dqg, b_dkd, b_dx, b_dgam, b_daqk, b_dakk, b_dbeta, b_beta,
+                  scale, i_b, i_h, i_hv, i_n, i_k, i_k, T, NT, NBT, H, HV, K, BT, BC, BK, PREC, STORED_MKK)
 
 
 @triton.jit
@@ -240,10 +251,10 @@ def _kda_bwd_vside_kernel(v, beta, tm, do, vn, dvn, dv, dy, dqk, dkk, dbeta_v, T
 
 
 @triton.jit
-def _kda_bwd_kside_kernel(q, k, g, beta, h, dh, do, vn, dy, dqk, dkk, dq, dk, dg, dbeta, scale, T, NT, NBT,
+def _kda_bwd_kside_kernel(q, k, g, beta, mkk, h, dh, do, vn, dy, dqk, dkk, dq, dk, dg, dbeta, scale, T, NT, NBT,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                          PREC: tl.constexpr):
+                          PREC: tl.constexpr, STORED_MKK: tl.constexpr):
     """Split backward, part 2, one program per (chunk, batch*head, key block): the key-dependent
     reductions over V (dO S^T, Vn dS^T, dY S^T, Σ S dS), then `_bwd_key_side` with part 1's dO Vn^T
     and dY Vn^T."""
@@ -281,8 +292,8 @@ def _kda_bwd_kside_kernel(q, k, g, beta, h, dh, do, vn, dy, dqk, dkk, dq, dk, dg
     b_dakk = tl.load(dkk + p_tt)
     b_beta = tl.load(beta + tok * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
-    _bwd_key_side(q, k, g, dq, dk, dg, dbeta, b_dqg, b_dkd, b_dx, b_dgam, b_daqk, b_dakk, b_dbeta, b_beta,
-                  scale, i_b, i_h, i_hv, i_n, i_k, i_k, T, NBT, H, HV, K, BT, BC, BK, PREC)
+    _bwd_key_side(q, k, g, mkk, dq, dk, dg, dbeta, b_dqg, b_dkd, b_dx, b_dgam, b_daqk, b_dakk, b_dbeta, b_beta,
+                  scale, i_b, i_h, i_hv, i_n, i_k, i_k, T, NT, NBT, H, HV, K, BT, BC, BK, PREC, STORED_MKK)
 
 
 def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, need_dh0: bool,
@@ -304,7 +315,7 @@ def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, 
     return dh, dvn, dh0
 
 
-def kda_bwd_intra(q, k, v, g, beta, tm, h, dh, do, vn, dvn, scale: float, chunk_size: int,
+def kda_bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale: float, chunk_size: int,
                   BK: int | None = None, BV: int | None = None, num_warps: int = 8, precision: str = "tf32",
                   split: bool = False):
     """Launch the per-chunk gradient kernel(s). Returns dq, dk [B, T, HV, K] fp32 (per value head),
@@ -336,12 +347,14 @@ def kda_bwd_intra(q, k, v, g, beta, tm, h, dh, do, vn, dvn, scale: float, chunk_
             v, beta, tm, do, vn, dvn, dv, dy, dqk, dkk, dbeta[NK], T, NT, HV=HV, V=V, BT=BT, BV=BV,
             PREC=precision, num_warps=num_warps, num_stages=1)
         _kda_bwd_kside_kernel[(NT, B * HV, NK)](
-            q, k, g, beta, h, dh, do, vn, dy, dqk, dkk, dq, dk, dg, dbeta, scale, T, NT, B * T, H=H, HV=HV, K=K,
-            V=V, BT=BT, BC=min(16, BT), BK=BK, BV=BV, PREC=precision, num_warps=num_warps, num_stages=1)
+            q, k, g, beta, tm if mkk is None else mkk, h, dh, do, vn, dy, dqk, dkk, dq, dk, dg, dbeta, scale, T, NT, B * T, H=H, HV=HV, K=K,
+            V=V, BT=BT, BC=min(16, BT), BK=BK, BV=BV, PREC=precision, STORED_MKK=mkk is not None,
+            num_warps=num_warps, num_stages=1)
         return dq, dk, dv, dg, dbeta.sum(0)
     dbeta = torch.empty(NK, B, T, HV, device=dev, dtype=torch.float32)
     _kda_bwd_intra_kernel[(NT, B * HV, NK)](
-        q, k, v, g, beta, tm, h, dh, do, vn, dvn, dq, dk, dv, dg, dbeta, scale, T, NT, B * T, H=H, HV=HV, K=K,
-        V=V, BT=BT, BC=min(16, BT), BK=BK, BV=BV, PREC=precision, num_warps=num_warps,
-        num_stages=1)
+        q, k, v, g, beta, tm, tm if mkk is None else mkk, h, dh, do, vn, dvn, dq, dk, dv, dg, dbeta, scale, T, NT,
+        B * T, H=H, HV=HV, K=K,
+        V=V, BT=BT, BC=min(16, BT), BK=BK, BV=BV, PREC=precision, STORED_MKK=mkk is not None,
+        num_warps=num_warps, num_stages=1)
     return dq, dk, dv, dg, dbeta.sum(0)

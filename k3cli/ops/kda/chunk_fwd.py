@@ -198,10 +198,10 @@ def _store_u(v, u, b_tm, b_beta, i_b, i_hv, i_n, base, T, HV: tl.constexpr, V: t
 
 
 @triton.jit
-def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T, NT,
+def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk, scale, T, NT,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                          PREC: tl.constexpr):
+                          PREC: tl.constexpr, STORE_MKK: tl.constexpr):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -236,7 +236,10 @@ def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T,
         b_beta_a = tl.load(beta + tok_i * HV + i_hv, mask=m_i, other=0.).to(tl.float32)
         p_ia = (base + o_i)[:, None] * BT + o_t[None, :]
         tl.store(aqk + p_ia, tl.where(o_i[:, None] >= o_t[None, :], b_sq, 0.) * scale)
-        tl.store(tm + p_ia, tl.where(o_i[:, None] > o_t[None, :], b_sk, 0.) * b_beta_a[:, None])
+        b_sk = tl.where(o_i[:, None] > o_t[None, :], b_sk, 0.)
+        if STORE_MKK:
+            tl.store(mkk + p_ia, b_sk)
+        tl.store(tm + p_ia, b_sk * b_beta_a[:, None])
     tl.debug_barrier()
     b_tm = _unit_lower_inverse(tm + base * BT, BT, BC)
     b_beta = tl.load(beta + (i_b * T + i_n * BT + o_t).to(tl.int64) * HV + i_hv, mask=m_t, other=0.)
@@ -253,10 +256,10 @@ def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T,
 
 
 @triton.jit
-def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T, NT,
+def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk, scale, T, NT,
                                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                  BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                 PREC: tl.constexpr, PART: tl.constexpr):
+                                 PREC: tl.constexpr, PART: tl.constexpr, STORE_MKK: tl.constexpr):
     """Stage 1 with the key dimension walked in BK-column blocks: the same outputs as
     `_kda_fwd_intra_kernel`, but no program holds more than [BT, BK] of q, k, Γ at a time (at K = 128
     the whole-K kernel sat at 255 registers, 1 block per SM and spilled; ncu, notes/session2_gpu.md).
@@ -290,7 +293,10 @@ def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, sc
             tl.store(kd + p_rk, (b_k * tl.exp(b_gam[None, :] - b_G)).to(kd.dtype.element_ty), mask=m_k[None, :])
             tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=m_k)
         tl.store(aqk + p_tt, tl.where(o_t[:, None] >= o_t[None, :], b_mqk, 0.) * scale)
-        tl.store(tm + p_tt, tl.where(o_t[:, None] > o_t[None, :], b_mkk, 0.) * b_beta[:, None])
+        b_mkk = tl.where(o_t[:, None] > o_t[None, :], b_mkk, 0.)
+        if STORE_MKK:
+            tl.store(mkk + p_tt, b_mkk)
+        tl.store(tm + p_tt, b_mkk * b_beta[:, None])
     if PART == 0:
         tl.debug_barrier()
         b_tm = _unit_lower_inverse(tm + base * BT, BT, BC)
@@ -325,9 +331,10 @@ def _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, c, i_k, T, H: tl.constexpr, HV:
 
 
 @triton.jit
-def _kda_fwd_scores_subchunk_kernel(q, k, g, beta, qg, kd, eg, aqk, tm, scale, T, NT,
+def _kda_fwd_scores_subchunk_kernel(q, k, g, beta, qg, kd, eg, aqk, tm, mkk, scale, T, NT,
                                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                                    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+                                    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                                    STORE_MKK: tl.constexpr):
     """Stage 1, scores only, one program per (chunk, query sub-chunk a, batch*value-head): rows
     [a*BC, (a+1)*BC) of Aqk (scaled, j <= i) and of β_i Akk (j < i) as BC x BC blocks against key
     sub-chunks c <= a (zeros for c > a), plus this sub-chunk's rows of Q e^Γ, K e^(γ-Γ) (and e^γ from
@@ -400,22 +407,26 @@ def _kda_fwd_scores_subchunk_kernel(q, k, g, beta, qg, kd, eg, aqk, tm, scale, T
     b_beta = tl.load(beta + (i_b * T + i_n * BT + i_row).to(tl.int64) * HV + i_hv, mask=m_i, other=0.)
     b_beta = b_beta.to(tl.float32)
     p_row = (base + i_row)[:, None] * BT
-    _store_score_block(aqk, tm, p_row, s_q0, s_k0, b_beta, scale, i_row, a, 0, BC)
+    _store_score_block(aqk, tm, mkk, p_row, s_q0, s_k0, b_beta, scale, i_row, a, 0, BC, STORE_MKK)
     if NC > 1:
-        _store_score_block(aqk, tm, p_row, s_q1, s_k1, b_beta, scale, i_row, a, 1, BC)
+        _store_score_block(aqk, tm, mkk, p_row, s_q1, s_k1, b_beta, scale, i_row, a, 1, BC, STORE_MKK)
     if NC > 2:
-        _store_score_block(aqk, tm, p_row, s_q2, s_k2, b_beta, scale, i_row, a, 2, BC)
-        _store_score_block(aqk, tm, p_row, s_q3, s_k3, b_beta, scale, i_row, a, 3, BC)
+        _store_score_block(aqk, tm, mkk, p_row, s_q2, s_k2, b_beta, scale, i_row, a, 2, BC, STORE_MKK)
+        _store_score_block(aqk, tm, mkk, p_row, s_q3, s_k3, b_beta, scale, i_row, a, 3, BC, STORE_MKK)
 
 
 @triton.jit
-def _store_score_block(aqk, tm, p_row, b_sq, b_sk, b_beta, scale, i_row, a, c: tl.constexpr, BC: tl.constexpr):
+def _store_score_block(aqk, tm, mkk, p_row, b_sq, b_sk, b_beta, scale, i_row, a, c: tl.constexpr,
+                       BC: tl.constexpr, STORE_MKK: tl.constexpr):
     """Block (a, c) of scale·Aqk (j <= i) and β_i Akk (j < i); the causal masks bite only on the
-    diagonal block, and blocks c > a are zeros (their accumulators were never touched)."""
+    diagonal block, and blocks c > a are zeros (their accumulators were never touched). With
+    STORE_MKK also the raw Mkk block (no β) for the backward's dβ."""
     j_col = c * BC + tl.arange(0, BC)
     b_sq = tl.where((i_row[:, None] >= j_col[None, :]) | (c < a), b_sq, 0.)
     b_sk = tl.where((i_row[:, None] > j_col[None, :]) | (c < a), b_sk, 0.)
     tl.store(aqk + p_row + j_col[None, :], b_sq * scale)
+    if STORE_MKK:
+        tl.store(mkk + p_row + j_col[None, :], b_sk)
     tl.store(tm + p_row + j_col[None, :], b_sk * b_beta[:, None])
 
 
@@ -504,6 +515,8 @@ class Intra(NamedTuple):
     eg: torch.Tensor     # e^γ per chunk
     aqk: torch.Tensor    # scale-weighted causal scores, lower incl. diagonal
     tm: torch.Tensor     # (I + Akk)^-1
+    mkk: torch.Tensor | None   # raw Mkk (strictly lower, no β) when stored: the backward's dβ term without
+                               # recomputing scores (chunk.TUNING bwd_stored_mkk)
 
 
 def torch_allows_tf32() -> bool:
@@ -532,7 +545,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: torch.dtype,
                   gated_dtype: torch.dtype = torch.float32, num_warps: int = 8, precision: str = "tf32",
                   key_block: int | None = None, maxnreg: int | None = None, split: bool = False,
-                  subchunk: bool = False, subchunk_warps: int = 4) -> Intra:
+                  subchunk: bool = False, subchunk_warps: int = 4, store_mkk: bool = False) -> Intra:
     """Launch stage 1 (one program per chunk and batch*value-head). W, U are stored in `inter_dtype`,
     Q e^Γ and K e^(γ-Γ) in `gated_dtype`; everything else fp32. `precision`: see dot_precision.
     `key_block` (16, 32, 64): walk the key dim in blocks of that many columns when K is wider
@@ -540,7 +553,8 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     `maxnreg`: per-thread register cap (ptxas .maxnreg; 128 at 8 warps = two blocks per SM).
     `split`: three launches (scores, solve, W/U) of the key-blocked kernel instead of one.
     `subchunk`: the scores from `_kda_fwd_scores_subchunk_kernel` (one program per chunk and query
-    sub-chunk, `subchunk_warps` warps), then the key-blocked kernel's solve and W/U launches."""
+    sub-chunk, `subchunk_warps` warps), then the key-blocked kernel's solve and W/U launches.
+    `store_mkk`: also keep the raw Mkk (Intra.mkk, else None) for the backward's dβ term."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
@@ -555,17 +569,21 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     eg = torch.empty(B * HV, NT, K, device=dev, dtype=torch.float32)
     aqk = torch.empty(B * HV, NT * BT, BT, device=dev, dtype=torch.float32)
     tm = torch.empty_like(aqk)
+    # raw Mkk for a backward that reads it instead of recomputing scores (chunk.TUNING bwd_stored_mkk)
+    mkk = torch.empty_like(aqk) if store_mkk else None
     if key_block is not None and key_block not in (16, 32, 64):
         raise ValueError(f"kda_fwd_intra: key_block={key_block} must be 16, 32 or 64")
     # the whole-K kernel passes Γ through the qg buffer, which must then be fp32
     opts = {"num_warps": num_warps, "num_stages": 1, **({} if maxnreg is None else {"maxnreg": maxnreg})}
-    args = (q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, scale, T, NT)
+    mkk_arg = tm if mkk is None else mkk   # any fp32 buffer when STORE_MKK is off (never written)
+    args = (q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk_arg, scale, T, NT)
+    opts["STORE_MKK"] = store_mkk
     if subchunk:
         # scores per (chunk, query sub-chunk) in [BC, K] tiles, then the key-blocked kernel's solve and W, U
         BC = min(16, BT)
         _kda_fwd_scores_subchunk_kernel[(NT * (BT // BC), B * HV)](
-            q, k, g, beta, qg, kd, eg, aqk, tm, scale, T, NT, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=min(BK, 32),
-            PREC=precision, num_warps=subchunk_warps, num_stages=1)
+            q, k, g, beta, qg, kd, eg, aqk, tm, mkk_arg, scale, T, NT, H=H, HV=HV, K=K, BT=BT, BC=BC,
+            BK=min(BK, 32), PREC=precision, STORE_MKK=store_mkk, num_warps=subchunk_warps, num_stages=1)
         BK = min(BK, key_block or BK)
         for part in (2, 3):
             _kda_fwd_intra_kblock_kernel[(NT, B * HV)](
@@ -578,7 +596,7 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     else:
         _kda_fwd_intra_kernel[(NT, B * HV)](
             *args, H=H, HV=HV, K=K, V=V, BT=BT, BC=min(16, BT), BK=BK, BV=BV, PREC=precision, **opts)
-    return Intra(w, u, qg, kd, eg, aqk, tm)
+    return Intra(w, u, qg, kd, eg, aqk, tm, mkk)
 
 
 def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_state, out_dtype,
