@@ -26,12 +26,14 @@ def main() -> None:
             # key_block None with 2-byte gated buffers: the key-blocked kernel at BK = K
             it = kda_fwd_intra(q, k, v, g, b, K ** -0.5, BT, v.dtype, v.dtype, precision=prec,
                                key_block=None if bk == K else bk)
-            args = (q, k, v, g, b, *it[:2], it.qg, it.kd, it.eg, it.aqk, it.tm, it.mkk, K ** -0.5, T, NT)
+            # the second it.tm: the unused Mkk pointer (STORE_MKK off)
+            args = (q, k, v, g, b, *it[:2], it.qg, it.kd, it.eg, it.aqk, it.tm, it.tm, K ** -0.5, T, NT)
 
-            def launch(part):
-                return lambda: _kda_fwd_intra_kblock_kernel[(NT, B * HV)](
-                    *args, H=H, HV=HV, K=K, V=K, BT=BT, BC=16, BK=bk, BV=min(64, K), PREC=prec, PART=part,
-                    num_warps=8, num_stages=1)
+            meta = dict(H=H, HV=HV, K=K, V=K, BT=BT, BC=16, BK=bk, BV=min(64, K), PREC=prec, STORE_MKK=False,
+                        num_warps=8, num_stages=1)
+
+            def launch(part, grid=(NT, B * HV), args=args, meta=meta):
+                return lambda: _kda_fwd_intra_kblock_kernel[grid](*args, PART=part, **meta)
             t = {p: triton.testing.do_bench(launch(p)) for p in (1, 2, 3, 0)}
             print(f"{shape} BK {bk}: scores {t[1]:.3f}  solve {t[2]:.3f}  W,U {t[3]:.3f}  "
                   f"(sum {t[1] + t[2] + t[3]:.3f})  one launch {t[0]:.3f} ms", flush=True)
