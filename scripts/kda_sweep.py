@@ -60,7 +60,7 @@ VARIANTS = {
     # session 3: stage-1 scores per (chunk, 16-row sub-chunk) in [16, 32] tiles (ptxas: 220 regs at 8 warps,
     # 255 at 4, no spills; 4x the programs of the one-launch stage 1), then the solve and W, U launches
     "fi_subchunk": {"fwd_intra_subchunk": True},
-    "fi_subchunk_w8": {"fwd_intra_subchunk": True, "fwd_intra_subchunk_warps": 8},
+    "fi_subchunk_w4": {"fwd_intra_subchunk": True, "fwd_intra_subchunk_warps": 4},
     "fi_subchunk_w2": {"fwd_intra_subchunk": True, "fwd_intra_subchunk_warps": 2},
     "fi_subchunk_kb32": {"fwd_intra_subchunk": True, "fwd_intra_BK": 32},
     # session 3: the backward reads the forward's stored Mkk for dβ instead of recomputing the scores per key

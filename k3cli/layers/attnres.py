@@ -244,10 +244,10 @@ class AttnResMixer(nn.Module):
                     h = attnres_merge(m[r], lsum[r], o[r], partial, rows[0][l], rows[1][l], self.eps)
                     h = h.to(emb.dtype) if norm is None else norm(h.to(emb.dtype))
                 v = sublayers[l](h.to(emb.dtype))
-                # the sum promotes a half-precision v to emb's dtype itself, as the residual x + v does
-                partial = v.to(emb.dtype) if partial is None else partial + v
-                if partial.dtype != emb.dtype:   # a v wider than emb (e.g. fp32 into a bf16 model)
-                    partial = partial.to(emb.dtype)
+                if partial is None or torch.promote_types(v.dtype, emb.dtype) != emb.dtype:
+                    v = v.to(emb.dtype)   # a v wider than emb is rounded first, as before
+                # else the sum promotes a narrower v itself (exactly), as the residual x + v does
+                partial = v if partial is None else partial + v
             blocks.append(partial)
             keys = None if ops else keys + source_keys([partial], self.eps)
         return self._mix(blocks, keys, None, ops, norm=final_norm)

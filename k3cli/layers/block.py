@@ -83,7 +83,8 @@ class DecoderBlock(nn.Module):
         return self.ffn(self.ffn_norm(h))
 
     def sublayers(self, cache=None) -> list[Callable[[torch.Tensor], torch.Tensor]]:
-        """The two atomic sublayers AttnRes mixes over (the attention one bound to `cache`)."""
+        """The two sublayers with their pre-norms applied (the attention one bound to `cache`): what a
+        mixer without `norms=` takes. The model passes `sublayer_cores()` and `sublayer_norms()` instead."""
         attn = self.attn_sublayer if cache is None else functools.partial(self.attn_sublayer, cache=cache)
         return [attn, self.ffn_sublayer]
 

@@ -140,6 +140,22 @@ def test_list_and_stacked_agree():
 
 
 @needs_triton
+def test_strided_queries_and_w_tilde_rows():
+    # the kernels index w̃ rows as i·D + d: a strided query (gain None: query is w̃) or a transposed
+    # [S, D] query block must still give the naive result (review finding: it did not before)
+    srcs = [s.float() for s in make_inputs(3, 1, 4, 48, seed=9, device=DEVICE)[0]]
+    big = torch.randn(96, device=DEVICE)
+    ref = naive_attnres(srcs, big[::2].clone(), torch.ones(48, device=DEVICE))
+    torch.testing.assert_close(fused_attnres(srcs, big[::2], None), ref, rtol=1e-5, atol=1e-5)
+    qt = torch.randn(48, 2, device=DEVICE).T          # [2, 48], not contiguous
+    gains = torch.rand(2, 48, device=DEVICE) + 0.5
+    m, l, o = attnres_phase1(srcs, qt, gains)
+    m_ref, l_ref, o_ref = naive_attnres_phase1(srcs, qt.contiguous(), gains)
+    for got, want in ((m, m_ref), (l, l_ref), (o, o_ref)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
 def test_address_tables_are_reused_and_follow_the_pointers():
     """The pointer-table cache: the same sources give the same table; a table is keyed by the
     addresses alone, so sources freed and re-allocated at those addresses still read correctly."""

@@ -25,13 +25,11 @@ MAX_SOURCES = 32
 MAX_D = 16384
 
 
-def _configs(options: list[tuple[int, int]], depths: tuple[int, ...] | None = None) -> list[triton.Config]:
-    """(BT, num_warps) options on GPU, times the prefetch `depths` (kernels with a DEPTH parameter);
-    exactly one config under the interpreter (the deepest prefetch, the less obvious code path)."""
+def _configs(options: list[tuple[int, int]]) -> list[triton.Config]:
+    """(BT, num_warps) options on GPU; exactly one config under the interpreter."""
     if INTERPRET:
-        return [triton.Config({"BT": 16, **({"DEPTH": max(depths)} if depths else {})}, num_warps=4)]
-    return [triton.Config({"BT": bt, **({"DEPTH": d} if depths else {})}, num_warps=w)
-            for bt, w in options for d in (depths or (None,))]
+        return [triton.Config({"BT": 16}, num_warps=4)]
+    return [triton.Config({"BT": bt}, num_warps=w) for bt, w in options]
 
 
 def _prune_by_registers(configs, named_args, **kwargs):
@@ -104,14 +102,13 @@ def _norm_bwd(b_h, b_dh, dy, nw, stat_rh, o_td, o_t, o_d, m_t, m_td, m_d, D,
     return b_dn, b_dnw
 
 
-# DEPTH: sources in flight ahead of the one being reduced (1 or 2); autotuned with the row shape
-@triton.autotune(configs=_configs(ROW_OPTIONS, depths=(1, 2)), key=["D", "NORMALIZE", "HAS_NORM", "USE_TABLE"],
+@triton.autotune(configs=_configs(ROW_OPTIONS), key=["D", "NORMALIZE", "HAS_NORM", "USE_TABLE"],
                  prune_configs_by={"early_config_prune": _prune_by_registers})
 @triton.jit
 def attnres_fwd_kernel(x, ptrs, wt, out, y, nw, m_out, l_out, stat,
                        M, D, n, stride_n, eps, norm_eps,
                        USE_TABLE: tl.constexpr, NORMALIZE: tl.constexpr, HAS_NORM: tl.constexpr,
-                       BT: tl.constexpr, BD: tl.constexpr, DEPTH: tl.constexpr):
+                       BT: tl.constexpr, BD: tl.constexpr):
     """Program (i_q, i_t): query i_q against all n sources for tokens [i_t·BT, i_t·BT + BT).
 
     NORMALIZE (full form): write h = o / l (sources' dtype), lse = m + log l, and with HAS_NORM
@@ -127,19 +124,13 @@ def attnres_fwd_kernel(x, ptrs, wt, out, y, nw, m_out, l_out, stat,
     b_m = tl.full([BT], float("-inf"), tl.float32)
     b_l = tl.zeros([BT], tl.float32)
     b_o = tl.zeros([BT, BD], tl.float32)
-    # software prefetch: sources i + 1 (.. i + DEPTH) are in flight while source i is reduced (the
-    # while loop is not pipelined by the compiler, and one row per program leaves too few bytes in flight)
+    # software prefetch: source i + 1 is in flight while source i is reduced (the while loop is
+    # not pipelined by the compiler, and one row per program leaves too few bytes in flight)
     i = n * 0
     b_next = _src_tile(x, ptrs, i, n, stride_n, o_td, m_td, USE_TABLE)
-    if DEPTH == 2:
-        b_next2 = _src_tile(x, ptrs, i + 1, n, stride_n, o_td, m_td, USE_TABLE)
     while i < n:
         b_v = b_next.to(tl.float32)
-        if DEPTH == 2:
-            b_next = b_next2
-            b_next2 = _src_tile(x, ptrs, i + 2, n, stride_n, o_td, m_td, USE_TABLE)
-        else:
-            b_next = _src_tile(x, ptrs, i + 1, n, stride_n, o_td, m_td, USE_TABLE)
+        b_next = _src_tile(x, ptrs, i + 1, n, stride_n, o_td, m_td, USE_TABLE)
         _, b_s = _rms_score(b_v, b_w, m_t, D, eps)
         b_mn = tl.maximum(b_m, b_s)
         b_a = tl.exp(b_m - b_mn)
@@ -284,8 +275,9 @@ def address_table(srcs: list[torch.Tensor]) -> torch.Tensor:
 
 
 def w_tilde(query: torch.Tensor, gain: torch.Tensor | None) -> torch.Tensor:
-    """The scoring vector(s) w̃ = query ⊙ gain in fp32; gain None: query is w̃ already."""
-    return query.float() if gain is None else query.float() * gain.float()
+    """The scoring vector(s) w̃ = query ⊙ gain in fp32 and contiguous (the kernels index rows as
+    i·D + d); gain None: query is w̃ already."""
+    return (query.float() if gain is None else query.float() * gain.float()).contiguous()
 
 
 def w_tilde_grads(dwt: torch.Tensor, query: torch.Tensor, gain: torch.Tensor | None):
