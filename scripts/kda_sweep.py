@@ -68,6 +68,12 @@ VARIANTS = {
     "bwd_mkk": {"bwd_stored_mkk": True},
     "bwd_mkk_split_k32v32": {"bwd_stored_mkk": True, "bwd_split": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
     "fi_subchunk_bwd_mkk": {"fwd_intra_subchunk": True, "bwd_stored_mkk": True},
+    # session 3: score gradients per (chunk, 16-row sub-chunk, 32-column key block) (ptxas K128: 98 regs,
+    # no spills), the key-side kernel without its sub-chunk loop (BK32 BV32: 183 regs, no spills)
+    "bwd_subchunk": {"bwd_subchunk": True},
+    "bwd_subchunk_k32v32": {"bwd_subchunk": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
+    "bwd_subchunk_k32v32_w8": {"bwd_subchunk": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32, "bwd_subchunk_warps": 8},
+    "both_subchunk": {"fwd_intra_subchunk": True, "bwd_subchunk": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
     # bf16 per-chunk states for the backward scans (not reached by session 3's sweep)
     "states_in_s3": {"states_dtype": "input"},
     # the pre-session-3 default at K = 128 (TUNING "auto" now picks 2-byte buffers there)

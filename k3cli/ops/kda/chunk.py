@@ -22,6 +22,9 @@ _CHUNK_SIZES = (16, 32, 64)
 #   solve and W/U launches (fwd_intra_subchunk_warps: the scores kernel's warps). Not yet timed on a GPU.
 # bwd_stored_mkk: stage 1 also stores the raw Mkk, and the per-chunk backward reads it for dβ instead of
 #   recomputing the intra-chunk scores in every key block. Not yet timed on a GPU.
+# bwd_subchunk: the split backward with stored Mkk, whose intra-chunk score gradients come from a launch
+#   per (chunk, 16-row sub-chunk, 32-column key block) instead of masked [BT, BK] tiles in the key-side
+#   kernel (implies bwd_split and bwd_stored_mkk; bwd_subchunk_warps: that launch's warps). Not yet timed.
 # bwd_split: per-chunk backward as two launches (V side once, key side per key block; kda_bwd_intra).
 # bwd_intra_BK / _BV: its key / value blocks (None = the launcher's choice).
 # "*_dtype" entries: "fp32", "input" (the dtype of q/k/v: bf16 halves that buffer's traffic), or
@@ -35,6 +38,7 @@ _CHUNK_SIZES = (16, 32, 64)
 #   stage-1 kernel. K in between (e.g. 64) is not measured; it keeps fp32.
 TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None, "fwd_intra_split": False,
           "fwd_intra_subchunk": False, "fwd_intra_subchunk_warps": 8, "bwd_stored_mkk": False,
+          "bwd_subchunk": False, "bwd_subchunk_warps": 4,
           "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None, "bwd_intra_warps": 8,
           "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32"}
 _DTYPE_CHOICES = ("auto", "fp32", "input")
@@ -53,7 +57,7 @@ def check_tuning(tuning: dict) -> None:
         b = tuning.get(name)
         if b is not None and (b < 16 or b & (b - 1)):
             raise ValueError(f"chunk_kda TUNING: {name}={b} must be None or a power of two >= 16")
-    for name in ("fwd_intra_warps", "bwd_intra_warps", "fwd_intra_subchunk_warps"):
+    for name in ("fwd_intra_warps", "bwd_intra_warps", "fwd_intra_subchunk_warps", "bwd_subchunk_warps"):
         if tuning.get(name, 8) not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]} must be a power of two <= 32")
 
@@ -75,7 +79,7 @@ def fwd_intra(q, k, v, g, beta, scale, C, prec) -> Intra:
                          num_warps=TUNING["fwd_intra_warps"], precision=prec, key_block=TUNING["fwd_intra_BK"],
                          maxnreg=TUNING["fwd_intra_maxnreg"], split=TUNING["fwd_intra_split"],
                          subchunk=TUNING["fwd_intra_subchunk"], subchunk_warps=TUNING["fwd_intra_subchunk_warps"],
-                         store_mkk=TUNING["bwd_stored_mkk"])
+                         store_mkk=TUNING["bwd_stored_mkk"] or TUNING["bwd_subchunk"])
 
 
 def recompute_states(it: Intra, h0, B, T, HV, C, v_dtype, prec):
@@ -94,7 +98,8 @@ def bwd_state(it: Intra, do, dht, B, T, HV, C, need_dh0, v_dtype, prec):
 def bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale, C, prec):
     return kda_bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale, C, BK=TUNING["bwd_intra_BK"],
                          BV=TUNING["bwd_intra_BV"], num_warps=TUNING["bwd_intra_warps"], precision=prec,
-                         split=TUNING["bwd_split"])
+                         split=TUNING["bwd_split"] or TUNING["bwd_subchunk"], subchunk=TUNING["bwd_subchunk"],
+                         subchunk_warps=TUNING["bwd_subchunk_warps"])
 
 
 class ChunkKDAFunction(torch.autograd.Function):

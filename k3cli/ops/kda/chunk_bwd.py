@@ -9,7 +9,9 @@ STORE_H), two launches:
   2. `_kda_bwd_intra_kernel`, parallel over (chunk, batch*head, key block): dq, dk, dv, dβ, dg.
      Alternative (chunk.TUNING bwd_split): `_kda_bwd_vside_kernel` once per chunk for the
      key-independent V reductions, then `_kda_bwd_kside_kernel` per key block; both kernels end in
-     `_bwd_key_side`.
+     `_bwd_key_side`. With bwd_subchunk, `_kda_bwd_scores_subchunk_kernel` runs between the two and
+     computes the intra-chunk score gradients per 16-row sub-chunk; with bwd_stored_mkk (implied),
+     dβ's Mkk term reads the forward's stored Mkk instead of recomputing the scores.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from k3cli.ops.kda.chunk_fwd import (
     _intra_scores,
     _load_chunk_qkg,
     _scan_start,
+    _subchunk_rows,
     interpreting,
     pick_configs,
     prune_state_configs,
@@ -89,12 +92,13 @@ def _kda_bwd_state_kernel(qg, kd, eg, w, aqk, do, dht, dh, dvn, dh0, T, NT, NBH,
 def _bwd_key_side(q, k, g, mkk, dq, dk, dg, dbeta, b_dqg, b_dkd, b_dx, b_dgam, b_daqk, b_dakk, b_dbeta, b_beta,
                   scale, i_b, i_h, i_hv, i_n, i_k, slot, T, NT, NBT, H: tl.constexpr, HV: tl.constexpr,
                   K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-                  STORED_MKK: tl.constexpr):
+                  STORED_MKK: tl.constexpr, dqs, dks, dgs, SCORES_DONE: tl.constexpr):
     """The key-block part of the per-chunk backward, after the reductions over V: from d(Q e^Γ) (b_dqg,
     unscaled), d(K e^(γ-Γ)) (b_dkd), minus d(β K e^Γ) (b_dx), Σ_v S dS (b_dgam), dO Vn^T (b_daqk) and
     dY Vn^T (b_dakk), both unmasked, to dq, dk, dg and this block's dβ share (stored in dβ slot `slot`);
     the Mkk term of dβ recomputes this key block's partial Mkk, or with STORED_MKK reads the forward's
-    stored Mkk (`mkk`) in key block 0.
+    stored Mkk (`mkk`) in key block 0. SCORES_DONE: the intra-chunk score gradients were computed by
+    `_kda_bwd_scores_subchunk_kernel` into dqs, dks, dgs ([B, T, HV, K] fp32) and are added here.
     q, k, Γ are loaded only here, to keep them out of the V loop's registers."""
     o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
@@ -130,7 +134,14 @@ def _bwd_key_side(q, k, g, mkk, dq, dk, dg, dbeta, b_dqg, b_dkd, b_dx, b_dgam, b
         b_dakk = -tl.where(o_t[:, None] > o_t[None, :], b_dakk, 0.)
         b_dbeta += tl.sum(b_dakk * b_mkk, 1)
     b_dmk = b_dakk * b_beta[:, None]
-    for a in range(BT // BC):
+    if SCORES_DONE:
+        p_s = tok[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+        m_s = m_t[:, None] & m_k[None, :]
+        b_dq += tl.load(dqs + p_s, mask=m_s, other=0.)
+        b_dk += tl.load(dks + p_s, mask=m_s, other=0.)
+        b_dG += tl.load(dgs + p_s, mask=m_s, other=0.)
+    NA: tl.constexpr = 0 if SCORES_DONE else BT // BC   # the sub-chunk loop, unless done elsewhere
+    for a in range(NA):
         e_q, e_k, m_a, m_up = _anchored_factors(b_G, a, BT, BC)
         b_qa = tl.where(m_a[:, None], b_q * e_q, 0.)
         b_ka = tl.where(m_a[:, None], b_k * e_q, 0.)
@@ -207,7 +218,8 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, dq, dk,
         tl.store(dv + p_io, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv & first)
 
     _bwd_key_side(q, k, g, mkk, dq, dk, dg, dbeta, b_dqg, b_dkd, b_dx, b_dgam, b_daqk, b_dakk, b_dbeta, b_beta,
-                  scale, i_b, i_h, i_hv, i_n, i_k, i_k, T, NT, NBT, H, HV, K, BT, BC, BK, PREC, STORED_MKK)
+                  scale, i_b, i_h, i_hv, i_n, i_k, i_k, T, NT, NBT, H, HV, K, BT, BC, BK, PREC, STORED_MKK,
+                  dq, dq, dq, False)
 
 
 @triton.jit
@@ -251,10 +263,12 @@ def _kda_bwd_vside_kernel(v, beta, tm, do, vn, dvn, dv, dy, dqk, dkk, dbeta_v, T
 
 
 @triton.jit
-def _kda_bwd_kside_kernel(q, k, g, beta, mkk, h, dh, do, vn, dy, dqk, dkk, dq, dk, dg, dbeta, scale, T, NT, NBT,
+def _kda_bwd_kside_kernel(q, k, g, beta, mkk, h, dh, do, vn, dy, dqk, dkk, dqs, dks, dgs, dq, dk, dg, dbeta, scale,
+                          T, NT, NBT,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                          PREC: tl.constexpr, STORED_MKK: tl.constexpr):
+                          PREC: tl.constexpr, STORED_MKK: tl.constexpr,
+                          SCORES_DONE: tl.constexpr):
     """Split backward, part 2, one program per (chunk, batch*head, key block): the key-dependent
     reductions over V (dO S^T, Vn dS^T, dY S^T, Σ S dS), then `_bwd_key_side` with part 1's dO Vn^T
     and dY Vn^T."""
@@ -293,7 +307,90 @@ def _kda_bwd_kside_kernel(q, k, g, beta, mkk, h, dh, do, vn, dy, dqk, dkk, dq, d
     b_beta = tl.load(beta + tok * HV + i_hv, mask=m_t, other=0.).to(tl.float32)
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     _bwd_key_side(q, k, g, mkk, dq, dk, dg, dbeta, b_dqg, b_dkd, b_dx, b_dgam, b_daqk, b_dakk, b_dbeta, b_beta,
-                  scale, i_b, i_h, i_hv, i_n, i_k, i_k, T, NT, NBT, H, HV, K, BT, BC, BK, PREC, STORED_MKK)
+                  scale, i_b, i_h, i_hv, i_n, i_k, i_k, T, NT, NBT, H, HV, K, BT, BC, BK, PREC, STORED_MKK,
+                  dqs, dks, dgs, SCORES_DONE)
+
+
+@triton.jit
+def _dm_blocks(dqk, dkk, p_blk, i_row, j_col, b_beta_rows, scale, offdiag):
+    """Blocks of the masked score gradients: dMq = scale·dAqk (j <= i) and dMk = -β_i dAkk (j < i)
+    from the unmasked dO Vn^T (dqk) and dY Vn^T (dkk); the masks bite on a diagonal block only."""
+    b_dmq = tl.load(dqk + p_blk)
+    b_dmk = tl.load(dkk + p_blk)
+    b_dmq = tl.where((i_row[:, None] >= j_col[None, :]) | offdiag, b_dmq, 0.) * scale
+    b_dmk = -tl.where((i_row[:, None] > j_col[None, :]) | offdiag, b_dmk, 0.) * b_beta_rows[:, None]
+    return b_dmq, b_dmk
+
+
+@triton.jit
+def _kda_bwd_scores_subchunk_kernel(q, k, g, beta, dqk, dkk, dqs, dks, dgs, scale, T, NT,
+                                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                                    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """The intra-chunk score gradients of the per-chunk backward, one program per (chunk, sub-chunk b,
+    batch*value-head, key block), [BC, BK] tiles: for the rows of b
+      as queries (key sub-chunks c <= b, anchor Γ at b's first row):
+        dq_r = e_q Σ_c dMq[b, c] (K_c e_k),   dk_r = e_q Σ_c dMk[b, c] (K_c e_k)
+      as keys (query sub-chunks a >= b, anchor Γ at a's first row):
+        dk_c = Σ_a e^(Γ_a0 - Γ_b) ⊙ (dMq[a, b]^T (Q_a e_q^a) + dMk[a, b]^T (K_a e_q^a))
+    stored as dqs = dq_r, dks = dk_r + dk_c, dgs = q ⊙ dq_r + k ⊙ (dk_r - dk_c) (dΓ before its reverse
+    cumsum), which `_kda_bwd_kside_kernel` (SCORES_DONE) adds — the same sums `_bwd_key_side`'s
+    sub-chunk loop forms over masked [BT, BK] tiles."""
+    i_nb, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NC: tl.constexpr = BT // BC
+    i_n, b = i_nb // NC, i_nb % NC
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    o_c = tl.arange(0, BC)
+    base = (i_bh * NT * BT + i_n * BT).to(tl.int64)
+    # Γ of sub-chunk b's rows (prefix from the earlier sub-chunks) and its anchor
+    b_pre = tl.zeros([BK], dtype=tl.float32)
+    for c in tl.static_range(NC):
+        if c < b:
+            _, _, b_gc = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, c, i_k, T, H, HV, K, BT, BC, BK)
+            b_pre += tl.sum(b_gc, 0)
+    b_qb, b_kb, b_gb = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, b, i_k, T, H, HV, K, BT, BC, BK)
+    b_Gb = b_pre[None, :] + tl.cumsum(b_gb, 0)
+    b_anc_b = tl.sum(tl.where(o_c[:, None] == 0, b_Gb, 0.), 0)
+    i_rb = b * BC + o_c
+    m_b = (i_n * BT + i_rb) < T
+    b_beta_b = tl.load(beta + (i_b * T + i_n * BT + i_rb).to(tl.int64) * HV + i_hv, mask=m_b, other=0.)
+    b_beta_b = b_beta_b.to(tl.float32)
+    acc_q = tl.zeros([BC, BK], dtype=tl.float32)
+    acc_kr = tl.zeros([BC, BK], dtype=tl.float32)
+    acc_kc = tl.zeros([BC, BK], dtype=tl.float32)
+    b_run = tl.zeros([BK], dtype=tl.float32)
+    for c in tl.static_range(NC):
+        b_qc, b_kc, b_gc = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, c, i_k, T, H, HV, K, BT, BC, BK)
+        b_Gc = b_run[None, :] + tl.cumsum(b_gc, 0)
+        b_run += tl.sum(b_gc, 0)
+        i_rc = c * BC + o_c
+        if c <= b:
+            # rows of b as queries against the keys of sub-chunk c
+            b_dmq, b_dmk = _dm_blocks(dqk, dkk, (base + i_rb)[:, None] * BT + i_rc[None, :], i_rb, i_rc,
+                                      b_beta_b, scale, c < b)
+            b_ke = b_kc * tl.exp(b_anc_b[None, :] - b_Gc)
+            acc_q += tl.dot(b_dmq, b_ke, input_precision=PREC)
+            acc_kr += tl.dot(b_dmk, b_ke, input_precision=PREC)
+        if c >= b:
+            # rows of b as keys for the queries of sub-chunk c
+            m_c = (i_n * BT + i_rc) < T
+            b_beta_c = tl.load(beta + (i_b * T + i_n * BT + i_rc).to(tl.int64) * HV + i_hv, mask=m_c, other=0.)
+            b_dmq, b_dmk = _dm_blocks(dqk, dkk, (base + i_rc)[:, None] * BT + i_rb[None, :], i_rc, i_rb,
+                                      b_beta_c.to(tl.float32), scale, c > b)
+            b_anc_c = tl.sum(tl.where(o_c[:, None] == 0, b_Gc, 0.), 0)
+            e_qc = tl.exp(b_Gc - b_anc_c[None, :])
+            b_t = tl.dot(tl.trans(b_dmq), b_qc * e_qc, input_precision=PREC) + \
+                tl.dot(tl.trans(b_dmk), b_kc * e_qc, input_precision=PREC)
+            acc_kc += tl.exp(b_anc_c[None, :] - b_Gb) * b_t
+    e_qb = tl.exp(b_Gb - b_anc_b[None, :])
+    b_dq_r = e_qb * acc_q
+    b_dk_r = e_qb * acc_kr
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_bk = m_b[:, None] & (o_k < K)[None, :]
+    p_hk = (i_b * T + i_n * BT + i_rb).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
+    tl.store(dqs + p_hk, b_dq_r, mask=m_bk)
+    tl.store(dks + p_hk, b_dk_r + acc_kc, mask=m_bk)
+    tl.store(dgs + p_hk, b_qb * b_dq_r + b_kb * (b_dk_r - acc_kc), mask=m_bk)
 
 
 def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, need_dh0: bool,
@@ -317,11 +414,13 @@ def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, 
 
 def kda_bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale: float, chunk_size: int,
                   BK: int | None = None, BV: int | None = None, num_warps: int = 8, precision: str = "tf32",
-                  split: bool = False):
+                  split: bool = False, subchunk: bool = False, subchunk_warps: int = 4):
     """Launch the per-chunk gradient kernel(s). Returns dq, dk [B, T, HV, K] fp32 (per value head),
     dv [B, T, HV, V] (v.dtype), dg [B, T, HV, K] fp32, dbeta [B, T, HV] fp32. `split`: two launches
     (`_kda_bwd_vside_kernel` once per chunk, then `_kda_bwd_kside_kernel` per key block) instead of
-    one kernel that redoes the key-independent V reductions in every key block."""
+    one kernel that redoes the key-independent V reductions in every key block. `mkk`: the forward's
+    stored Mkk or None. `subchunk` (with `split` and a stored `mkk`): the intra-chunk score gradients
+    come from `_kda_bwd_scores_subchunk_kernel` (`subchunk_warps` warps) between the two launches."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
@@ -346,10 +445,21 @@ def kda_bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale: float, c
         _kda_bwd_vside_kernel[(NT, B * HV)](
             v, beta, tm, do, vn, dvn, dv, dy, dqk, dkk, dbeta[NK], T, NT, HV=HV, V=V, BT=BT, BV=BV,
             PREC=precision, num_warps=num_warps, num_stages=1)
+        scores_done = subchunk and mkk is not None
+        if scores_done:
+            # the score gradients per (chunk, 16-row sub-chunk, key block) in [16, BKS] tiles
+            BC = min(16, BT)
+            BKS = min(BK, 32)
+            dqs, dks, dgs = (torch.empty_like(dq) for _ in range(3))
+            _kda_bwd_scores_subchunk_kernel[(NT * (BT // BC), B * HV, triton.cdiv(K, BKS))](
+                q, k, g, beta, dqk, dkk, dqs, dks, dgs, scale, T, NT, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BKS,
+                PREC=precision, num_warps=subchunk_warps, num_stages=1)
+        else:
+            dqs = dks = dgs = dq   # unused
         _kda_bwd_kside_kernel[(NT, B * HV, NK)](
-            q, k, g, beta, tm if mkk is None else mkk, h, dh, do, vn, dy, dqk, dkk, dq, dk, dg, dbeta, scale, T, NT, B * T, H=H, HV=HV, K=K,
-            V=V, BT=BT, BC=min(16, BT), BK=BK, BV=BV, PREC=precision, STORED_MKK=mkk is not None,
-            num_warps=num_warps, num_stages=1)
+            q, k, g, beta, tm if mkk is None else mkk, h, dh, do, vn, dy, dqk, dkk, dqs, dks, dgs, dq, dk, dg, dbeta,
+            scale, T, NT, B * T, H=H, HV=HV, K=K, V=V, BT=BT, BC=min(16, BT), BK=BK, BV=BV, PREC=precision,
+            STORED_MKK=mkk is not None, SCORES_DONE=scores_done, num_warps=num_warps, num_stages=1)
         return dq, dk, dv, dg, dbeta.sum(0)
     dbeta = torch.empty(NK, B, T, HV, device=dev, dtype=torch.float32)
     _kda_bwd_intra_kernel[(NT, B * HV, NK)](
