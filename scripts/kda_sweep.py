@@ -57,8 +57,8 @@ VARIANTS = {
     # the session-2 guess from ptxas_report: every launch spill-free or nearly, 2-stage scans
     "guess": {"fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_warps": 16, "bwd_split": True,
               "bwd_intra_BK": 32, "bwd_intra_BV": 32, "inter_dtype": "input", "gated_dtype": "input"},
-    # session 3: stage-1 scores per (chunk, 16-row sub-chunk) in [16, 32] tiles (ptxas: 220 regs at 8 warps,
-    # 255 at 4, no spills; 4x the programs of the one-launch stage 1), then the solve and W, U launches
+    # session 3: stage-1 scores per (chunk, 16-row sub-chunk) in [16, 32] tiles (ptxas: 128 regs / 8 B stack at
+    # 8 warps, 168 at 4; 4x the programs of the one-launch stage 1), then the solve and W, U launches
     "fi_subchunk": {"fwd_intra_subchunk": True},
     "fi_subchunk_w4": {"fwd_intra_subchunk": True, "fwd_intra_subchunk_warps": 4},
     "fi_subchunk_w2": {"fwd_intra_subchunk": True, "fwd_intra_subchunk_warps": 2},

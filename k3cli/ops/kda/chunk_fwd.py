@@ -339,8 +339,8 @@ def _kda_fwd_scores_subchunk_kernel(q, k, g, beta, qg, kd, eg, aqk, tm, mkk, sca
     [a*BC, (a+1)*BC) of Aqk (scaled, j <= i) and of β_i Akk (j < i) as BC x BC blocks against key
     sub-chunks c <= a (zeros for c > a), plus this sub-chunk's rows of Q e^Γ, K e^(γ-Γ) (and e^γ from
     a = 0). Tiles are [BC, BK] with BK a key-column block (scores accumulate over blocks; every key
-    column's Γ is independent): no [BT, K] tile and no masked redundant rows, at the price of
-    re-reading earlier sub-chunks' k and g (from L2). Anchored like `_anchored_factors`:
+    column's Γ is independent): no [BT, K] tile, no masked redundant rows and two [BC, BC]
+    accumulators, at the price of re-reading sub-chunks' q, k and g per block pair (from L1/L2). Anchored like `_anchored_factors`:
     e_q = e^(Γ_i - Γ_a0) <= 1, e_k = e^(Γ_a0 - Γ_j) <= 1 for j < a0 (inside the diagonal block
     <= e^(15 |g|max)). The solve and W, U follow as PART 2 and 3 of the key-blocked kernel."""
     i_na, i_bh = tl.program_id(0), tl.program_id(1)
@@ -351,19 +351,15 @@ def _kda_fwd_scores_subchunk_kernel(q, k, g, beta, qg, kd, eg, aqk, tm, mkk, sca
     o_c = tl.arange(0, BC)
     i_row = a * BC + o_c
     base = (i_bh * NT * BT + i_n * BT).to(tl.int64)
-    # one [BC, BC] accumulator pair per key sub-chunk (NC <= 4)
-    s_q0 = tl.zeros([BC, BC], dtype=tl.float32)
-    s_k0 = tl.zeros([BC, BC], dtype=tl.float32)
-    s_q1 = tl.zeros([BC, BC], dtype=tl.float32)
-    s_k1 = tl.zeros([BC, BC], dtype=tl.float32)
-    s_q2 = tl.zeros([BC, BC], dtype=tl.float32)
-    s_k2 = tl.zeros([BC, BC], dtype=tl.float32)
-    s_q3 = tl.zeros([BC, BC], dtype=tl.float32)
-    s_k3 = tl.zeros([BC, BC], dtype=tl.float32)
-    for i_k in range((K + BK - 1) // BK):
+    m_i = (i_n * BT + i_row) < T
+    b_beta = tl.load(beta + (i_b * T + i_n * BT + i_row).to(tl.int64) * HV + i_hv, mask=m_i, other=0.)
+    b_beta = b_beta.to(tl.float32)
+    p_row = (base + i_row)[:, None] * BT
+    NKB: tl.constexpr = (K + BK - 1) // BK
+    # the gated operands of the state scans for these rows: Γ before sub-chunk a and γ per key block
+    for i_k in tl.static_range(NKB):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
-        # this key block's g over the chunk: Γ before sub-chunk a and γ (the chunk's total)
         b_pre = tl.zeros([BK], dtype=tl.float32)
         b_gam = tl.zeros([BK], dtype=tl.float32)
         for c in tl.static_range(NC):
@@ -373,54 +369,51 @@ def _kda_fwd_scores_subchunk_kernel(q, k, g, beta, qg, kd, eg, aqk, tm, mkk, sca
             b_gam += b_sum
         b_qa, b_ka, b_ga = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, a, i_k, T, H, HV, K, BT, BC, BK)
         b_Ga = b_pre[None, :] + tl.cumsum(b_ga, 0)
-        # the gated operands of the state scans for these rows and columns
         p_rk = (base + i_row)[:, None] * K + o_k[None, :]
         tl.store(qg + p_rk, (b_qa * tl.exp(b_Ga) * scale).to(qg.dtype.element_ty), mask=m_k[None, :])
         tl.store(kd + p_rk, (b_ka * tl.exp(b_gam[None, :] - b_Ga)).to(kd.dtype.element_ty), mask=m_k[None, :])
         if a == 0:
             tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=m_k)
-        b_anchor = tl.sum(tl.where(o_c[:, None] == 0, b_Ga, 0.), 0)
-        e_q = tl.exp(b_Ga - b_anchor[None, :])
-        b_qe = b_qa * e_q
-        b_ke = b_ka * e_q
-        # key sub-chunks c <= a, their Γ from a running prefix
-        b_run = tl.zeros([BK], dtype=tl.float32)
-        for c in tl.static_range(NC):
-            if c <= a:
-                _, b_kc, b_gc = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, c, i_k, T, H, HV, K, BT, BC, BK)
-                b_Gc = b_run[None, :] + tl.cumsum(b_gc, 0)
-                b_run += tl.sum(b_gc, 0)
-                b_kb = tl.trans(b_kc * tl.exp(b_anchor[None, :] - b_Gc))
-                if c == 0:
-                    s_q0 += tl.dot(b_qe, b_kb, input_precision=PREC)
-                    s_k0 += tl.dot(b_ke, b_kb, input_precision=PREC)
-                elif c == 1:
-                    s_q1 += tl.dot(b_qe, b_kb, input_precision=PREC)
-                    s_k1 += tl.dot(b_ke, b_kb, input_precision=PREC)
-                elif c == 2:
-                    s_q2 += tl.dot(b_qe, b_kb, input_precision=PREC)
-                    s_k2 += tl.dot(b_ke, b_kb, input_precision=PREC)
-                else:
-                    s_q3 += tl.dot(b_qe, b_kb, input_precision=PREC)
-                    s_k3 += tl.dot(b_ke, b_kb, input_precision=PREC)
-    m_i = (i_n * BT + i_row) < T
-    b_beta = tl.load(beta + (i_b * T + i_n * BT + i_row).to(tl.int64) * HV + i_hv, mask=m_i, other=0.)
-    b_beta = b_beta.to(tl.float32)
-    p_row = (base + i_row)[:, None] * BT
-    _store_score_block(aqk, tm, mkk, p_row, s_q0, s_k0, b_beta, scale, i_row, a, 0, BC, STORE_MKK)
-    if NC > 1:
-        _store_score_block(aqk, tm, mkk, p_row, s_q1, s_k1, b_beta, scale, i_row, a, 1, BC, STORE_MKK)
-    if NC > 2:
-        _store_score_block(aqk, tm, mkk, p_row, s_q2, s_k2, b_beta, scale, i_row, a, 2, BC, STORE_MKK)
-        _store_score_block(aqk, tm, mkk, p_row, s_q3, s_k3, b_beta, scale, i_row, a, 3, BC, STORE_MKK)
+    # block (a, c) for each key sub-chunk c <= a, accumulated over key blocks; only two [BC, BC]
+    # accumulators live (the rows of a and their Γ are re-derived per (c, key block), from L1/L2)
+    c = a * 0
+    while c <= a:
+        b_sq = tl.zeros([BC, BC], dtype=tl.float32)
+        b_sk = tl.zeros([BC, BC], dtype=tl.float32)
+        for i_k in tl.static_range(NKB):
+            # Γ before sub-chunks c and a in this key block
+            b_pre_c = tl.zeros([BK], dtype=tl.float32)
+            b_pre_a = tl.zeros([BK], dtype=tl.float32)
+            c2 = a * 0
+            while c2 < a:
+                _, _, b_g2 = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, c2, i_k, T, H, HV, K, BT, BC, BK)
+                b_sum = tl.sum(b_g2, 0)
+                b_pre_a += b_sum
+                b_pre_c += tl.where(c2 < c, b_sum, 0.)
+                c2 += 1
+            b_qa, b_ka, b_ga = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, a, i_k, T, H, HV, K, BT, BC, BK)
+            b_Ga = b_pre_a[None, :] + tl.cumsum(b_ga, 0)
+            b_anchor = tl.sum(tl.where(o_c[:, None] == 0, b_Ga, 0.), 0)
+            e_q = tl.exp(b_Ga - b_anchor[None, :])
+            _, b_kc, b_gc = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, c, i_k, T, H, HV, K, BT, BC, BK)
+            b_Gc = b_pre_c[None, :] + tl.cumsum(b_gc, 0)
+            b_kb = tl.trans(b_kc * tl.exp(b_anchor[None, :] - b_Gc))
+            b_sq += tl.dot(b_qa * e_q, b_kb, input_precision=PREC)
+            b_sk += tl.dot(b_ka * e_q, b_kb, input_precision=PREC)
+        _store_score_block(aqk, tm, mkk, p_row, b_sq, b_sk, b_beta, scale, i_row, a, c, BC, STORE_MKK)
+        c += 1
+    b_zero = tl.zeros([BC, BC], dtype=tl.float32)
+    while c < NC:
+        _store_score_block(aqk, tm, mkk, p_row, b_zero, b_zero, b_beta, scale, i_row, a, c, BC, STORE_MKK)
+        c += 1
 
 
 @triton.jit
-def _store_score_block(aqk, tm, mkk, p_row, b_sq, b_sk, b_beta, scale, i_row, a, c: tl.constexpr,
-                       BC: tl.constexpr, STORE_MKK: tl.constexpr):
+def _store_score_block(aqk, tm, mkk, p_row, b_sq, b_sk, b_beta, scale, i_row, a, c, BC: tl.constexpr,
+                       STORE_MKK: tl.constexpr):
     """Block (a, c) of scale·Aqk (j <= i) and β_i Akk (j < i); the causal masks bite only on the
-    diagonal block, and blocks c > a are zeros (their accumulators were never touched). With
-    STORE_MKK also the raw Mkk block (no β) for the backward's dβ."""
+    diagonal block (c == a); the caller passes zeros for c > a. With STORE_MKK also the raw Mkk block
+    (no β) for the backward's dβ."""
     j_col = c * BC + tl.arange(0, BC)
     b_sq = tl.where((i_row[:, None] >= j_col[None, :]) | (c < a), b_sq, 0.)
     b_sk = tl.where((i_row[:, None] > j_col[None, :]) | (c < a), b_sk, 0.)
