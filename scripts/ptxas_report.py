@@ -60,8 +60,10 @@ def main() -> None:
         if bk < BKf:
             cases.append((f"fwd_intra kblock BK{bk}", F._kda_fwd_intra_kblock_kernel,
                           dict(base, BK=bk, BV=min(64, BKf), PART=0, STORE_MKK=False)))
-    cases.append(("fwd scores sub-chunk", F._kda_fwd_scores_subchunk_kernel,
-                  dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=min(32, BKf), PREC=args.prec, STORE_MKK=False)))
+    for stored in (False, True):
+        cases.append(("fwd scores sub-chunk" + (" + Mkk" if stored else ""), F._kda_fwd_scores_subchunk_kernel,
+                      dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=min(32, BKf), PREC=args.prec,
+                           STORE_MKK=stored)))
     for bk in (BKf, 32):
         cases.append((f"fwd_intra solve / W,U BK{bk}", F._kda_fwd_intra_kblock_kernel,
                       dict(base, BK=min(bk, BKf), BV=min(64, BKf), PART=3, STORE_MKK=False)))

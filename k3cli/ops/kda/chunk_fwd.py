@@ -384,13 +384,16 @@ def _kda_fwd_scores_subchunk_kernel(q, k, g, beta, qg, kd, eg, aqk, tm, mkk, sca
             # Γ before sub-chunks c and a in this key block
             b_pre_c = tl.zeros([BK], dtype=tl.float32)
             b_pre_a = tl.zeros([BK], dtype=tl.float32)
-            c2 = a * 0
-            while c2 < a:
-                _, _, b_g2 = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, c2, i_k, T, H, HV, K, BT, BC, BK)
-                b_sum = tl.sum(b_g2, 0)
-                b_pre_a += b_sum
-                b_pre_c += tl.where(c2 < c, b_sum, 0.)
-                c2 += 1
+            # (one sub-chunk: a is the constant 0, and an empty while loop crashes Triton's coalesce
+            # pass for sm_90 — found by compiling with scripts/ptxas_report.py --chunk 16)
+            if NC > 1:
+                c2 = a * 0
+                while c2 < a:
+                    _, _, b_g2 = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, c2, i_k, T, H, HV, K, BT, BC, BK)
+                    b_sum = tl.sum(b_g2, 0)
+                    b_pre_a += b_sum
+                    b_pre_c += tl.where(c2 < c, b_sum, 0.)
+                    c2 += 1
             b_qa, b_ka, b_ga = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, a, i_k, T, H, HV, K, BT, BC, BK)
             b_Ga = b_pre_a[None, :] + tl.cumsum(b_ga, 0)
             b_anchor = tl.sum(tl.where(o_c[:, None] == 0, b_Ga, 0.), 0)
