@@ -17,8 +17,9 @@ fi
 export PYTHONUNBUFFERED=1
 # 1. session 3's untimed variants (stage-1 scores per 16-row sub-chunk; stored Mkk for the backward's dβ;
 #    backward score gradients per 16-row sub-chunk), bf16 states, and the old fp32 buffers
-timeout 300 python3 scripts/kda_sweep.py base fi_subchunk fi_subchunk_w4 fi_subchunk_kb32 bwd_mkk \
-  bwd_subchunk bwd_subchunk_k32v32 bwd_subchunk_k32v32_w8 both_subchunk states_in_s3 fp32_bufs 2>&1 \
+timeout 330 python3 scripts/kda_sweep.py base fi_subchunk fi_subchunk_w4 fi_subchunk_kb32 bwd_mkk \
+  bwd_subchunk bwd_subchunk_k32v32 bwd_subchunk_k32v32_w8 both_subchunk store_states all_s3 states_in_s3 \
+  fp32_bufs 2>&1 \
   | tee "$OUT/sweep.txt" | tail -12
 # 2. the acceptance shapes against fla, one shape per step (fla fwd+bwd needs > 100 s to compile)
 for s in 8,2048,16,16,128 1,16384,16,16,128; do

@@ -74,6 +74,10 @@ VARIANTS = {
     "bwd_subchunk_k32v32": {"bwd_subchunk": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
     "bwd_subchunk_k32v32_w8": {"bwd_subchunk": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32, "bwd_subchunk_warps": 8},
     "both_subchunk": {"fwd_intra_subchunk": True, "bwd_subchunk": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
+    # session 3: the forward keeps S_n, Vn for the backward (no re-scan; memory for one scan's states)
+    "store_states": {"fwd_store_states": True},
+    "all_s3": {"fwd_intra_subchunk": True, "bwd_subchunk": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32,
+               "fwd_store_states": True},
     # bf16 per-chunk states for the backward scans (not reached by session 3's sweep)
     "states_in_s3": {"states_dtype": "input"},
     # the pre-session-3 default at K = 128 (TUNING "auto" now picks 2-byte buffers there)

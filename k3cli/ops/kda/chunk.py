@@ -26,6 +26,9 @@ _CHUNK_SIZES = (16, 32, 64)
 # bwd_subchunk: the split backward with stored Mkk, whose intra-chunk score gradients come from a launch
 #   per (chunk, 16-row sub-chunk, 32-column key block) instead of masked [BT, BK] tiles in the key-side
 #   kernel (implies bwd_split and bwd_stored_mkk; bwd_subchunk_warps: that launch's warps). Not yet timed.
+# fwd_store_states: when a gradient is needed, the forward scan also stores S_n and Vn (memory: one
+#   [B*HV, NT, K, V] states buffer and one [B*HV, T, V] fp32 buffer per call) and the backward skips
+#   its re-scan (0.51 ms of 7.4 at B8 T2048 H16 K128, session 3). Not yet timed.
 # bwd_split: per-chunk backward as two launches (V side once, key side per key block; kda_bwd_intra).
 # bwd_intra_BK / _BV: its key / value blocks (None = the launcher's choice).
 # "*_dtype" entries: "fp32", "input" (the dtype of q/k/v: bf16 halves that buffer's traffic), or
@@ -39,7 +42,7 @@ _CHUNK_SIZES = (16, 32, 64)
 #   stage-1 kernel. K in between (e.g. 64) is not measured; it keeps fp32.
 TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None, "fwd_intra_split": False,
           "fwd_intra_subchunk": False, "fwd_intra_subchunk_warps": 8, "bwd_stored_mkk": False,
-          "bwd_subchunk": False, "bwd_subchunk_warps": 4,
+          "bwd_subchunk": False, "bwd_subchunk_warps": 4, "fwd_store_states": False,
           "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None, "bwd_intra_warps": 8,
           "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32"}
 _DTYPE_CHOICES = ("auto", "fp32", "input")
@@ -111,19 +114,24 @@ class ChunkKDAFunction(torch.autograd.Function):
         B, T, HV = v.shape[:3]
         prec = dot_precision(v.dtype)
         it = fwd_intra(q, k, v, g, beta, scale, chunk_size, prec)
-        o, ht, _, _ = kda_fwd_state(it, B, T, HV, chunk_size, h0, v.dtype, output_final_state, precision=prec)
-        ctx.save_for_backward(q, k, v, g, beta, h0, *it)
+        # TUNING fwd_store_states: keep the chunk states S_n and Vn for the backward (memory for one scan)
+        keep = TUNING["fwd_store_states"] and any(ctx.needs_input_grad[:6])
+        sd = _tuned_dtype("states_dtype", v.dtype, q.shape[-1])
+        o, ht, h, vn = kda_fwd_state(it, B, T, HV, chunk_size, h0, v.dtype, output_final_state, store_h=keep,
+                                     h_dtype=sd, precision=prec)
+        ctx.save_for_backward(q, k, v, g, beta, h0, *it, h, vn)
         ctx.scale, ctx.chunk_size, ctx.prec = scale, chunk_size, prec
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, beta, h0, *saved = ctx.saved_tensors
-        it = Intra(*saved)
+        it, (h, vn) = Intra(*saved[:-2]), saved[-2:]
         scale, C, prec = ctx.scale, ctx.chunk_size, ctx.prec
         B, T, H, K = q.shape
         HV = v.shape[2]
-        h, vn = recompute_states(it, h0, B, T, HV, C, v.dtype, prec)
+        if h is None:
+            h, vn = recompute_states(it, h0, B, T, HV, C, v.dtype, prec)
         do = do.contiguous()
         dht = None if dht is None else dht.contiguous().float()
         dh, dvn, dh0 = bwd_state(it, do, dht, B, T, HV, C, h0 is not None, v.dtype, prec)
