@@ -15,6 +15,11 @@ else
   export PYTHONPATH=.
 fi
 export PYTHONUNBUFFERED=1
+# Triton's compile + autotune cache (fla's kernels included: fla caches its autotune results there) in
+# an ignored repo folder, so a later call can carry it instead of recompiling: after this call,
+#   mkdir -p .tcache && tar xzf /work/.device/N/tcache.tgz  (then carry [".whl", ".tcache"])
+export TRITON_CACHE_DIR=$PWD/.tcache
+mkdir -p "$TRITON_CACHE_DIR"
 # 1. session 3's untimed variants (stage-1 scores per 16-row sub-chunk; stored Mkk for the backward's dβ;
 #    backward score gradients per 16-row sub-chunk), bf16 states, and the old fp32 buffers
 timeout 330 python3 scripts/kda_sweep.py base fi_subchunk fi_subchunk_w4 fi_subchunk_kb32 bwd_mkk \
@@ -28,3 +33,5 @@ for s in 8,2048,16,16,128 1,16384,16,16,128; do
 done
 # then copy a winner into chunk.TUNING, rerun the GPU tier (pytest -m gpu, ~4 min: split it), and the
 # toy shape: bench-kernel --kernel chunk_kda --against fla --shape 8,2048,8,8,16
+# ship the cache back when it fits what a later call can carry (64 MiB with the wheels)
+if [ "$(du -sm .tcache | cut -f1)" -lt 55 ]; then tar czf "$OUT/tcache.tgz" .tcache; else du -sh .tcache; fi
