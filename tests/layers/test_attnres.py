@@ -157,7 +157,10 @@ def test_bad_arguments_are_clear_errors():
 
 
 # (id, mode, N, S)
-FUSED_CASES = [("full_N6", "full", 6, 1), ("block_N6_S2", "block", 6, 2), ("block_N7_S3_partial", "block", 7, 3)]
+FUSED_CASES = [("full_N6", "full", 6, 1), ("block_N6_S2", "block", 6, 2), ("block_N7_S3_partial", "block", 7, 3),
+               # 32 sources in the final mix (the kernels' limit); S = 1 and S = 4 with a partial last block
+               ("full_N31_32_sources", "full", 31, 1), ("block_N8_S1", "block", 8, 1),
+               ("block_N10_S4_partial", "block", 10, 4)]
 
 
 @pytest.mark.gpu
