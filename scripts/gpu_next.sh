@@ -7,14 +7,7 @@
 # Session 3 learnt: fla's fwd+bwd compiles for more than 100 s per new shape, so one fla shape per
 # step; `k3 bench-kernel` prints a line after each phase of a shape.
 set -uo pipefail
-OUT=${OUT:-/tmp/k3-gpu}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:.
-else
-  export PYTHONPATH=.
-fi
-export PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh
 # Triton's compile + autotune cache (fla's kernels included: fla caches its autotune results there) in
 # an ignored repo folder, so a later call can carry it instead of recompiling: after this call,
 #   mkdir -p .tcache && tar xzf /work/.device/N/tcache.tgz  (then carry [".whl", ".tcache"])

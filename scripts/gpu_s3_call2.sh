@@ -3,14 +3,7 @@
 # k3-toy step off / full / block; AttnRes vs fla; where stage 1 of chunk_kda spends its time.
 #   run(command="bash scripts/gpu_s3_call2.sh", carry=[".whl"], timeout_s=600)
 set -uo pipefail
-OUT=${OUT:-/tmp/k3-gpu}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:.
-else
-  export PYTHONPATH=.
-fi
-export PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh
 timeout 230 python3 -m pytest -v -m gpu tests/ops/test_kda.py tests/layers/test_attnres.py tests/ops/test_attnres.py \
   tests/models tests/layers/test_kda_layer.py -p no:cacheprovider --tb=short 2>&1 | tee "$OUT/gpu_tests.txt" \
   | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -40

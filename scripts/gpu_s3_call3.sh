@@ -3,14 +3,7 @@
 # AttnRes host-path trims, the chunk_kda acceptance shapes against fla (same run), stage-1 parts.
 #   run(command="bash scripts/gpu_s3_call3.sh", carry=[".whl"], timeout_s=600)
 set -uo pipefail
-OUT=${OUT:-/tmp/k3-gpu}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:.
-else
-  export PYTHONPATH=.
-fi
-export PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh
 timeout 60 python3 scripts/time_k3_toy.py --device cuda --optim --batch 8 --repeats 30 2>&1 | tee "$OUT/step_b8.txt" | tail -5
 timeout 150 python3 -m pytest -v -m gpu tests/ops/test_attnres.py tests/models tests/layers/test_kda_layer.py \
   tests/ops/test_fused_recurrent.py tests/test_checkpoint.py -p no:cacheprovider --tb=short 2>&1 | tee "$OUT/gpu_tests.txt" \
