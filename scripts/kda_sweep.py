@@ -68,7 +68,7 @@ VARIANTS = {
     "bwd_mkk": {"bwd_stored_mkk": True},
     "bwd_mkk_split_k32v32": {"bwd_stored_mkk": True, "bwd_split": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
     "fi_subchunk_bwd_mkk": {"fwd_intra_subchunk": True, "bwd_stored_mkk": True},
-    # session 3: score gradients per (chunk, 16-row sub-chunk, 32-column key block) (ptxas K128: 98 regs,
+    # session 3: score gradients per (chunk, 16-row sub-chunk, 32-column key block) (ptxas K128: 80 regs,
     # no spills), the key-side kernel without its sub-chunk loop (BK32 BV32: 183 regs, no spills)
     "bwd_subchunk": {"bwd_subchunk": True},
     "bwd_subchunk_k32v32": {"bwd_subchunk": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},

@@ -20,7 +20,7 @@ _CHUNK_SIZES = (16, 32, 64)
 # fwd_intra_split: stage 1 as three launches (scores, solve, W/U); fwd_intra_maxnreg: its register cap.
 # fwd_intra_subchunk: stage 1's scores per (chunk, 16-row query sub-chunk) in [16, K] tiles, then the
 #   solve and W/U launches (fwd_intra_subchunk_warps: the scores kernel's warps; ptxas at K = 128: 128
-#   registers at 8 warps, 140 when it also stores Mkk). Not yet timed on a GPU.
+#   registers at 8 warps, also when it stores Mkk). Not yet timed on a GPU.
 # bwd_stored_mkk: stage 1 also stores the raw Mkk, and the per-chunk backward reads it for dβ instead of
 #   recomputing the intra-chunk scores in every key block. Not yet timed on a GPU.
 # bwd_subchunk: the split backward with stored Mkk, whose intra-chunk score gradients come from a launch

@@ -167,11 +167,10 @@ def _unit_lower_inverse(p, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H: tl.constexpr, HV: tl.constexpr,
-                    K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """q, k [BT, BK] fp32 of head i_h and Γ = chunk-local cumsum of g [BT, BK] fp32 of head i_hv,
-    key columns [i_k*BK, (i_k+1)*BK)."""
-    o_t = i_n * BT + tl.arange(0, BT)
+def _load_rows_qkg(q, k, g, i_b, i_h, i_hv, o_t, i_k, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                   BK: tl.constexpr):
+    """Token rows o_t of sequence i_b, key columns [i_k*BK, (i_k+1)*BK): q, k fp32 (head i_h) and
+    g fp32 (head i_hv); zeros past T and past K."""
     o_k = i_k * BK + tl.arange(0, BK)
     m = (o_t < T)[:, None] & (o_k < K)[None, :]
     row_qk = (i_b * T + o_t).to(tl.int64) * (H * K) + i_h * K
@@ -179,7 +178,23 @@ def _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H: tl.constexpr, HV: t
     b_q = tl.load(q + row_qk[:, None] + o_k[None, :], mask=m, other=0.).to(tl.float32)
     b_k = tl.load(k + row_qk[:, None] + o_k[None, :], mask=m, other=0.).to(tl.float32)
     b_g = tl.load(g + row_g[:, None] + o_k[None, :], mask=m, other=0.).to(tl.float32)
+    return b_q, b_k, b_g
+
+
+@triton.jit
+def _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H: tl.constexpr, HV: tl.constexpr,
+                    K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """q, k [BT, BK] fp32 of head i_h and Γ = chunk-local cumsum of g [BT, BK] fp32 of head i_hv,
+    key columns [i_k*BK, (i_k+1)*BK)."""
+    b_q, b_k, b_g = _load_rows_qkg(q, k, g, i_b, i_h, i_hv, i_n * BT + tl.arange(0, BT), i_k, T, H, HV, K, BK)
     return b_q, b_k, tl.cumsum(b_g, 0)
+
+
+@triton.jit
+def _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, c, i_k, T, H: tl.constexpr, HV: tl.constexpr,
+                   K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """Rows of sub-chunk c of chunk i_n (`_load_rows_qkg` of [BC, BK]): q, k, g, no cumsum."""
+    return _load_rows_qkg(q, k, g, i_b, i_h, i_hv, i_n * BT + c * BC + tl.arange(0, BC), i_k, T, H, HV, K, BK)
 
 
 @triton.jit
@@ -312,22 +327,6 @@ def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mk
             b_w = tl.dot(b_tm, b_k * tl.exp(b_G) * b_beta[:, None], input_precision=PREC)
             tl.store(w + (base + o_t)[:, None] * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_k[None, :])
         _store_u(v, u, b_tm, b_beta, i_b, i_hv, i_n, base, T, HV, V, BT, BV, PREC)
-
-
-@triton.jit
-def _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, c, i_k, T, H: tl.constexpr, HV: tl.constexpr,
-                   K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
-    """Rows of sub-chunk c of chunk i_n, key columns [i_k*BK, (i_k+1)*BK): q, k [BC, BK] fp32 (head
-    i_h) and g [BC, BK] fp32 (head i_hv); zeros past T and past K."""
-    o_i = i_n * BT + c * BC + tl.arange(0, BC)
-    o_k = i_k * BK + tl.arange(0, BK)
-    m = (o_i < T)[:, None] & (o_k < K)[None, :]
-    tok = (i_b * T + o_i).to(tl.int64)
-    p_qk = tok[:, None] * (H * K) + i_h * K + o_k[None, :]
-    b_q = tl.load(q + p_qk, mask=m, other=0.).to(tl.float32)
-    b_k = tl.load(k + p_qk, mask=m, other=0.).to(tl.float32)
-    b_g = tl.load(g + tok[:, None] * (HV * K) + i_hv * K + o_k[None, :], mask=m, other=0.).to(tl.float32)
-    return b_q, b_k, b_g
 
 
 @triton.jit
