@@ -2,8 +2,7 @@
 
 DecoderBlock(x): x = x + attn(attn_norm(x)); x = x + ffn(ffn_norm(x))   (pre-norm residual).
 With AttnRes on, the model drives the two sublayers itself: `sublayer_cores()` (attn, ffn without
-their pre-norms) with `sublayer_norms()`, so the mixer can fuse each pre-norm into its mix kernel;
-`sublayers()` gives them with the pre-norms applied.
+their pre-norms) with `sublayer_norms()`, so the mixer can fuse each pre-norm into its mix kernel.
 `cache` (the attention layer's KDACache / MLACache) makes the attention sublayer continue a decode.
 """
 from __future__ import annotations
@@ -81,12 +80,6 @@ class DecoderBlock(nn.Module):
     def ffn_sublayer(self, h: torch.Tensor) -> torch.Tensor:
         """Raw FFN output ffn(ffn_norm(h)), [B, T, D] -> [B, T, D] (no residual)."""
         return self.ffn(self.ffn_norm(h))
-
-    def sublayers(self, cache=None) -> list[Callable[[torch.Tensor], torch.Tensor]]:
-        """The two sublayers with their pre-norms applied (the attention one bound to `cache`): what a
-        mixer without `norms=` takes. The model passes `sublayer_cores()` and `sublayer_norms()` instead."""
-        attn = self.attn_sublayer if cache is None else functools.partial(self.attn_sublayer, cache=cache)
-        return [attn, self.ffn_sublayer]
 
     def sublayer_cores(self, cache=None) -> list[Callable[[torch.Tensor], torch.Tensor]]:
         """attn and ffn without their pre-norms (inputs already normalised by `sublayer_norms()`)."""

@@ -312,13 +312,13 @@ def _kda_bwd_kside_kernel(q, k, g, beta, mkk, h, dh, do, vn, dy, dqk, dkk, dqs, 
 
 
 @triton.jit
-def _dm_blocks(dqk, dkk, p_blk, i_row, j_col, b_beta_rows, scale, offdiag):
+def _dm_blocks(dqk, dkk, p_blk, i_row, j_col, b_beta_rows, scale):
     """Blocks of the masked score gradients: dMq = scale·dAqk (j <= i) and dMk = -β_i dAkk (j < i)
-    from the unmasked dO Vn^T (dqk) and dY Vn^T (dkk); the masks bite on a diagonal block only."""
+    from the unmasked dO Vn^T (dqk) and dY Vn^T (dkk); the masks change only a diagonal block."""
     b_dmq = tl.load(dqk + p_blk)
     b_dmk = tl.load(dkk + p_blk)
-    b_dmq = tl.where((i_row[:, None] >= j_col[None, :]) | offdiag, b_dmq, 0.) * scale
-    b_dmk = -tl.where((i_row[:, None] > j_col[None, :]) | offdiag, b_dmk, 0.) * b_beta_rows[:, None]
+    b_dmq = tl.where(i_row[:, None] >= j_col[None, :], b_dmq, 0.) * scale
+    b_dmk = -tl.where(i_row[:, None] > j_col[None, :], b_dmk, 0.) * b_beta_rows[:, None]
     return b_dmq, b_dmk
 
 
@@ -367,7 +367,7 @@ def _kda_bwd_scores_subchunk_kernel(q, k, g, beta, dqk, dkk, dqs, dks, dgs, scal
         if c <= b:
             # rows of b as queries against the keys of sub-chunk c
             b_dmq, b_dmk = _dm_blocks(dqk, dkk, (base + i_rb)[:, None] * BT + i_rc[None, :], i_rb, i_rc,
-                                      b_beta_b, scale, c < b)
+                                      b_beta_b, scale)
             b_ke = b_kc * tl.exp(b_anc_b[None, :] - b_Gc)
             acc_q += tl.dot(b_dmq, b_ke, input_precision=PREC)
             acc_kr += tl.dot(b_dmk, b_ke, input_precision=PREC)
@@ -376,7 +376,7 @@ def _kda_bwd_scores_subchunk_kernel(q, k, g, beta, dqk, dkk, dqs, dks, dgs, scal
             m_c = (i_n * BT + i_rc) < T
             b_beta_c = tl.load(beta + (i_b * T + i_n * BT + i_rc).to(tl.int64) * HV + i_hv, mask=m_c, other=0.)
             b_dmq, b_dmk = _dm_blocks(dqk, dkk, (base + i_rc)[:, None] * BT + i_rb[None, :], i_rc, i_rb,
-                                      b_beta_c.to(tl.float32), scale, c > b)
+                                      b_beta_c.to(tl.float32), scale)
             b_anc_c = tl.sum(tl.where(o_c[:, None] == 0, b_Gc, 0.), 0)
             e_qc = tl.exp(b_Gc - b_anc_c[None, :])
             b_t = tl.dot(tl.trans(b_dmq), b_qc * e_qc, input_precision=PREC) + \

@@ -402,23 +402,23 @@ def _kda_fwd_scores_subchunk_kernel(q, k, g, beta, qg, kd, eg, aqk, tm, mkk, sca
             b_kb = tl.trans(b_kc * tl.exp(b_anchor[None, :] - b_Gc))
             b_sq += tl.dot(b_qa * e_q, b_kb, input_precision=PREC)
             b_sk += tl.dot(b_ka * e_q, b_kb, input_precision=PREC)
-        _store_score_block(aqk, tm, mkk, p_row, b_sq, b_sk, b_beta, scale, i_row, a, c, BC, STORE_MKK)
+        _store_score_block(aqk, tm, mkk, p_row, b_sq, b_sk, b_beta, scale, i_row, c, BC, STORE_MKK)
         c += 1
     b_zero = tl.zeros([BC, BC], dtype=tl.float32)
     while c < NC:
-        _store_score_block(aqk, tm, mkk, p_row, b_zero, b_zero, b_beta, scale, i_row, a, c, BC, STORE_MKK)
+        _store_score_block(aqk, tm, mkk, p_row, b_zero, b_zero, b_beta, scale, i_row, c, BC, STORE_MKK)
         c += 1
 
 
 @triton.jit
-def _store_score_block(aqk, tm, mkk, p_row, b_sq, b_sk, b_beta, scale, i_row, a, c, BC: tl.constexpr,
+def _store_score_block(aqk, tm, mkk, p_row, b_sq, b_sk, b_beta, scale, i_row, c, BC: tl.constexpr,
                        STORE_MKK: tl.constexpr):
-    """Block (a, c) of scale·Aqk (j <= i) and β_i Akk (j < i); the causal masks bite only on the
-    diagonal block (c == a); the caller passes zeros for c > a. With STORE_MKK also the raw Mkk block
+    """Block (a, c) of scale·Aqk (j <= i) and β_i Akk (j < i) for the rows i_row of sub-chunk a (the
+    causal masks change only the diagonal block); the caller passes zeros for c > a. With STORE_MKK also the raw Mkk block
     (no β) for the backward's dβ."""
     j_col = c * BC + tl.arange(0, BC)
-    b_sq = tl.where((i_row[:, None] >= j_col[None, :]) | (c < a), b_sq, 0.)
-    b_sk = tl.where((i_row[:, None] > j_col[None, :]) | (c < a), b_sk, 0.)
+    b_sq = tl.where(i_row[:, None] >= j_col[None, :], b_sq, 0.)
+    b_sk = tl.where(i_row[:, None] > j_col[None, :], b_sk, 0.)
     tl.store(aqk + p_row + j_col[None, :], b_sq * scale)
     if STORE_MKK:
         tl.store(mkk + p_row + j_col[None, :], b_sk)
