@@ -26,6 +26,7 @@ from k3cli.checkpoint import (
 )
 from k3cli.config import RunConfig, config_to_dict, dump_config, flatten, load_config
 from k3cli.data import load_tokenizer, prepare_data, save_tokenizer, write_text_atomic
+from k3cli.layers.moe import max_over_mean
 from k3cli.models.causal_lm import CausalLM
 
 # parameters named like this take no weight decay (besides every parameter with ndim < 2)
@@ -89,14 +90,12 @@ def evaluate_loss(model: CausalLM, batches: list[torch.Tensor], device: torch.de
     return total / max(1, n)
 
 
-def moe_imbalance(layers: list) -> float | None:
-    """Max over MoE layers of (max expert load / mean expert load) since the last bias update
-    (0 for a layer that saw no tokens); one read-back for all layers, as it runs every step."""
+def moe_imbalance(layers: list) -> torch.Tensor | None:
+    """Max over MoE layers of `max_over_mean` of their loads since the last bias update, as a 0-dim
+    tensor (the caller reads it back with the step's other scalars); None without MoE layers."""
     if not layers:
         return None
-    load = torch.stack([m.load_counts for m in layers]).double()                 # [layers, E]
-    ratio = torch.where(load.sum(1) > 0, load.amax(1) / load.mean(1), 0.0)
-    return float(ratio.max())
+    return max_over_mean(torch.stack([m.load_counts for m in layers])).max()
 
 
 @dataclass
@@ -176,7 +175,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
     moe = model.moe_layers()
     while step < tc.steps:
         opt.zero_grad(set_to_none=True)
-        # fp64 on the device: one host sync per step, the same sums as adding Python floats
+        # fp64 on the device, the same sums as adding Python floats
         loss_acc = torch.zeros((), dtype=torch.float64, device=device)
         for _ in range(accum):
             ids = next(loader).to(device)
@@ -185,16 +184,18 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
             (out.loss / accum).backward()
             loss_acc += out.loss.detach().float().double() / accum
             tokens_since += ids.numel()
-        loss_sum = loss_acc.item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0
+                                                   else float("inf"))
+        imb = moe_imbalance(moe)
+        # the step's scalars in one read-back (one host sync), checked before the update
+        vals = torch.stack([loss_acc, grad_norm.double()] + ([] if imb is None else [imb])).tolist()
+        loss_sum, grad_norm, imbalance = vals[0], vals[1], (vals[2] if imb is not None else None)
         if not math.isfinite(loss_sum):
             _stop(run_dir, f"non-finite loss ({loss_sum}) at step {step + 1}; stopped")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0
-                                                   else float("inf")).item()
         if not math.isfinite(grad_norm):  # stepping would write NaN weights into the next checkpoint
             _stop(run_dir, f"non-finite gradient norm ({grad_norm}) at step {step + 1}; stopped before the update")
         opt.step()
         sched.step()
-        imbalance = moe_imbalance(moe)
         for m in moe:
             m.update_bias()
         step += 1

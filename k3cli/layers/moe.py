@@ -21,6 +21,13 @@ from k3cli.layers.norm import RMSNorm
 DISPATCH_MODES = ("padded_bmm", "loop", "dense")
 
 
+def max_over_mean(counts: torch.Tensor) -> torch.Tensor:
+    """Expert-load imbalance over the last dim, max load / mean load (0 where no tokens were routed);
+    batched, so several layers' counts [L, E] cost one read-back."""
+    load = counts.double()
+    return torch.where(load.sum(-1) > 0, load.amax(-1) / load.mean(-1), 0.0)
+
+
 class LatentMoE(nn.Module):
     """Parameters: n_s shared SiTUExpert(D, d_ff); router D→n_r; down_proj D→ℓ; stacked routed
     w_gate [n_r, ℓ, d_ff], w_up [n_r, ℓ, d_ff], w_down [n_r, d_ff, ℓ]; u_norm [ℓ]; up_proj ℓ→D.
@@ -152,8 +159,5 @@ class LatentMoE(nn.Module):
     @torch.no_grad()
     def load_stats(self) -> dict:
         """Per-expert load fractions [E] and max/mean imbalance of the counts since the last update."""
-        total = self.load_counts.sum()
         load = self.load_counts.double()
-        frac = load / total.clamp_min(1)
-        imbalance = (load.max() / load.mean()).item() if total > 0 else 0.0
-        return {"load": frac.cpu(), "max_over_mean": imbalance}
+        return {"load": (load / load.sum().clamp_min(1)).cpu(), "max_over_mean": max_over_mean(load).item()}
