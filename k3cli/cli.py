@@ -253,16 +253,15 @@ def train(
 ):
     """Train a model on real text (default: the Python standard library's own source)."""
     from k3cli.report import TrainProgress, make_logger
-    from k3cli.train import TrainingStopped
+    from k3cli.train import TrainingStopped, require_wandb
     from k3cli.train import train as run_training
 
     if resume not in (None, "auto"):
         fail(f"--resume takes 'auto', got '{resume}'")
-    if wandb.value != "off":   # fail before any data or model work
-        try:
-            import wandb as _wandb  # noqa: F401
-        except ImportError:
-            fail("--wandb needs the wandb package: pip install 'k3cli[wandb]'")
+    try:
+        require_wandb(wandb.value)   # fail before any data or model work
+    except ValueError as e:
+        fail(str(e))
     flags = {"data.source": data, "train.steps": steps, "train.device": device, "train.seed": seed,
              "train.time_limit_s": time_limit}
     flags = {k: v for k, v in flags.items() if v is not None}

@@ -298,11 +298,18 @@ def _format(r: dict) -> str:
     return " | ".join(parts)
 
 
-def _wandb_init(mode: str, cfg: RunConfig, run_dir: Path):
+def require_wandb(mode: str):
+    """The wandb module when `mode` is not "off" (None then); a clear ValueError when it is missing."""
     if mode == "off":
         return None
     try:
         import wandb  # optional extra: pip install 'k3cli[wandb]'
     except ImportError:
         raise ValueError("--wandb needs the wandb package: pip install 'k3cli[wandb]'") from None
-    return wandb.init(project="k3", dir=str(run_dir), mode=mode, config=config_to_dict(cfg))
+    return wandb
+
+
+def _wandb_init(mode: str, cfg: RunConfig, run_dir: Path):
+    wandb = require_wandb(mode)
+    return None if wandb is None else wandb.init(project="k3", dir=str(run_dir), mode=mode,
+                                                  config=config_to_dict(cfg))

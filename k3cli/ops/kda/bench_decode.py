@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 
+from k3cli.layers.norm import l2norm
 from k3cli.ops.kda.bench import copy_ceiling_gbps, time_fn
 from k3cli.ops.kda.naive import naive_kda_gate, naive_recurrent_kda
 
@@ -54,7 +54,7 @@ def _steps(B, H, HV, K, dtype, dev, fla) -> dict:
                             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
 
     def torch_step():
-        qn, kn = F.normalize(q.float(), dim=-1), F.normalize(k.float(), dim=-1)
+        qn, kn = l2norm(q.float()), l2norm(k.float())   # the layer's and the kernel's normalisation
         naive_recurrent_kda(qn, kn, v, naive_kda_gate(g_raw, A_log, dt_bias), beta, initial_state=state,
                             output_final_state=True)
 
