@@ -104,6 +104,14 @@ def attnres_merge(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, partial: to
     return (o * a[..., None] + b[..., None] * p) / (l * a + b)[..., None]
 
 
+def _fused_call(kernel, *args, norm: nn.Module | None = None, **kwargs) -> torch.Tensor:
+    """A Triton mix (`fused_attnres` / `attnres_merge`): its h, or with `norm` (an RMSNorm) the
+    normalised y the kernel computes in the same pass."""
+    if norm is None:
+        return kernel(*args, **kwargs)
+    return kernel(*args, norm_weight=norm.weight, norm_eps=norm.eps, **kwargs)[1]
+
+
 class AttnResMixer(nn.Module):
     """Drives the N = 2L sublayers with depth mixes. Parameters: query [N, D] (zeros), gain [N, D]
     (ones), out_query [D], out_gain [D] for the final mix.
@@ -183,9 +191,7 @@ class AttnResMixer(nn.Module):
         passed through `norm` (an RMSNorm; fused into the kernel on the Triton path) when given."""
         q, g = (self.out_query, self.out_gain) if l is None else (rows[0][l], rows[1][l])
         if ops is not None and len(sources) <= MAX_FUSED_SOURCES:
-            if norm is None:
-                return ops[0](sources, q, g, self.eps)
-            return ops[0](sources, q, g, self.eps, norm_weight=norm.weight, norm_eps=norm.eps)[1]
+            return _fused_call(ops[0], sources, q, g, self.eps, norm=norm)
         h = naive_attnres(sources, q, g, self.eps, keys=keys)
         return h if norm is None else norm(h)
 
@@ -232,18 +238,13 @@ class AttnResMixer(nn.Module):
             fused_merge = ops is not None and o.dtype == torch.float32
             m, lsum, o = m.unbind(0), lsum.unbind(0), o.unbind(0)
             for r, l in enumerate(range(start, stop)):
-                norm = norms[l]
-                if fused_merge and norm is not None:
-                    # the sublayer's pre-norm in the merge kernel: h and y = RMSNorm(h)·w in one pass
-                    h = ops[2](m[r], lsum[r], o[r], partial, rows[0][l], rows[1][l], self.eps,
-                               norm_weight=norm.weight, norm_eps=norm.eps, out_dtype=emb.dtype)[1]
-                elif fused_merge:
-                    h = ops[2](m[r], lsum[r], o[r], partial, rows[0][l], rows[1][l], self.eps,
-                               out_dtype=emb.dtype)
+                args = (m[r], lsum[r], o[r], partial, rows[0][l], rows[1][l], self.eps)
+                if fused_merge:
+                    h = _fused_call(ops[2], *args, norm=norms[l], out_dtype=emb.dtype)
                 else:
-                    h = attnres_merge(m[r], lsum[r], o[r], partial, rows[0][l], rows[1][l], self.eps)
-                    h = h.to(emb.dtype) if norm is None else norm(h.to(emb.dtype))
-                v = sublayers[l](h.to(emb.dtype))
+                    h = attnres_merge(*args).to(emb.dtype)
+                    h = h if norms[l] is None else norms[l](h)
+                v = sublayers[l](h)
                 if partial is None or torch.promote_types(v.dtype, emb.dtype) != emb.dtype:
                     v = v.to(emb.dtype)   # a v wider than emb is rounded first, as before
                 # else the sum promotes a narrower v itself (exactly), as the residual x + v does
