@@ -82,6 +82,24 @@ VARIANTS = {
     "states_in_s3": {"states_dtype": "input"},
     # the pre-session-3 default at K = 128 (TUNING "auto" now picks 2-byte buffers there)
     "fp32_bufs": {"inter_dtype": "fp32", "gated_dtype": "fp32"},
+    # session 4: stage-1 scores as 16 x 16 block pairs (batched [NC, 16, PBK] products, each needed pair
+    # once instead of masked [64, 64] products per query sub-chunk); 1: all offsets per key block, 2: one
+    # offset at a time. One launch (PART 0) or three (split); the measured backward winner alongside
+    "p1_split16": {"fwd_intra_pairs": 1, "fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_pairs_BK": 16},
+    "p1_split32": {"fwd_intra_pairs": 1, "fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_pairs_BK": 32},
+    "p2_split16": {"fwd_intra_pairs": 2, "fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_pairs_BK": 16},
+    "p2_split32": {"fwd_intra_pairs": 2, "fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_pairs_BK": 32},
+    "p2_split64": {"fwd_intra_pairs": 2, "fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_pairs_BK": 64},
+    "p2_split16_r128": {"fwd_intra_pairs": 2, "fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_pairs_BK": 16,
+                        "fwd_intra_maxnreg": 128},
+    "p2_split16_w4": {"fwd_intra_pairs": 2, "fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_pairs_BK": 16,
+                      "fwd_intra_warps": 4},
+    "p2_one16": {"fwd_intra_pairs": 2, "fwd_intra_pairs_BK": 16},
+    "p2_one16_bk32": {"fwd_intra_pairs": 2, "fwd_intra_pairs_BK": 16, "fwd_intra_BK": 32},
+    "p1_one16_bk32": {"fwd_intra_pairs": 1, "fwd_intra_pairs_BK": 16, "fwd_intra_BK": 32},
+    "bsub_store": {"bwd_subchunk": True, "fwd_store_states": True},
+    "bsub_mkk_w8": {"bwd_subchunk": True, "bwd_subchunk_warps": 8},
+    "bsub_w2": {"bwd_subchunk": True, "bwd_subchunk_warps": 2},
     # chunk 32: [32, 32] score tiles, twice the sequential scan steps (chunk_size is chunk_kda's argument)
     "c32": {"chunk_size": 32},
     "c32_kb16_w4": {"chunk_size": 32, "fwd_intra_BK": 16, "fwd_intra_warps": 4},

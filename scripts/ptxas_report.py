@@ -59,17 +59,26 @@ def main() -> None:
     for bk in (64, 32, 16):
         if bk < BKf:
             cases.append((f"fwd_intra kblock BK{bk}", F._kda_fwd_intra_kblock_kernel,
-                          dict(base, BK=bk, BV=min(64, BKf), PART=0, STORE_MKK=False)))
+                          dict(base, BK=bk, BV=min(64, BKf), PART=0, STORE_MKK=False, PAIRS=False, PBK=32)))
+    for pbk in (64, 32, 16):
+        if pbk <= BKf:
+            cases.append((f"fwd_intra kblock BK{BKf} pairs PBK{pbk}", F._kda_fwd_intra_kblock_kernel,
+                          dict(base, BK=BKf, BV=min(64, BKf), PART=0, STORE_MKK=False, PAIRS=True, PBK=pbk)))
     for stored in (False, True):
         cases.append(("fwd scores sub-chunk" + (" + Mkk" if stored else ""), F._kda_fwd_scores_subchunk_kernel,
                       dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=min(32, BKf), PREC=args.prec,
                            STORE_MKK=stored)))
     for bk in (BKf, 32):
         cases.append((f"fwd_intra solve / W,U BK{bk}", F._kda_fwd_intra_kblock_kernel,
-                      dict(base, BK=min(bk, BKf), BV=min(64, BKf), PART=3, STORE_MKK=False)))
+                      dict(base, BK=min(bk, BKf), BV=min(64, BKf), PART=3, STORE_MKK=False, PAIRS=False, PBK=32)))
     for part, what in ((1, "scores"), (2, "solve"), (3, "W, U")):
         cases.append((f"fwd_intra split {what} BK32", F._kda_fwd_intra_kblock_kernel,
-                      dict(base, BK=min(32, BKf), BV=min(64, BKf), PART=part, STORE_MKK=False)))
+                      dict(base, BK=min(32, BKf), BV=min(64, BKf), PART=part, STORE_MKK=False, PAIRS=False,
+                           PBK=32)))
+    for pbk in (64, 32, 16):
+        if pbk <= BKf:
+            cases.append((f"fwd_intra split scores BK32 pairs PBK{pbk}", F._kda_fwd_intra_kblock_kernel,
+                          dict(base, BK=min(32, BKf), BV=min(64, BKf), PART=1, STORE_MKK=False, PAIRS=True, PBK=pbk)))
     state = dict(HV=16, K=K, V=V, BT=BT, BK=BKf, PREC=args.prec)
     for bv in (64, 32):
         cases.append((f"fwd_state BV{bv}", F._kda_fwd_state_kernel,

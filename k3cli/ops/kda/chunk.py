@@ -41,7 +41,7 @@ _CHUNK_SIZES = (16, 32, 64)
 #   0.209 ms with fp32 buffers (session 1), because 2-byte Q e^Γ / K e^(γ-Γ) need the key-blocked
 #   stage-1 kernel. K in between (e.g. 64) is not measured; it keeps fp32.
 TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None, "fwd_intra_split": False,
-          "fwd_intra_subchunk": False, "fwd_intra_subchunk_warps": 8, "bwd_stored_mkk": False,
+          "fwd_intra_pairs": 0, "fwd_intra_pairs_BK": 32, "fwd_intra_subchunk": False, "fwd_intra_subchunk_warps": 8, "bwd_stored_mkk": False,
           "bwd_subchunk": False, "bwd_subchunk_warps": 4, "fwd_store_states": False,
           "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None, "bwd_intra_warps": 8,
           "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32"}
@@ -57,10 +57,12 @@ def check_tuning(tuning: dict) -> None:
     for name in ("inter_dtype", "gated_dtype", "states_dtype"):
         if tuning.get(name, "fp32") not in _DTYPE_CHOICES:
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]!r} must be one of {_DTYPE_CHOICES}")
-    for name in ("fwd_intra_BK", "bwd_intra_BK", "bwd_intra_BV"):
+    for name in ("fwd_intra_BK", "bwd_intra_BK", "bwd_intra_BV", "fwd_intra_pairs_BK"):
         b = tuning.get(name)
         if b is not None and (b < 16 or b & (b - 1)):
             raise ValueError(f"chunk_kda TUNING: {name}={b} must be None or a power of two >= 16")
+    if tuning.get("fwd_intra_pairs", 0) not in (0, 1, 2):
+        raise ValueError(f"chunk_kda TUNING: fwd_intra_pairs={tuning['fwd_intra_pairs']} must be 0, 1 or 2")
     for name in ("fwd_intra_warps", "bwd_intra_warps", "fwd_intra_subchunk_warps", "bwd_subchunk_warps"):
         if tuning.get(name, 8) not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]} must be a power of two <= 32")
@@ -83,7 +85,8 @@ def fwd_intra(q, k, v, g, beta, scale, C, prec) -> Intra:
                          num_warps=TUNING["fwd_intra_warps"], precision=prec, key_block=TUNING["fwd_intra_BK"],
                          maxnreg=TUNING["fwd_intra_maxnreg"], split=TUNING["fwd_intra_split"],
                          subchunk=TUNING["fwd_intra_subchunk"], subchunk_warps=TUNING["fwd_intra_subchunk_warps"],
-                         store_mkk=TUNING["bwd_stored_mkk"] or TUNING["bwd_subchunk"])
+                         store_mkk=TUNING["bwd_stored_mkk"] or TUNING["bwd_subchunk"],
+                         pairs=TUNING["fwd_intra_pairs"], pairs_key_block=TUNING["fwd_intra_pairs_BK"])
 
 
 def recompute_states(it: Intra, h0, B, T, HV, C, v_dtype, prec):

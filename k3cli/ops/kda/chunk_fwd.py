@@ -271,16 +271,178 @@ def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk, scal
 
 
 @triton.jit
+def _sub3(x, i_b, i_head, i_n, s: tl.constexpr, i_k, T, NHEAD: tl.constexpr, K: tl.constexpr,
+          BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """[NC, BC, BK] fp32 rows of chunk i_n, key columns [i_k*BK, (i_k+1)*BK): entry a holds sub-chunk
+    a - s (zeros for a < s, past T and past K) — a sub-chunk-shifted view, read from memory because
+    registers cannot be sliced."""
+    NC: tl.constexpr = BT // BC
+    o_a = tl.arange(0, NC)
+    o_k = i_k * BK + tl.arange(0, BK)
+    t = i_n * BT + (o_a[:, None, None] - s) * BC + tl.arange(0, BC)[None, :, None]
+    m = (o_a[:, None, None] >= s) & (t < T) & (o_k[None, None, :] < K)
+    p = x + (i_b * T + t).to(tl.int64) * (NHEAD * K) + i_head * K + o_k[None, None, :]
+    return tl.load(p, mask=m, other=0.).to(tl.float32)
+
+
+@triton.jit
+def _rel_decay(b_g, BC: tl.constexpr):
+    """Per sub-chunk of b_g [NC, BC, BK] (g rows): Γ_i - Γ_anchor with the anchor at the sub-chunk's
+    FIRST row (<= 0), and that first row's g [NC, BK]."""
+    b_first = tl.sum(tl.where(tl.arange(0, BC)[None, :, None] == 0, b_g, 0.), 1)
+    return tl.cumsum(b_g, 1) - b_first[:, None, :], b_first
+
+
+@triton.jit
+def _pair_block(k, g, b_qn, b_kn, b_A, s: tl.constexpr, i_b, i_h, i_hv, i_n, i_k, T, H: tl.constexpr,
+                HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                PREC: tl.constexpr):
+    """Scores of block pairs (a, a - s) for every query sub-chunk a >= s, one key block, as [NC, BC, BC]
+    (zeros for a < s): Σ_d qn_id e^(A_a - A_c)_d kt_jd, with qn = q e^(Γ_i - A_a) <= |q|, the factor
+    e^(A_a - A_c) <= 1 (c = a - s <= a) and kt = k e^(A_c - Γ_j) <= e^((BC-1) |g|max) |k|.
+    Returns (query-key, key-key) scores."""
+    NC: tl.constexpr = BT // BC
+    o_a = tl.arange(0, NC)
+    b_k = _sub3(k, i_b, i_h, i_n, s, i_k, T, H, K, BT, BC, BK)
+    b_rel, _ = _rel_decay(_sub3(g, i_b, i_hv, i_n, s, i_k, T, HV, K, BT, BC, BK), BC)
+    b_kt = tl.trans(b_k * tl.exp(-b_rel), 0, 2, 1)
+    if s > 0:
+        # A_(a-s) beside A_a, then the cross-block decay e^(A_a - A_(a-s)) (0 where a < s)
+        b_Ac = tl.sum(tl.where(o_a[:, None, None] - s == o_a[None, :, None], b_A[None, :, :], 0.), 1)
+        m_a = (o_a >= s)[:, None]
+        b_f = tl.where(m_a, tl.exp(tl.where(m_a, b_A - b_Ac, 0.)), 0.)[:, None, :]
+        b_qn = b_qn * b_f
+        b_kn = b_kn * b_f
+    return tl.dot(b_qn, b_kt, input_precision=PREC), tl.dot(b_kn, b_kt, input_precision=PREC)
+
+
+@triton.jit
+def _store_pair_blocks(aqk, tm, mkk, base, b_sq, b_sk, b_beta, scale, s: tl.constexpr, BT: tl.constexpr,
+                       BC: tl.constexpr, STORE_MKK: tl.constexpr):
+    """Blocks (a, a - s) of scale·Aqk (j <= i), β_i Akk (j < i) and, with STORE_MKK, raw Mkk; and zeros
+    in blocks (a, a + s) above the diagonal."""
+    NC: tl.constexpr = BT // BC
+    o_a = tl.arange(0, NC)[:, None, None]
+    o_i = tl.arange(0, BC)[None, :, None]
+    o_j = tl.arange(0, BC)[None, None, :]
+    row = (base + o_a * BC + o_i) * BT
+    m = (o_a >= s) & (o_j >= 0)
+    if s == 0:
+        b_sq = tl.where(o_i >= o_j, b_sq, 0.)
+        b_sk = tl.where(o_i > o_j, b_sk, 0.)
+    p = row + (o_a - s) * BC + o_j
+    tl.store(aqk + p, b_sq * scale, mask=m)
+    if STORE_MKK:
+        tl.store(mkk + p, b_sk, mask=m)
+    tl.store(tm + p, b_sk * b_beta, mask=m)
+    if s > 0:
+        p_up = row + (o_a + s) * BC + o_j
+        m_up = (o_a + s < NC) & (o_j >= 0)
+        b_zero = tl.zeros([NC, BC, BC], dtype=tl.float32)
+        tl.store(aqk + p_up, b_zero, mask=m_up)
+        if STORE_MKK:
+            tl.store(mkk + p_up, b_zero, mask=m_up)
+        tl.store(tm + p_up, b_zero, mask=m_up)
+
+
+@triton.jit
+def _pair_query_side(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """One key block of the query side of `_pair_block` as [NC, BC, BK]: q e^(Γ_i - A_a), k e^(Γ_i - A_a),
+    and the anchors A_a = Γ at sub-chunk a's first row [NC, BK] (the earlier sub-chunks' sums plus that
+    row's g)."""
+    b_g = _sub3(g, i_b, i_hv, i_n, 0, i_k, T, HV, K, BT, BC, BK)
+    b_rel, b_first = _rel_decay(b_g, BC)
+    b_tot = tl.sum(b_g, 1)
+    b_A = tl.cumsum(b_tot, 0) - b_tot + b_first
+    b_e = tl.exp(b_rel)
+    b_qn = _sub3(q, i_b, i_h, i_n, 0, i_k, T, H, K, BT, BC, BK) * b_e
+    b_kn = _sub3(k, i_b, i_h, i_n, 0, i_k, T, H, K, BT, BC, BK) * b_e
+    return b_qn, b_kn, b_A
+
+
+@triton.jit
+def _pair_offset_scores(q, k, g, beta3, aqk, tm, mkk, scale, s: tl.constexpr, i_b, i_h, i_hv, i_n, base, T,
+                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                        BK: tl.constexpr, PREC: tl.constexpr, STORE_MKK: tl.constexpr):
+    """`_pair_scores` for one offset s: its two accumulators over all key blocks, then its blocks stored
+    (the query side is re-derived per offset: fewer live registers, more exp work)."""
+    NC: tl.constexpr = BT // BC
+    b_aq = tl.zeros([NC, BC, BC], dtype=tl.float32)
+    b_ak = tl.zeros([NC, BC, BC], dtype=tl.float32)
+    for i_k in range((K + BK - 1) // BK):
+        b_qn, b_kn, b_A = _pair_query_side(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BC, BK)
+        b_sq, b_sk = _pair_block(k, g, b_qn, b_kn, b_A, s, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BC, BK, PREC)
+        b_aq += b_sq
+        b_ak += b_sk
+    _store_pair_blocks(aqk, tm, mkk, base, b_aq, b_ak, beta3, scale, s, BT, BC, STORE_MKK)
+
+
+@triton.jit
+def _pair_scores(q, k, g, beta, aqk, tm, mkk, scale, i_b, i_h, i_hv, i_n, base, T, H: tl.constexpr,
+                 HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                 PREC: tl.constexpr, STORE_MKK: tl.constexpr):
+    """This chunk's scale·Aqk, β Akk (and raw Mkk) as BC x BC block pairs: for each sub-chunk offset
+    s = a - c a batched [NC, BC, BK] x [NC, BK, BC] product, accumulated over BK-column key blocks.
+    Every needed pair (c <= a) is computed once, against 4x the work in the masked [BT, BT]
+    products of `_intra_scores`; the key side of offset s is read shifted by s sub-chunks."""
+    NC: tl.constexpr = BT // BC
+    o_a = tl.arange(0, NC)
+    b_q0 = tl.zeros([NC, BC, BC], dtype=tl.float32)
+    b_k0 = tl.zeros([NC, BC, BC], dtype=tl.float32)
+    if NC > 1:
+        b_q1 = tl.zeros([NC, BC, BC], dtype=tl.float32)
+        b_k1 = tl.zeros([NC, BC, BC], dtype=tl.float32)
+    if NC > 2:
+        b_q2 = tl.zeros([NC, BC, BC], dtype=tl.float32)
+        b_k2 = tl.zeros([NC, BC, BC], dtype=tl.float32)
+        b_q3 = tl.zeros([NC, BC, BC], dtype=tl.float32)
+        b_k3 = tl.zeros([NC, BC, BC], dtype=tl.float32)
+    for i_k in range((K + BK - 1) // BK):
+        b_qn, b_kn, b_A = _pair_query_side(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BC, BK)
+        b_sq, b_sk = _pair_block(k, g, b_qn, b_kn, b_A, 0, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BC, BK, PREC)
+        b_q0 += b_sq
+        b_k0 += b_sk
+        if NC > 1:
+            b_sq, b_sk = _pair_block(k, g, b_qn, b_kn, b_A, 1, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BC, BK,
+                                     PREC)
+            b_q1 += b_sq
+            b_k1 += b_sk
+        if NC > 2:
+            b_sq, b_sk = _pair_block(k, g, b_qn, b_kn, b_A, 2, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BC, BK,
+                                     PREC)
+            b_q2 += b_sq
+            b_k2 += b_sk
+            b_sq, b_sk = _pair_block(k, g, b_qn, b_kn, b_A, 3, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BC, BK,
+                                     PREC)
+            b_q3 += b_sq
+            b_k3 += b_sk
+    t = i_n * BT + o_a[:, None] * BC + tl.arange(0, BC)[None, :]
+    b_beta = tl.load(beta + (i_b * T + t).to(tl.int64) * HV + i_hv, mask=t < T, other=0.).to(tl.float32)
+    b_beta = b_beta[:, :, None]
+    _store_pair_blocks(aqk, tm, mkk, base, b_q0, b_k0, b_beta, scale, 0, BT, BC, STORE_MKK)
+    if NC > 1:
+        _store_pair_blocks(aqk, tm, mkk, base, b_q1, b_k1, b_beta, scale, 1, BT, BC, STORE_MKK)
+    if NC > 2:
+        _store_pair_blocks(aqk, tm, mkk, base, b_q2, b_k2, b_beta, scale, 2, BT, BC, STORE_MKK)
+        _store_pair_blocks(aqk, tm, mkk, base, b_q3, b_k3, b_beta, scale, 3, BT, BC, STORE_MKK)
+
+
+@triton.jit
 def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk, scale, T, NT,
                                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                  BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                 PREC: tl.constexpr, PART: tl.constexpr, STORE_MKK: tl.constexpr):
+                                 PREC: tl.constexpr, PART: tl.constexpr, STORE_MKK: tl.constexpr,
+                                 PAIRS: tl.constexpr = False, PBK: tl.constexpr = 32):
     """Stage 1 with the key dimension walked in BK-column blocks: the same outputs as
     `_kda_fwd_intra_kernel`, but no program holds more than [BT, BK] of q, k, Γ at a time (at K = 128
     the whole-K kernel sat at 255 registers, 1 block per SM and spilled; ncu, notes/session2_gpu.md).
     Scores accumulate over key blocks (they are sums over key dims); Γ is re-derived per block.
     PART 0 does everything; 1, 2, 3 are the scores (+ gated operands), the solve of the Tm buffer in
-    place, and W, U — three launches in that order give the same result with smaller programs."""
+    place, and W, U — three launches in that order give the same result with smaller programs.
+    PAIRS: the scores as BC x BC block pairs in key blocks of PBK columns instead of masked [BT, BT]
+    products per query sub-chunk; 1: all sub-chunk offsets per key block (`_pair_scores`), 2: one offset
+    at a time (`_pair_offset_scores`)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -298,20 +460,33 @@ def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mk
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
             b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK)
-            b_sq, b_sk = _intra_scores(b_q, b_k, b_G, BT, BC, PREC)
-            b_mqk += b_sq
-            b_mkk += b_sk
+            if not PAIRS:
+                b_sq, b_sk = _intra_scores(b_q, b_k, b_G, BT, BC, PREC)
+                b_mqk += b_sq
+                b_mkk += b_sk
             # the gated operands of the state scans for these key columns
             b_gam = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), 0)
             p_rk = (base + o_t)[:, None] * K + o_k[None, :]
             tl.store(qg + p_rk, (b_q * tl.exp(b_G) * scale).to(qg.dtype.element_ty), mask=m_k[None, :])
             tl.store(kd + p_rk, (b_k * tl.exp(b_gam[None, :] - b_G)).to(kd.dtype.element_ty), mask=m_k[None, :])
             tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=m_k)
-        tl.store(aqk + p_tt, tl.where(o_t[:, None] >= o_t[None, :], b_mqk, 0.) * scale)
-        b_mkk = tl.where(o_t[:, None] > o_t[None, :], b_mkk, 0.)
-        if STORE_MKK:
-            tl.store(mkk + p_tt, b_mkk)
-        tl.store(tm + p_tt, b_mkk * b_beta[:, None])
+        if PAIRS == 2:
+            NC: tl.constexpr = BT // BC
+            t3 = i_n * BT + tl.arange(0, NC)[:, None] * BC + tl.arange(0, BC)[None, :]
+            b_beta3 = tl.load(beta + (i_b * T + t3).to(tl.int64) * HV + i_hv, mask=t3 < T, other=0.)
+            b_beta3 = b_beta3.to(tl.float32)[:, :, None]
+            for s in tl.static_range(NC):
+                _pair_offset_scores(q, k, g, b_beta3, aqk, tm, mkk, scale, s, i_b, i_h, i_hv, i_n, base, T, H, HV, K,
+                                    BT, BC, PBK, PREC, STORE_MKK)
+        elif PAIRS:
+            _pair_scores(q, k, g, beta, aqk, tm, mkk, scale, i_b, i_h, i_hv, i_n, base, T, H, HV, K, BT, BC, PBK,
+                         PREC, STORE_MKK)
+        else:
+            tl.store(aqk + p_tt, tl.where(o_t[:, None] >= o_t[None, :], b_mqk, 0.) * scale)
+            b_mkk = tl.where(o_t[:, None] > o_t[None, :], b_mkk, 0.)
+            if STORE_MKK:
+                tl.store(mkk + p_tt, b_mkk)
+            tl.store(tm + p_tt, b_mkk * b_beta[:, None])
     if PART == 0:
         tl.debug_barrier()
         b_tm = _unit_lower_inverse(tm + base * BT, BT, BC)
@@ -540,7 +715,8 @@ def dot_precision(dtype: torch.dtype) -> str:
 def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: torch.dtype,
                   gated_dtype: torch.dtype = torch.float32, num_warps: int = 8, precision: str = "tf32",
                   key_block: int | None = None, maxnreg: int | None = None, split: bool = False,
-                  subchunk: bool = False, subchunk_warps: int = 4, store_mkk: bool = False) -> Intra:
+                  subchunk: bool = False, subchunk_warps: int = 4, store_mkk: bool = False,
+                  pairs: int = 0, pairs_key_block: int = 32) -> Intra:
     """Launch stage 1 (one program per chunk and batch*value-head). W, U are stored in `inter_dtype`,
     Q e^Γ and K e^(γ-Γ) in `gated_dtype`; everything else fp32. `precision`: see dot_precision.
     `key_block` (16, 32, 64): walk the key dim in blocks of that many columns when K is wider
@@ -549,7 +725,9 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     `split`: three launches (scores, solve, W/U) of the key-blocked kernel instead of one.
     `subchunk`: the scores from `_kda_fwd_scores_subchunk_kernel` (one program per chunk and query
     sub-chunk, `subchunk_warps` warps), then the key-blocked kernel's solve and W/U launches.
-    `store_mkk`: also keep the raw Mkk (Intra.mkk, else None) for the backward's dβ term."""
+    `store_mkk`: also keep the raw Mkk (Intra.mkk, else None) for the backward's dβ term.
+    `pairs` (0, 1, 2): the key-blocked kernel with its scores as BC x BC block pairs in key blocks of
+    `pairs_key_block` columns (PAIRS of `_kda_fwd_intra_kblock_kernel`)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
@@ -583,11 +761,13 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
         for part in (2, 3):
             _kda_fwd_intra_kblock_kernel[(NT, B * HV)](
                 *args, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=BV, PREC=precision, PART=part, **opts)
-    elif (key_block is not None and key_block < BK) or gated_dtype != torch.float32 or split:
+    elif (key_block is not None and key_block < BK) or gated_dtype != torch.float32 or split or pairs:
+        PBK = min(BK, pairs_key_block)
         BK = min(BK, key_block or BK)
         for part in (1, 2, 3) if split else (0,):
             _kda_fwd_intra_kblock_kernel[(NT, B * HV)](
-                *args, H=H, HV=HV, K=K, V=V, BT=BT, BC=min(16, BT), BK=BK, BV=BV, PREC=precision, PART=part, **opts)
+                *args, H=H, HV=HV, K=K, V=V, BT=BT, BC=min(16, BT), BK=BK, BV=BV, PREC=precision, PART=part,
+                PAIRS=pairs, PBK=PBK, **opts)
     else:
         _kda_fwd_intra_kernel[(NT, B * HV)](
             *args, H=H, HV=HV, K=K, V=V, BT=BT, BC=min(16, BT), BK=BK, BV=BV, PREC=precision, **opts)
