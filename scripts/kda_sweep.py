@@ -100,6 +100,19 @@ VARIANTS = {
     "bsub_store": {"bwd_subchunk": True, "fwd_store_states": True},
     "bsub_mkk_w8": {"bwd_subchunk": True, "bwd_subchunk_warps": 8},
     "bsub_w2": {"bwd_subchunk": True, "bwd_subchunk_warps": 2},
+    # session 4: 16-bit dot operands (TUNING dot16_*) on top of call 2's best (bsub_store); block-pair
+    # score gradients in the backward (bwd_pairs)
+    "bsub_store_w2": {"bwd_subchunk": True, "fwd_store_states": True, "bwd_subchunk_warps": 2},
+    "d16_all": {"bwd_subchunk": True, "fwd_store_states": True, "dot16_intra": True, "dot16_state": True,
+                "dot16_bwd": True},
+    "d16_intra": {"bwd_subchunk": True, "fwd_store_states": True, "dot16_intra": True},
+    "d16_state": {"bwd_subchunk": True, "fwd_store_states": True, "dot16_state": True},
+    "d16_bwd": {"bwd_subchunk": True, "fwd_store_states": True, "dot16_bwd": True},
+    "d16_all_kb32": {"bwd_subchunk": True, "fwd_store_states": True, "dot16_intra": True, "dot16_state": True,
+                     "dot16_bwd": True, "fwd_intra_BK": 32},
+    "bpairs_store": {"bwd_pairs": True, "fwd_store_states": True},
+    "bpairs16_store": {"bwd_pairs": True, "bwd_pairs_BK": 16, "fwd_store_states": True},
+    "bpairs_store_w8": {"bwd_pairs": True, "fwd_store_states": True, "bwd_subchunk_warps": 8},
     # chunk 32: [32, 32] score tiles, twice the sequential scan steps (chunk_size is chunk_kda's argument)
     "c32": {"chunk_size": 32},
     "c32_kb16_w4": {"chunk_size": 32, "fwd_intra_BK": 16, "fwd_intra_warps": 4},

@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--warps", type=int, nargs="+", default=[16, 8, 4])
     ap.add_argument("--chunk", type=int, default=64, help="BT, the chunk size")
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (ptxas .maxnreg)")
-    ap.add_argument("--prec", default="tf32", choices=["tf32", "tf32x3", "ieee"], help="tl.dot input precision")
+    ap.add_argument("--prec", default="tf32", choices=["tf32", "tf32x3", "ieee", "bf16"], help="tl.dot input precision")
     args = ap.parse_args()
     K = V = args.K
     BKf = max(16, triton.next_power_of_2(K))
@@ -95,6 +95,9 @@ def main() -> None:
                           dict(base, BK=bk, BV=bv, STORED_MKK=stored, SCORES_DONE=False)))
     cases.append(("bwd scores sub-chunk BK32", B._kda_bwd_scores_subchunk_kernel,
                   dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=min(32, BKf), PREC=args.prec)))
+    for pbk in (32, 16):
+        cases.append((f"bwd scores pairs BK{min(pbk, BKf)}", B._kda_bwd_scores_pairs_kernel,
+                      dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=min(pbk, BKf), PREC=args.prec)))
     for bk, bv in ((64, 64), (32, 32)):
         bk, bv = min(bk, BKf), min(bv, BKf)
         cases.append((f"bwd kside BK{bk} BV{bv} scores done", B._kda_bwd_kside_kernel,

@@ -177,6 +177,10 @@ TUNING_CASES = [
     pytest.param({"fwd_intra_pairs": 2, "fwd_intra_pairs_BK": 16}, 1, 1, 1, 1, 24, 16, 64, id="fwd-pairs2-T1-K24"),
     pytest.param({"fwd_intra_pairs": 2, "bwd_stored_mkk": True}, 1, 45, 2, 1, 40, 24, 32, id="fwd-pairs2-C32-mkk"),
     pytest.param({"fwd_intra_pairs": 2}, 1, 37, 1, 1, 24, 16, 16, id="fwd-pairs2-C16-one-subchunk"),
+    pytest.param({"bwd_pairs": True}, 2, 70, 1, 2, 96, 40, 64, id="bwd-pairs-K96-G2-T70"),
+    pytest.param({"bwd_pairs": True, "bwd_pairs_BK": 16}, 1, 1, 1, 1, 24, 16, 64, id="bwd-pairs-T1-K24-BK16"),
+    pytest.param({"bwd_pairs": True, "fwd_intra_pairs": 2}, 1, 45, 2, 1, 40, 24, 32, id="bwd-pairs-C32-fwd-pairs2"),
+    pytest.param({"bwd_pairs": True}, 1, 37, 1, 1, 24, 16, 16, id="bwd-pairs-C16-one-subchunk"),
     pytest.param({"fwd_intra_subchunk": True}, 2, 70, 1, 2, 96, 40, 64, id="fwd-subchunk-K96-G2-T70"),
     pytest.param({"fwd_intra_subchunk": True}, 1, 1, 1, 1, 16, 16, 64, id="fwd-subchunk-T1"),
     pytest.param({"fwd_intra_subchunk": True, "fwd_intra_BK": 32}, 1, 45, 2, 1, 40, 24, 32, id="fwd-subchunk-C32-K40"),
@@ -201,6 +205,12 @@ TUNING_CASES = [
     pytest.param({"bwd_split": True}, 1, 70, 1, 2, 96, 40, 64, id="bwd-split-K96-G2"),
     pytest.param({"bwd_split": True, "bwd_intra_BK": 16, "bwd_intra_BV": 16}, 2, 1, 1, 1, 24, 16, 16,
                  id="bwd-split-T1-K24"),
+    # 16-bit dot operands (fp16 inputs here; the interpreter's bf16 is wrong): against the reference only
+    pytest.param({"dot16_intra": True, "dot16_state": True, "dot16_bwd": True}, 2, 70, 1, 2, 96, 40, 64,
+                 id="dot16-all-K96-G2"),
+    pytest.param({"dot16_intra": True, "dot16_state": True, "dot16_bwd": True, "bwd_subchunk": True,
+                  "fwd_store_states": True}, 1, 45, 1, 1, 40, 24, 32, id="dot16-bwd-subchunk-store-C32"),
+    pytest.param({"dot16_bwd": True, "bwd_pairs": True}, 1, 1, 1, 1, 24, 16, 64, id="dot16-bwd-pairs-T1"),
     pytest.param({"gated_dtype": "input", "states_dtype": "input", "inter_dtype": "input"},
                  1, 70, 1, 1, 32, 32, 64, id="input-dtype-buffers"),
     # "auto" stores 2-byte buffers from K = 65 up: fp32 ones are the alternative there
@@ -218,11 +228,12 @@ def test_chunk_kda_tuning_alternatives_match_recurrent(tuning, B, T, H, G, K, V,
     chunk_mod.check_tuning(tuning)   # a misspelt key would silently test the default path
     # fp16 when a buffer dtype is the point of the case (the interpreter's bf16 is wrong, see README),
     # compared with the default buffers' run as well; else fp32
-    lowp = any(name.endswith("_dtype") for name in tuning)
+    buffers = any(name.endswith("_dtype") for name in tuning)
+    lowp = buffers or any(name.startswith("dot16") for name in tuning)
     dtype = torch.float16 if lowp else torch.float32
     inputs = make_inputs(B, T, H, G, K, V, dtype=dtype, device=DEVICE, h0=True)
     ref = run_with_grads(naive_recurrent_kda, *[x.float() for x in inputs])
-    base = run_with_grads(chunk_kda, *inputs, chunk_size=C) if lowp else None
+    base = run_with_grads(chunk_kda, *inputs, chunk_size=C) if buffers else None
     saved = dict(chunk_mod.TUNING)
     try:
         chunk_mod.TUNING.update(tuning)
@@ -233,7 +244,7 @@ def test_chunk_kda_tuning_alternatives_match_recurrent(tuning, B, T, H, G, K, V,
     for name in ref:
         assert out[name].shape == ref[name].shape, name
         assert_close(name, out[name], ref[name], tol=None if lowp else 1e-5)
-        if lowp:
+        if buffers:
             # what the buffer dtypes change against the default run: their rounding only (measured ≤ 3.4e-4)
             assert_close(name, out[name], base[name], tol=1e-3)
 

@@ -42,8 +42,9 @@ _CHUNK_SIZES = (16, 32, 64)
 #   stage-1 kernel. K in between (e.g. 64) is not measured; it keeps fp32.
 TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None, "fwd_intra_split": False,
           "fwd_intra_pairs": 0, "fwd_intra_pairs_BK": 32, "fwd_intra_subchunk": False, "fwd_intra_subchunk_warps": 8, "bwd_stored_mkk": False,
-          "bwd_subchunk": False, "bwd_subchunk_warps": 4, "fwd_store_states": False,
+          "bwd_subchunk": False, "bwd_subchunk_warps": 4, "bwd_pairs": False, "bwd_pairs_BK": 32, "fwd_store_states": False,
           "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None, "bwd_intra_warps": 8,
+          "dot16_intra": False, "dot16_state": False, "dot16_bwd": False,
           "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32"}
 _DTYPE_CHOICES = ("auto", "fp32", "input")
 _AUTO_INPUT_MIN_K = 65
@@ -57,7 +58,7 @@ def check_tuning(tuning: dict) -> None:
     for name in ("inter_dtype", "gated_dtype", "states_dtype"):
         if tuning.get(name, "fp32") not in _DTYPE_CHOICES:
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]!r} must be one of {_DTYPE_CHOICES}")
-    for name in ("fwd_intra_BK", "bwd_intra_BK", "bwd_intra_BV", "fwd_intra_pairs_BK"):
+    for name in ("fwd_intra_BK", "bwd_intra_BK", "bwd_intra_BV", "fwd_intra_pairs_BK", "bwd_pairs_BK"):
         b = tuning.get(name)
         if b is not None and (b < 16 or b & (b - 1)):
             raise ValueError(f"chunk_kda TUNING: {name}={b} must be None or a power of two >= 16")
@@ -66,6 +67,12 @@ def check_tuning(tuning: dict) -> None:
     for name in ("fwd_intra_warps", "bwd_intra_warps", "fwd_intra_subchunk_warps", "bwd_subchunk_warps"):
         if tuning.get(name, 8) not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]} must be a power of two <= 32")
+
+
+def _stage_prec(name: str, prec: str, dtype: torch.dtype) -> str:
+    """The dot precision of one stage: `prec`, or with TUNING[name] (dot16_intra / dot16_state /
+    dot16_bwd) and 16-bit inputs, operands rounded to the input dtype (dot_precision)."""
+    return dot_precision(dtype, operands16=True) if TUNING[name] else prec
 
 
 def _tuned_dtype(name: str, dtype: torch.dtype, K: int) -> torch.dtype:
@@ -82,10 +89,11 @@ def fwd_intra(q, k, v, g, beta, scale, C, prec) -> Intra:
     K = q.shape[-1]
     return kda_fwd_intra(q, k, v, g, beta, scale, C, _tuned_dtype("inter_dtype", v.dtype, K),
                          _tuned_dtype("gated_dtype", v.dtype, K),
-                         num_warps=TUNING["fwd_intra_warps"], precision=prec, key_block=TUNING["fwd_intra_BK"],
+                         num_warps=TUNING["fwd_intra_warps"], precision=_stage_prec("dot16_intra", prec, v.dtype),
+                         key_block=TUNING["fwd_intra_BK"],
                          maxnreg=TUNING["fwd_intra_maxnreg"], split=TUNING["fwd_intra_split"],
                          subchunk=TUNING["fwd_intra_subchunk"], subchunk_warps=TUNING["fwd_intra_subchunk_warps"],
-                         store_mkk=TUNING["bwd_stored_mkk"] or TUNING["bwd_subchunk"],
+                         store_mkk=TUNING["bwd_stored_mkk"] or TUNING["bwd_subchunk"] or TUNING["bwd_pairs"],
                          pairs=TUNING["fwd_intra_pairs"], pairs_key_block=TUNING["fwd_intra_pairs_BK"])
 
 
@@ -93,20 +101,23 @@ def recompute_states(it: Intra, h0, B, T, HV, C, v_dtype, prec):
     """The chunk start states S_n and pseudo-values Vn for the backward (recomputed, not stored)."""
     sd = _tuned_dtype("states_dtype", v_dtype, it.w.shape[-1])
     _, _, h, vn = kda_fwd_state(it, B, T, HV, C, h0, v_dtype, False, store_o=False, store_h=True, h_dtype=sd,
-                                precision=prec)
+                                precision=_stage_prec("dot16_state", prec, v_dtype))
     return h, vn
 
 
 def bwd_state(it: Intra, do, dht, B, T, HV, C, need_dh0, v_dtype, prec):
     sd = _tuned_dtype("states_dtype", v_dtype, it.w.shape[-1])
-    return kda_bwd_state(it, do, dht, B, T, HV, C, need_dh0, dh_dtype=sd, precision=prec)
+    return kda_bwd_state(it, do, dht, B, T, HV, C, need_dh0, dh_dtype=sd,
+                         precision=_stage_prec("dot16_state", prec, v_dtype))
 
 
 def bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale, C, prec):
     return kda_bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale, C, BK=TUNING["bwd_intra_BK"],
-                         BV=TUNING["bwd_intra_BV"], num_warps=TUNING["bwd_intra_warps"], precision=prec,
-                         split=TUNING["bwd_split"] or TUNING["bwd_subchunk"], subchunk=TUNING["bwd_subchunk"],
-                         subchunk_warps=TUNING["bwd_subchunk_warps"])
+                         BV=TUNING["bwd_intra_BV"], num_warps=TUNING["bwd_intra_warps"],
+                         precision=_stage_prec("dot16_bwd", prec, v.dtype),
+                         split=TUNING["bwd_split"] or TUNING["bwd_subchunk"] or TUNING["bwd_pairs"],
+                         subchunk=TUNING["bwd_subchunk"], subchunk_warps=TUNING["bwd_subchunk_warps"],
+                         pairs=TUNING["bwd_pairs"], pairs_key_block=TUNING["bwd_pairs_BK"])
 
 
 class ChunkKDAFunction(torch.autograd.Function):
@@ -121,7 +132,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         keep = TUNING["fwd_store_states"] and any(ctx.needs_input_grad[:6])
         sd = _tuned_dtype("states_dtype", v.dtype, q.shape[-1])
         o, ht, h, vn = kda_fwd_state(it, B, T, HV, chunk_size, h0, v.dtype, output_final_state, store_h=keep,
-                                     h_dtype=sd, precision=prec)
+                                     h_dtype=sd, precision=_stage_prec("dot16_state", prec, v.dtype))
         ctx.save_for_backward(q, k, v, g, beta, h0, *it, h, vn)
         ctx.scale, ctx.chunk_size, ctx.prec = scale, chunk_size, prec
         return o, ht

@@ -23,9 +23,14 @@ from k3cli.ops.kda.chunk_fwd import (
     STATE_CONFIGS,
     Intra,
     _anchored_factors,
+    _dot,
+    _dot_wide,
     _intra_scores,
     _load_chunk_qkg,
+    _pair_decay,
+    _rel_decay,
     _scan_start,
+    _sub3,
     _subchunk_rows,
     interpreting,
     pick_configs,
@@ -50,13 +55,13 @@ def _kda_bwd_state_step(qg, kd, eg, w, aqk, do, dh, dvn, b_ds, i_b, i_hv, i_bh, 
     p_dh = dh + (i_bh * NT + i_n).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
     tl.store(p_dh, b_ds.to(dh.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
     b_kd = tl.load(kd + p_rk, mask=m_k[None, :], other=0.).to(tl.float32)
-    b_dvn = tl.dot(tl.trans(b_a), b_do, input_precision=PREC) + tl.dot(b_kd, b_ds, input_precision=PREC)
+    b_dvn = _dot(tl.trans(b_a), b_do, PREC) + _dot(b_kd, b_ds, PREC)
     tl.store(dvn + row[:, None] * V + o_v[None, :], b_dvn, mask=m_v[None, :])
     b_eg = tl.load(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, mask=m_k, other=0.)
     b_qg = tl.load(qg + p_rk, mask=m_k[None, :], other=0.).to(tl.float32)
-    b_ds = b_ds * b_eg[:, None] + tl.dot(tl.trans(b_qg), b_do, input_precision=PREC)
+    b_ds = b_ds * b_eg[:, None] + _dot(tl.trans(b_qg), b_do, PREC)
     b_w = tl.load(w + p_rk, mask=m_k[None, :], other=0.).to(tl.float32)
-    return b_ds - tl.dot(tl.trans(b_w), b_dvn, input_precision=PREC)
+    return b_ds - _dot(tl.trans(b_w), b_dvn, PREC)
 
 
 @triton.autotune(
@@ -149,9 +154,9 @@ def _bwd_key_side(q, k, g, mkk, dq, dk, dg, dbeta, b_dqg, b_dkd, b_dx, b_dgam, b
         b_dmq_a = tl.where(m_a[:, None], b_dmq, 0.)
         b_dmk_a = tl.where(m_a[:, None], b_dmk, 0.)
         # query-side (rows of sub-chunk a) and key-side (rows before its end) gradients
-        b_dq_r = e_q * tl.dot(b_dmq_a, b_kb, input_precision=PREC)
-        b_dk_r = e_q * tl.dot(b_dmk_a, b_kb, input_precision=PREC)
-        b_dk_c = tl.where(m_up[:, None], e_k, 0.) * (tl.dot(tl.trans(b_dmq_a), b_qa, input_precision=PREC) + tl.dot(tl.trans(b_dmk_a), b_ka, input_precision=PREC))
+        b_dq_r = e_q * _dot_wide(b_dmq_a, b_kb, PREC)
+        b_dk_r = e_q * _dot_wide(b_dmk_a, b_kb, PREC)
+        b_dk_c = tl.where(m_up[:, None], e_k, 0.) * (_dot_wide(tl.trans(b_dmq_a), b_qa, PREC) + _dot_wide(tl.trans(b_dmk_a), b_ka, PREC))
         b_dq += b_dq_r
         b_dk += b_dk_r + b_dk_c
         b_dG += b_q * b_dq_r + b_k * (b_dk_r - b_dk_c)
@@ -206,14 +211,14 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, dq, dk,
         p_io = tok[:, None] * (HV * V) + i_hv * V + o_v[None, :]
         b_do = tl.load(do + p_io, mask=m_tv, other=0.).to(tl.float32)
         b_v = tl.load(v + p_io, mask=m_tv, other=0.).to(tl.float32)
-        b_dqg += tl.dot(b_do, tl.trans(b_s), input_precision=PREC)
-        b_dkd += tl.dot(b_vn, tl.trans(b_ds), input_precision=PREC)
-        b_daqk += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
+        b_dqg += _dot(b_do, tl.trans(b_s), PREC)
+        b_dkd += _dot(b_vn, tl.trans(b_ds), PREC)
+        b_daqk += _dot(b_do, tl.trans(b_vn), PREC)
         b_dgam += tl.sum(b_s * b_ds, 1)
         # Y = β V, X = β K e^Γ:  dY = Tm^T dVn,  dX = -dY S^T,  d(I + Akk) = -dY Vn^T
-        b_dy = tl.dot(tl.trans(b_tm), b_dvn, input_precision=PREC)
-        b_dx += tl.dot(b_dy, tl.trans(b_s), input_precision=PREC)
-        b_dakk += tl.dot(b_dy, tl.trans(b_vn), input_precision=PREC)
+        b_dy = _dot(tl.trans(b_tm), b_dvn, PREC)
+        b_dx += _dot(b_dy, tl.trans(b_s), PREC)
+        b_dakk += _dot(b_dy, tl.trans(b_vn), PREC)
         b_dbeta += tl.where(first, tl.sum(b_dy * b_v, 1), 0.)
         tl.store(dv + p_io, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv & first)
 
@@ -250,9 +255,9 @@ def _kda_bwd_vside_kernel(v, beta, tm, do, vn, dvn, dv, dy, dqk, dkk, dbeta_v, T
         p_io = tok[:, None] * (HV * V) + i_hv * V + o_v[None, :]
         b_do = tl.load(do + p_io, mask=m_tv, other=0.).to(tl.float32)
         b_v = tl.load(v + p_io, mask=m_tv, other=0.).to(tl.float32)
-        b_dqk += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
-        b_dy = tl.dot(tl.trans(b_tm), b_dvn, input_precision=PREC)
-        b_dkk += tl.dot(b_dy, tl.trans(b_vn), input_precision=PREC)
+        b_dqk += _dot(b_do, tl.trans(b_vn), PREC)
+        b_dy = _dot(tl.trans(b_tm), b_dvn, PREC)
+        b_dkk += _dot(b_dy, tl.trans(b_vn), PREC)
         b_dbeta += tl.sum(b_dy * b_v, 1)
         tl.store(dv + p_io, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
         tl.store(dy + p_rv, b_dy, mask=m_v[None, :])
@@ -297,9 +302,9 @@ def _kda_bwd_kside_kernel(q, k, g, beta, mkk, h, dh, do, vn, dy, dqk, dkk, dqs, 
         b_dy = tl.load(dy + p_rv, mask=m_v[None, :], other=0.)
         b_do = tl.load(do + tok[:, None] * (HV * V) + i_hv * V + o_v[None, :],
                        mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
-        b_dqg += tl.dot(b_do, tl.trans(b_s), input_precision=PREC)
-        b_dkd += tl.dot(b_vn, tl.trans(b_ds), input_precision=PREC)
-        b_dx += tl.dot(b_dy, tl.trans(b_s), input_precision=PREC)
+        b_dqg += _dot(b_do, tl.trans(b_s), PREC)
+        b_dkd += _dot(b_vn, tl.trans(b_ds), PREC)
+        b_dx += _dot(b_dy, tl.trans(b_s), PREC)
         b_dgam += tl.sum(b_s * b_ds, 1)
     p_tt = row[:, None] * BT + o_t[None, :]
     b_daqk = tl.load(dqk + p_tt)
@@ -369,8 +374,8 @@ def _kda_bwd_scores_subchunk_kernel(q, k, g, beta, dqk, dkk, dqs, dks, dgs, scal
             b_dmq, b_dmk = _dm_blocks(dqk, dkk, (base + i_rb)[:, None] * BT + i_rc[None, :], i_rb, i_rc,
                                       b_beta_b, scale)
             b_ke = b_kc * tl.exp(b_anc_b[None, :] - b_Gc)
-            acc_q += tl.dot(b_dmq, b_ke, input_precision=PREC)
-            acc_kr += tl.dot(b_dmk, b_ke, input_precision=PREC)
+            acc_q += _dot_wide(b_dmq, b_ke, PREC)
+            acc_kr += _dot_wide(b_dmk, b_ke, PREC)
         if c >= b:
             # rows of b as keys for the queries of sub-chunk c
             m_c = (i_n * BT + i_rc) < T
@@ -379,8 +384,8 @@ def _kda_bwd_scores_subchunk_kernel(q, k, g, beta, dqk, dkk, dqs, dks, dgs, scal
                                       b_beta_c.to(tl.float32), scale)
             b_anc_c = tl.sum(tl.where(o_c[:, None] == 0, b_Gc, 0.), 0)
             e_qc = tl.exp(b_Gc - b_anc_c[None, :])
-            b_t = tl.dot(tl.trans(b_dmq), b_qc * e_qc, input_precision=PREC) + \
-                tl.dot(tl.trans(b_dmk), b_kc * e_qc, input_precision=PREC)
+            b_t = _dot_wide(tl.trans(b_dmq), b_qc * e_qc, PREC) + \
+                _dot_wide(tl.trans(b_dmk), b_kc * e_qc, PREC)
             acc_kc += tl.exp(b_anc_c[None, :] - b_Gb) * b_t
     e_qb = tl.exp(b_Gb - b_anc_b[None, :])
     b_dq_r = e_qb * acc_q
@@ -391,6 +396,84 @@ def _kda_bwd_scores_subchunk_kernel(q, k, g, beta, dqk, dkk, dqs, dks, dgs, scal
     tl.store(dqs + p_hk, b_dq_r, mask=m_bk)
     tl.store(dks + p_hk, b_dk_r + acc_kc, mask=m_bk)
     tl.store(dgs + p_hk, b_qb * b_dq_r + b_kb * (b_dk_r - acc_kc), mask=m_bk)
+
+
+@triton.jit
+def _dm_pair_blocks(dqk, dkk, beta, base, i_b, i_hv, i_n, T, s: tl.constexpr, BY_KEY: tl.constexpr,
+                    HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, scale):
+    """Blocks (a, a - s) of the masked score gradients dMq = scale·dAqk (j <= i) and dMk = -β_i dAkk
+    (j < i), from the unmasked dO Vn^T (dqk) and dY Vn^T (dkk), as [NC, BC, BC]: indexed by the query
+    sub-chunk a as [a, i, j], or BY_KEY by the key sub-chunk c = a - s and transposed, [c, j, i]; zeros
+    for pairs outside the chunk."""
+    NC: tl.constexpr = BT // BC
+    o_x = tl.arange(0, NC)[:, None, None]
+    o_1 = tl.arange(0, BC)[None, :, None]
+    o_2 = tl.arange(0, BC)[None, None, :]
+    if BY_KEY:
+        a, i, j = o_x + s, o_2, o_1
+    else:
+        a, i, j = o_x, o_1, o_2
+    m = (a - s >= 0) & (a < NC) & (j >= 0)
+    p = (base + a * BC + i) * BT + (a - s) * BC + j
+    b_dmq = tl.load(dqk + p, mask=m & (i + s * BC >= j), other=0.)
+    b_dmk = tl.load(dkk + p, mask=m & (i + s * BC > j), other=0.)
+    t = i_n * BT + a * BC + i
+    b_beta = tl.load(beta + (i_b * T + t).to(tl.int64) * HV + i_hv, mask=(t < T) & (a < NC), other=0.)
+    return b_dmq * scale, -b_dmk * b_beta.to(tl.float32)
+
+
+@triton.jit
+def _kda_bwd_scores_pairs_kernel(q, k, g, beta, dqk, dkk, dqs, dks, dgs, scale, T, NT,
+                                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                                 BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """The intra-chunk score gradients of the per-chunk backward as BC x BC block pairs, one program per
+    (chunk, batch*value-head, BK-column key block): what `_kda_bwd_scores_subchunk_kernel` stores, with
+    each pair (a, c = a - s) taken once per sub-chunk offset s in batched [NC, BC, .] products, anchored
+    like the forward's `_pair_block` (qn = q e^(Γ_i - A_a), kt = k e^(A_c - Γ_j), F = e^(A_a - A_c)):
+      dq_r[a] = e^(Γ - A_a) ⊙ Σ_s F ⊙ (dMq[a, a-s] kt_(a-s)),  dk_r likewise with dMk,
+      dk_c[c] = e^(A_c - Γ) ⊙ Σ_s F ⊙ (dMq[c+s, c]^T qn_(c+s) + dMk[c+s, c]^T kn_(c+s)).
+    The shifted sub-chunks are read from memory: key rows s sub-chunks back, query rows s ahead."""
+    i_n, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NC: tl.constexpr = BT // BC
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    base = (i_bh * NT * BT + i_n * BT).to(tl.int64)
+    b_g = _sub3(g, i_b, i_hv, i_n, 0, i_k, T, HV, K, BT, BC, BK)
+    b_rel, b_first = _rel_decay(b_g, BC)
+    b_tot = tl.sum(b_g, 1)
+    b_A = tl.cumsum(b_tot, 0) - b_tot + b_first
+    acc_q = tl.zeros([NC, BC, BK], dtype=tl.float32)
+    acc_kr = tl.zeros([NC, BC, BK], dtype=tl.float32)
+    acc_kc = tl.zeros([NC, BC, BK], dtype=tl.float32)
+    for s in tl.static_range(NC):
+        # these rows as queries: blocks (a, a - s) against the key sub-chunks a - s
+        b_dmq, b_dmk = _dm_pair_blocks(dqk, dkk, beta, base, i_b, i_hv, i_n, T, s, False, HV, BT, BC, scale)
+        b_rk, _ = _rel_decay(_sub3(g, i_b, i_hv, i_n, s, i_k, T, HV, K, BT, BC, BK), BC)
+        b_kt = _sub3(k, i_b, i_h, i_n, s, i_k, T, H, K, BT, BC, BK) * tl.exp(-b_rk)
+        b_f = _pair_decay(b_A, s, False, NC)
+        acc_q += b_f * _dot_wide(b_dmq, b_kt, PREC)
+        acc_kr += b_f * _dot_wide(b_dmk, b_kt, PREC)
+        # these rows as keys: blocks (c + s, c) for the query sub-chunks c + s
+        b_dmq, b_dmk = _dm_pair_blocks(dqk, dkk, beta, base, i_b, i_hv, i_n, T, s, True, HV, BT, BC, scale)
+        b_rq, _ = _rel_decay(_sub3(g, i_b, i_hv, i_n, -s, i_k, T, HV, K, BT, BC, BK), BC)
+        b_eq = tl.exp(b_rq)
+        b_qn = _sub3(q, i_b, i_h, i_n, -s, i_k, T, H, K, BT, BC, BK) * b_eq
+        b_kn = _sub3(k, i_b, i_h, i_n, -s, i_k, T, H, K, BT, BC, BK) * b_eq
+        acc_kc += _pair_decay(b_A, s, True, NC) * (_dot_wide(b_dmq, b_qn, PREC)
+                                                   + _dot_wide(b_dmk, b_kn, PREC))
+    b_e = tl.exp(b_rel)
+    b_dq_r = b_e * acc_q
+    b_dk_r = b_e * acc_kr
+    b_dk_c = tl.exp(-b_rel) * acc_kc
+    o_k = i_k * BK + tl.arange(0, BK)[None, None, :]
+    t = i_n * BT + tl.arange(0, NC)[:, None, None] * BC + tl.arange(0, BC)[None, :, None]
+    m = (t < T) & (o_k < K)
+    p = (i_b * T + t).to(tl.int64) * (HV * K) + i_hv * K + o_k
+    b_q = _sub3(q, i_b, i_h, i_n, 0, i_k, T, H, K, BT, BC, BK)
+    b_k = _sub3(k, i_b, i_h, i_n, 0, i_k, T, H, K, BT, BC, BK)
+    tl.store(dqs + p, b_dq_r, mask=m)
+    tl.store(dks + p, b_dk_r + b_dk_c, mask=m)
+    tl.store(dgs + p, b_q * b_dq_r + b_k * (b_dk_r - b_dk_c), mask=m)
 
 
 def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, need_dh0: bool,
@@ -414,13 +497,16 @@ def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, 
 
 def kda_bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale: float, chunk_size: int,
                   BK: int | None = None, BV: int | None = None, num_warps: int = 8, precision: str = "tf32",
-                  split: bool = False, subchunk: bool = False, subchunk_warps: int = 4):
+                  split: bool = False, subchunk: bool = False, subchunk_warps: int = 4, pairs: bool = False,
+                  pairs_key_block: int = 32):
     """Launch the per-chunk gradient kernel(s). Returns dq, dk [B, T, HV, K] fp32 (per value head),
     dv [B, T, HV, V] (v.dtype), dg [B, T, HV, K] fp32, dbeta [B, T, HV] fp32. `split`: two launches
     (`_kda_bwd_vside_kernel` once per chunk, then `_kda_bwd_kside_kernel` per key block) instead of
     one kernel that redoes the key-independent V reductions in every key block. `mkk`: the forward's
     stored Mkk or None. `subchunk` (with `split` and a stored `mkk`): the intra-chunk score gradients
-    come from `_kda_bwd_scores_subchunk_kernel` (`subchunk_warps` warps) between the two launches."""
+    come from `_kda_bwd_scores_subchunk_kernel` (`subchunk_warps` warps) between the two launches;
+    `pairs` (with `split` and a stored `mkk`): from `_kda_bwd_scores_pairs_kernel` instead (key blocks of
+    `pairs_key_block` columns)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
@@ -445,8 +531,15 @@ def kda_bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale: float, c
         _kda_bwd_vside_kernel[(NT, B * HV)](
             v, beta, tm, do, vn, dvn, dv, dy, dqk, dkk, dbeta[NK], T, NT, HV=HV, V=V, BT=BT, BV=BV,
             PREC=precision, num_warps=num_warps, num_stages=1)
-        scores_done = subchunk and mkk is not None
-        if scores_done:
+        scores_done = (subchunk or pairs) and mkk is not None
+        if scores_done and pairs:
+            # the score gradients as 16 x 16 block pairs per (chunk, key block of BKP columns)
+            BKP = min(max(16, triton.next_power_of_2(K)), pairs_key_block)
+            dqs, dks, dgs = (torch.empty_like(dq) for _ in range(3))
+            _kda_bwd_scores_pairs_kernel[(NT, B * HV, triton.cdiv(K, BKP))](
+                q, k, g, beta, dqk, dkk, dqs, dks, dgs, scale, T, NT, H=H, HV=HV, K=K, BT=BT, BC=min(16, BT),
+                BK=BKP, PREC=precision, num_warps=subchunk_warps, num_stages=1)
+        elif scores_done:
             # the score gradients per (chunk, 16-row sub-chunk, key block) in [16, BKS] tiles
             BC = min(16, BT)
             BKS = min(BK, 32)

@@ -89,8 +89,8 @@ def _intra_scores(b_q, b_k, b_G, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.co
         b_qa = tl.where(m_a[:, None], b_q * e_q, 0.)
         b_ka = tl.where(m_a[:, None], b_k * e_q, 0.)
         b_kb = tl.where(m_up[:, None], b_k * e_k, 0.)
-        b_mqk += tl.dot(b_qa, tl.trans(b_kb), input_precision=PREC)
-        b_mkk += tl.dot(b_ka, tl.trans(b_kb), input_precision=PREC)
+        b_mqk += _dot_wide(b_qa, tl.trans(b_kb), PREC)
+        b_mkk += _dot_wide(b_ka, tl.trans(b_kb), PREC)
     return b_mqk, b_mkk
 
 
@@ -99,6 +99,29 @@ def _blk(p, i, j, BT: tl.constexpr, BC: tl.constexpr):
     """Pointers to block (i, j) of size BC x BC inside a row-major [BT, BT] matrix at p."""
     o_c = tl.arange(0, BC)
     return p + (i * BC + o_c)[:, None] * BT + (j * BC + o_c)[None, :]
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    """The non-solve products: PREC "bf16" / "fp16" rounds both operands to that 16-bit type (fp32
+    accumulation; what the inputs carry already), else fp32 operands at tl.dot input precision PREC."""
+    if PREC == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif PREC == "fp16":
+        return tl.dot(a.to(tl.float16), b.to(tl.float16))
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _dot_wide(a, b, PREC: tl.constexpr):
+    """`_dot` for the anchored score products and their gradients: an anchored operand spans
+    e^(-(BC-1) |g|max) .. e^((BC-1) |g|max) (e^±75 at lower_bound -5), beyond fp16's range, so "fp16"
+    stays fp32 (TF32) here; bf16 has fp32's range."""
+    if PREC == "fp16":
+        return tl.dot(a, b, input_precision="tf32")
+    else:
+        return _dot(a, b, PREC)
 
 
 @triton.jit
@@ -208,7 +231,7 @@ def _store_u(v, u, b_tm, b_beta, i_b, i_hv, i_n, base, T, HV: tl.constexpr, V: t
         m_v = o_v < V
         p_v = v + (i_b * T + i_n * BT + o_t).to(tl.int64)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
         b_v = tl.load(p_v, mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
-        b_u = tl.dot(b_tm, b_v * b_beta[:, None], input_precision=PREC)
+        b_u = _dot(b_tm, b_v * b_beta[:, None], PREC)
         tl.store(u + (base + o_t)[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_v[None, :])
 
 
@@ -246,8 +269,8 @@ def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk, scal
         e_q = tl.exp(b_Ga - b_c[None, :])
         m_up = o_t < (a + 1) * BC
         b_kb = tl.where(m_up[:, None], b_k * tl.exp(tl.where(m_up[:, None], b_c[None, :] - b_G, 0.)), 0.)
-        b_sq = tl.dot(b_qa * e_q, tl.trans(b_kb), input_precision=PREC)
-        b_sk = tl.dot(b_ka * e_q, tl.trans(b_kb), input_precision=PREC)
+        b_sq = _dot_wide(b_qa * e_q, tl.trans(b_kb), PREC)
+        b_sk = _dot_wide(b_ka * e_q, tl.trans(b_kb), PREC)
         b_beta_a = tl.load(beta + tok_i * HV + i_hv, mask=m_i, other=0.).to(tl.float32)
         p_ia = (base + o_i)[:, None] * BT + o_t[None, :]
         tl.store(aqk + p_ia, tl.where(o_i[:, None] >= o_t[None, :], b_sq, 0.) * scale)
@@ -265,7 +288,7 @@ def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk, scal
     tl.store(qg + p_rk, (b_q * b_eg * scale).to(qg.dtype.element_ty), mask=m_k[None, :])
     tl.store(kd + p_rk, (b_k * tl.exp(b_gam[None, :] - b_G)).to(kd.dtype.element_ty), mask=m_k[None, :])
     tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=m_k)
-    b_w = tl.dot(b_tm, b_k * b_eg * b_beta[:, None], input_precision=PREC)
+    b_w = _dot(b_tm, b_k * b_eg * b_beta[:, None], PREC)
     tl.store(w + p_rk, b_w.to(w.dtype.element_ty), mask=m_k[None, :])
     _store_u(v, u, b_tm, b_beta, i_b, i_hv, i_n, base, T, HV, V, BT, BV, PREC)
 
@@ -274,13 +297,13 @@ def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk, scal
 def _sub3(x, i_b, i_head, i_n, s: tl.constexpr, i_k, T, NHEAD: tl.constexpr, K: tl.constexpr,
           BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     """[NC, BC, BK] fp32 rows of chunk i_n, key columns [i_k*BK, (i_k+1)*BK): entry a holds sub-chunk
-    a - s (zeros for a < s, past T and past K) — a sub-chunk-shifted view, read from memory because
-    registers cannot be sliced."""
+    a - s (zeros where that is outside the chunk, past T and past K) — a sub-chunk-shifted view (s may
+    be negative), read from memory because registers cannot be sliced."""
     NC: tl.constexpr = BT // BC
-    o_a = tl.arange(0, NC)
+    o_a = tl.arange(0, NC)[:, None, None] - s
     o_k = i_k * BK + tl.arange(0, BK)
-    t = i_n * BT + (o_a[:, None, None] - s) * BC + tl.arange(0, BC)[None, :, None]
-    m = (o_a[:, None, None] >= s) & (t < T) & (o_k[None, None, :] < K)
+    t = i_n * BT + o_a * BC + tl.arange(0, BC)[None, :, None]
+    m = (o_a >= 0) & (o_a < NC) & (t < T) & (o_k[None, None, :] < K)
     p = x + (i_b * T + t).to(tl.int64) * (NHEAD * K) + i_head * K + o_k[None, None, :]
     return tl.load(p, mask=m, other=0.).to(tl.float32)
 
@@ -294,6 +317,20 @@ def _rel_decay(b_g, BC: tl.constexpr):
 
 
 @triton.jit
+def _pair_decay(b_A, s: tl.constexpr, BY_KEY: tl.constexpr, NC: tl.constexpr):
+    """The cross-block decay e^(A_a - A_c) <= 1 of the pairs (a, c = a - s) from the anchors b_A [NC, BK],
+    as [NC, 1, BK] indexed by the query sub-chunk a (zeros for a < s), or BY_KEY by the key sub-chunk c
+    (zeros for c + s >= NC)."""
+    o_a = tl.arange(0, NC)
+    d: tl.constexpr = s if BY_KEY else -s
+    # the anchor d sub-chunks away, gathered by a one-hot sum (registers cannot be shifted)
+    b_Ad = tl.sum(tl.where(o_a[:, None, None] + d == o_a[None, :, None], b_A[None, :, :], 0.), 1)
+    m = ((o_a + d >= 0) & (o_a + d < NC))[:, None]
+    b_x = b_Ad - b_A if BY_KEY else b_A - b_Ad
+    return tl.where(m, tl.exp(tl.where(m, b_x, 0.)), 0.)[:, None, :]
+
+
+@triton.jit
 def _pair_block(k, g, b_qn, b_kn, b_A, s: tl.constexpr, i_b, i_h, i_hv, i_n, i_k, T, H: tl.constexpr,
                 HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                 PREC: tl.constexpr):
@@ -302,18 +339,14 @@ def _pair_block(k, g, b_qn, b_kn, b_A, s: tl.constexpr, i_b, i_h, i_hv, i_n, i_k
     e^(A_a - A_c) <= 1 (c = a - s <= a) and kt = k e^(A_c - Γ_j) <= e^((BC-1) |g|max) |k|.
     Returns (query-key, key-key) scores."""
     NC: tl.constexpr = BT // BC
-    o_a = tl.arange(0, NC)
     b_k = _sub3(k, i_b, i_h, i_n, s, i_k, T, H, K, BT, BC, BK)
     b_rel, _ = _rel_decay(_sub3(g, i_b, i_hv, i_n, s, i_k, T, HV, K, BT, BC, BK), BC)
     b_kt = tl.trans(b_k * tl.exp(-b_rel), 0, 2, 1)
     if s > 0:
-        # A_(a-s) beside A_a, then the cross-block decay e^(A_a - A_(a-s)) (0 where a < s)
-        b_Ac = tl.sum(tl.where(o_a[:, None, None] - s == o_a[None, :, None], b_A[None, :, :], 0.), 1)
-        m_a = (o_a >= s)[:, None]
-        b_f = tl.where(m_a, tl.exp(tl.where(m_a, b_A - b_Ac, 0.)), 0.)[:, None, :]
+        b_f = _pair_decay(b_A, s, False, NC)
         b_qn = b_qn * b_f
         b_kn = b_kn * b_f
-    return tl.dot(b_qn, b_kt, input_precision=PREC), tl.dot(b_kn, b_kt, input_precision=PREC)
+    return _dot_wide(b_qn, b_kt, PREC), _dot_wide(b_kn, b_kt, PREC)
 
 
 @triton.jit
@@ -499,7 +532,7 @@ def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mk
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
             _, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK)
-            b_w = tl.dot(b_tm, b_k * tl.exp(b_G) * b_beta[:, None], input_precision=PREC)
+            b_w = _dot(b_tm, b_k * tl.exp(b_G) * b_beta[:, None], PREC)
             tl.store(w + (base + o_t)[:, None] * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_k[None, :])
         _store_u(v, u, b_tm, b_beta, i_b, i_hv, i_n, base, T, HV, V, BT, BV, PREC)
 
@@ -575,8 +608,8 @@ def _kda_fwd_scores_subchunk_kernel(q, k, g, beta, qg, kd, eg, aqk, tm, mkk, sca
             _, b_kc, b_gc = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, c, i_k, T, H, HV, K, BT, BC, BK)
             b_Gc = b_pre_c[None, :] + tl.cumsum(b_gc, 0)
             b_kb = tl.trans(b_kc * tl.exp(b_anchor[None, :] - b_Gc))
-            b_sq += tl.dot(b_qa * e_q, b_kb, input_precision=PREC)
-            b_sk += tl.dot(b_ka * e_q, b_kb, input_precision=PREC)
+            b_sq += _dot_wide(b_qa * e_q, b_kb, PREC)
+            b_sk += _dot_wide(b_ka * e_q, b_kb, PREC)
         _store_score_block(aqk, tm, mkk, p_row, b_sq, b_sk, b_beta, scale, i_row, c, BC, STORE_MKK)
         c += 1
     b_zero = tl.zeros([BC, BC], dtype=tl.float32)
@@ -617,19 +650,19 @@ def _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i
     if STORE_H:
         p_h = h + (i_bh * NT + i_n).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
         tl.store(p_h, b_s.to(h.dtype.element_ty), mask=m_k[:, None] & m_v[None, :])
-    b_vn = b_u - tl.dot(b_w, b_s, input_precision=PREC)
+    b_vn = b_u - _dot(b_w, b_s, PREC)
     if STORE_H:
         tl.store(vn + row[:, None] * V + o_v[None, :], b_vn, mask=m_v[None, :])
     if STORE_O:
         b_qg = tl.load(qg + p_rk, mask=m_k[None, :], other=0.).to(tl.float32)
         b_a = tl.load(aqk + row[:, None] * BT + o_t[None, :])
-        b_o = tl.dot(b_qg, b_s, input_precision=PREC) + tl.dot(b_a, b_vn, input_precision=PREC)
+        b_o = _dot(b_qg, b_s, PREC) + _dot(b_a, b_vn, PREC)
         m_t = (i_n * BT + o_t) < T
         p_o = o + (i_b * T + i_n * BT + o_t).to(tl.int64)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
         tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
     b_kd = tl.load(kd + p_rk, mask=m_k[None, :], other=0.).to(tl.float32)
     b_eg = tl.load(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, mask=m_k, other=0.)
-    return b_s * b_eg[:, None] + tl.dot(tl.trans(b_kd), b_vn, input_precision=PREC)
+    return b_s * b_eg[:, None] + _dot(tl.trans(b_kd), b_vn, PREC)
 
 
 @triton.jit
@@ -703,12 +736,15 @@ def torch_allows_tf32() -> bool:
         return False
 
 
-def dot_precision(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype, operands16: bool = False) -> str:
     """`tl.dot` input precision for the non-solve products. fp32 inputs: "tf32x3" (three TF32
     products, about fp32 accuracy on the tensor cores; plain TF32 put a whole fp32 model's chunked
     forward 1.4e-2 (scaled) away from its exact-fp32 decode on the H200, and "ieee" spills at
     K = 128 per scripts/ptxas_report.py), unless torch allows TF32 matmuls. bf16/fp16 inputs: "tf32"
-    (they carry less precision than TF32 already). The solve is always "ieee" (`_mm`)."""
+    (they carry less precision than TF32 already), or with `operands16` "bf16" / "fp16": both operands
+    rounded to the input dtype (chunk.TUNING dot16_*). The solve is always "ieee" (`_mm`)."""
+    if operands16 and dtype in (torch.bfloat16, torch.float16):
+        return "bf16" if dtype == torch.bfloat16 else "fp16"
     return "tf32x3" if dtype == torch.float32 and not torch_allows_tf32() else "tf32"
 
 
