@@ -25,8 +25,12 @@ from k3cli.ops.kda.bench import _fla_chunk_kda, _fwd_bwd_fns, _inputs  # noqa: E
 from k3cli.ops.kda.naive import naive_chunk_kda  # noqa: E402
 
 BASE = dict(chunk_mod.TUNING)
+# Each entry overrides the CURRENT chunk.TUNING. Session 4 made bwd_subchunk (2 warps) and dot16_bwd the
+# defaults, so the older entries below now run on top of those; "s3_defaults" is the state before.
+# Results: notes/session{2,3,4}_gpu.md and notes/session*_sweep*.jsonl.
 VARIANTS = {
     "base": {},
+    "s3_defaults": {"bwd_subchunk": False, "dot16_bwd": False},
     # session 2, H200: whole-K stage 1 sits at 255 registers / 1 block per SM (ncu); key blocks cut that
     "fi_kb32": {"fwd_intra_BK": 32},
     "fi_kb64": {"fwd_intra_BK": 64},
@@ -57,62 +61,28 @@ VARIANTS = {
     # the session-2 guess from ptxas_report: every launch spill-free or nearly, 2-stage scans
     "guess": {"fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_warps": 16, "bwd_split": True,
               "bwd_intra_BK": 32, "bwd_intra_BV": 32, "inter_dtype": "input", "gated_dtype": "input"},
-    # session 3: stage-1 scores per (chunk, 16-row sub-chunk) in [16, 32] tiles (ptxas: 128 regs / 8 B stack at
-    # 8 warps, 168 at 4; 4x the programs of the one-launch stage 1), then the solve and W, U launches
-    "fi_subchunk": {"fwd_intra_subchunk": True},
-    "fi_subchunk_w4": {"fwd_intra_subchunk": True, "fwd_intra_subchunk_warps": 4},
-    "fi_subchunk_w2": {"fwd_intra_subchunk": True, "fwd_intra_subchunk_warps": 2},
-    "fi_subchunk_kb32": {"fwd_intra_subchunk": True, "fwd_intra_BK": 32},
     # session 3: the backward reads the forward's stored Mkk for dβ instead of recomputing the scores per key
     # block (ptxas K128 8 warps: bwd_intra 255 regs, 1296 B stack vs 1192 recomputing; fewer instructions)
     "bwd_mkk": {"bwd_stored_mkk": True},
     "bwd_mkk_split_k32v32": {"bwd_stored_mkk": True, "bwd_split": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
-    "fi_subchunk_bwd_mkk": {"fwd_intra_subchunk": True, "bwd_stored_mkk": True},
     # session 3: score gradients per (chunk, 16-row sub-chunk, 32-column key block) (ptxas K128: 80 regs,
     # no spills), the key-side kernel without its sub-chunk loop (BK32 BV32: 183 regs, no spills)
     "bwd_subchunk": {"bwd_subchunk": True},
     "bwd_subchunk_k32v32": {"bwd_subchunk": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
     "bwd_subchunk_k32v32_w8": {"bwd_subchunk": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32, "bwd_subchunk_warps": 8},
-    "both_subchunk": {"fwd_intra_subchunk": True, "bwd_subchunk": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
     # session 3: the forward keeps S_n, Vn for the backward (no re-scan; memory for one scan's states)
     "store_states": {"fwd_store_states": True},
-    "all_s3": {"fwd_intra_subchunk": True, "bwd_subchunk": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32,
-               "fwd_store_states": True},
     # bf16 per-chunk states for the backward scans (not reached by session 3's sweep)
     "states_in_s3": {"states_dtype": "input"},
     # the pre-session-3 default at K = 128 (TUNING "auto" now picks 2-byte buffers there)
     "fp32_bufs": {"inter_dtype": "fp32", "gated_dtype": "fp32"},
-    # session 4: stage-1 scores as 16 x 16 block pairs (batched [NC, 16, PBK] products, each needed pair
-    # once instead of masked [64, 64] products per query sub-chunk); 1: all offsets per key block, 2: one
-    # offset at a time. One launch (PART 0) or three (split); the measured backward winner alongside
-    "p1_split16": {"fwd_intra_pairs": 1, "fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_pairs_BK": 16},
-    "p1_split32": {"fwd_intra_pairs": 1, "fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_pairs_BK": 32},
-    "p2_split16": {"fwd_intra_pairs": 2, "fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_pairs_BK": 16},
-    "p2_split32": {"fwd_intra_pairs": 2, "fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_pairs_BK": 32},
-    "p2_split64": {"fwd_intra_pairs": 2, "fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_pairs_BK": 64},
-    "p2_split16_r128": {"fwd_intra_pairs": 2, "fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_pairs_BK": 16,
-                        "fwd_intra_maxnreg": 128},
-    "p2_split16_w4": {"fwd_intra_pairs": 2, "fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_pairs_BK": 16,
-                      "fwd_intra_warps": 4},
-    "p2_one16": {"fwd_intra_pairs": 2, "fwd_intra_pairs_BK": 16},
-    "p2_one16_bk32": {"fwd_intra_pairs": 2, "fwd_intra_pairs_BK": 16, "fwd_intra_BK": 32},
-    "p1_one16_bk32": {"fwd_intra_pairs": 1, "fwd_intra_pairs_BK": 16, "fwd_intra_BK": 32},
+    # session 4, on session 3's defaults: combinations with the backward winner bwd_subchunk
     "bsub_store": {"bwd_subchunk": True, "fwd_store_states": True},
     "bsub_mkk_w8": {"bwd_subchunk": True, "bwd_subchunk_warps": 8},
     "bsub_w2": {"bwd_subchunk": True, "bwd_subchunk_warps": 2},
-    # session 4: 16-bit dot operands (TUNING dot16_*) on top of call 2's best (bsub_store); block-pair
-    # score gradients in the backward (bwd_pairs)
+    # session 4: the per-chunk backward's products with 16-bit operands (dot16_bwd, now a default)
     "bsub_store_w2": {"bwd_subchunk": True, "fwd_store_states": True, "bwd_subchunk_warps": 2},
-    "d16_all": {"bwd_subchunk": True, "fwd_store_states": True, "dot16_intra": True, "dot16_state": True,
-                "dot16_bwd": True},
-    "d16_intra": {"bwd_subchunk": True, "fwd_store_states": True, "dot16_intra": True},
-    "d16_state": {"bwd_subchunk": True, "fwd_store_states": True, "dot16_state": True},
     "d16_bwd": {"bwd_subchunk": True, "fwd_store_states": True, "dot16_bwd": True},
-    "d16_all_kb32": {"bwd_subchunk": True, "fwd_store_states": True, "dot16_intra": True, "dot16_state": True,
-                     "dot16_bwd": True, "fwd_intra_BK": 32},
-    "bpairs_store": {"bwd_pairs": True, "fwd_store_states": True},
-    "bpairs16_store": {"bwd_pairs": True, "bwd_pairs_BK": 16, "fwd_store_states": True},
-    "bpairs_store_w8": {"bwd_pairs": True, "fwd_store_states": True, "bwd_subchunk_warps": 8},
     # chunk 32: [32, 32] score tiles, twice the sequential scan steps (chunk_size is chunk_kda's argument)
     "c32": {"chunk_size": 32},
     "c32_kb16_w4": {"chunk_size": 32, "fwd_intra_BK": 16, "fwd_intra_warps": 4},

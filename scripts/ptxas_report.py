@@ -59,26 +59,13 @@ def main() -> None:
     for bk in (64, 32, 16):
         if bk < BKf:
             cases.append((f"fwd_intra kblock BK{bk}", F._kda_fwd_intra_kblock_kernel,
-                          dict(base, BK=bk, BV=min(64, BKf), PART=0, STORE_MKK=False, PAIRS=False, PBK=32)))
-    for pbk in (64, 32, 16):
-        if pbk <= BKf:
-            cases.append((f"fwd_intra kblock BK{BKf} pairs PBK{pbk}", F._kda_fwd_intra_kblock_kernel,
-                          dict(base, BK=BKf, BV=min(64, BKf), PART=0, STORE_MKK=False, PAIRS=True, PBK=pbk)))
-    for stored in (False, True):
-        cases.append(("fwd scores sub-chunk" + (" + Mkk" if stored else ""), F._kda_fwd_scores_subchunk_kernel,
-                      dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=min(32, BKf), PREC=args.prec,
-                           STORE_MKK=stored)))
+                          dict(base, BK=bk, BV=min(64, BKf), PART=0, STORE_MKK=False)))
     for bk in (BKf, 32):
         cases.append((f"fwd_intra solve / W,U BK{bk}", F._kda_fwd_intra_kblock_kernel,
-                      dict(base, BK=min(bk, BKf), BV=min(64, BKf), PART=3, STORE_MKK=False, PAIRS=False, PBK=32)))
+                      dict(base, BK=min(bk, BKf), BV=min(64, BKf), PART=3, STORE_MKK=False)))
     for part, what in ((1, "scores"), (2, "solve"), (3, "W, U")):
         cases.append((f"fwd_intra split {what} BK32", F._kda_fwd_intra_kblock_kernel,
-                      dict(base, BK=min(32, BKf), BV=min(64, BKf), PART=part, STORE_MKK=False, PAIRS=False,
-                           PBK=32)))
-    for pbk in (64, 32, 16):
-        if pbk <= BKf:
-            cases.append((f"fwd_intra split scores BK32 pairs PBK{pbk}", F._kda_fwd_intra_kblock_kernel,
-                          dict(base, BK=min(32, BKf), BV=min(64, BKf), PART=1, STORE_MKK=False, PAIRS=True, PBK=pbk)))
+                      dict(base, BK=min(32, BKf), BV=min(64, BKf), PART=part, STORE_MKK=False)))
     state = dict(HV=16, K=K, V=V, BT=BT, BK=BKf, PREC=args.prec)
     for bv in (64, 32):
         cases.append((f"fwd_state BV{bv}", F._kda_fwd_state_kernel,
@@ -95,9 +82,6 @@ def main() -> None:
                           dict(base, BK=bk, BV=bv, STORED_MKK=stored, SCORES_DONE=False)))
     cases.append(("bwd scores sub-chunk BK32", B._kda_bwd_scores_subchunk_kernel,
                   dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=min(32, BKf), PREC=args.prec)))
-    for pbk in (32, 16):
-        cases.append((f"bwd scores pairs BK{min(pbk, BKf)}", B._kda_bwd_scores_pairs_kernel,
-                      dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=min(pbk, BKf), PREC=args.prec)))
     for bk, bv in ((64, 64), (32, 32)):
         bk, bv = min(bk, BKf), min(bv, BKf)
         cases.append((f"bwd kside BK{bk} BV{bv} scores done", B._kda_bwd_kside_kernel,

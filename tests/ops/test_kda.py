@@ -157,60 +157,35 @@ def test_chunk_kda_matches_recurrent(B, T, H, G, K, V, C, dtype, h0):
         assert_close(name, out[name], ref[name])
 
 
-# every TUNING alternative must compute the same function (scripts/kda_sweep.py times them on a GPU)
+# every TUNING alternative must compute the same function (scripts/kda_sweep.py times them on a GPU);
+# the backward alternatives to the default bwd_subchunk name "bwd_subchunk": False
 TUNING_CASES = [
     pytest.param({"fwd_intra_BK": 16}, 1, 63, 1, 2, 40, 24, 64, id="fwd-kblock16-K40-G2-T63"),
     pytest.param({"fwd_intra_BK": 32}, 2, 70, 1, 1, 96, 32, 32, id="fwd-kblock32-K96-C32"),
     pytest.param({"fwd_intra_BK": 16, "fwd_intra_maxnreg": 128}, 1, 1, 1, 1, 32, 16, 64, id="fwd-kblock16-T1-r128"),
-    pytest.param({"bwd_intra_BK": 16, "bwd_intra_BV": 16, "bwd_intra_warps": 4}, 1, 50, 1, 2, 48, 40, 16,
+    pytest.param({"bwd_intra_BK": 16, "bwd_intra_BV": 16, "bwd_intra_warps": 4, "bwd_subchunk": False}, 1, 50, 1, 2, 48, 40, 16,
                  id="bwd-k16-v16"),
     pytest.param({"fwd_intra_split": True, "fwd_intra_BK": 32}, 1, 70, 1, 2, 96, 40, 64, id="fwd-split-K96-G2"),
     pytest.param({"fwd_intra_split": True}, 2, 1, 1, 1, 16, 16, 16, id="fwd-split-T1-C16"),
-    pytest.param({"fwd_intra_pairs": 1}, 2, 70, 1, 2, 96, 40, 64, id="fwd-pairs-K96-G2-T70"),
-    pytest.param({"fwd_intra_pairs": 1}, 1, 1, 1, 1, 16, 16, 64, id="fwd-pairs-T1"),
-    pytest.param({"fwd_intra_pairs": 1, "fwd_intra_pairs_BK": 16}, 1, 45, 2, 1, 40, 24, 32,
-                 id="fwd-pairs-C32-K40-BK16"),
-    pytest.param({"fwd_intra_pairs": 1}, 1, 37, 1, 1, 24, 16, 16, id="fwd-pairs-C16-one-subchunk"),
-    pytest.param({"fwd_intra_pairs": 1, "fwd_intra_split": True, "bwd_stored_mkk": True}, 1, 50, 1, 2, 72, 24, 64,
-                 id="fwd-pairs-split-stored-mkk-K72"),
-    pytest.param({"fwd_intra_pairs": 2}, 2, 70, 1, 2, 96, 40, 64, id="fwd-pairs2-K96-G2-T70"),
-    pytest.param({"fwd_intra_pairs": 2, "fwd_intra_pairs_BK": 16}, 1, 1, 1, 1, 24, 16, 64, id="fwd-pairs2-T1-K24"),
-    pytest.param({"fwd_intra_pairs": 2, "bwd_stored_mkk": True}, 1, 45, 2, 1, 40, 24, 32, id="fwd-pairs2-C32-mkk"),
-    pytest.param({"fwd_intra_pairs": 2}, 1, 37, 1, 1, 24, 16, 16, id="fwd-pairs2-C16-one-subchunk"),
-    pytest.param({"bwd_pairs": True}, 2, 70, 1, 2, 96, 40, 64, id="bwd-pairs-K96-G2-T70"),
-    pytest.param({"bwd_pairs": True, "bwd_pairs_BK": 16}, 1, 1, 1, 1, 24, 16, 64, id="bwd-pairs-T1-K24-BK16"),
-    pytest.param({"bwd_pairs": True, "fwd_intra_pairs": 2}, 1, 45, 2, 1, 40, 24, 32, id="bwd-pairs-C32-fwd-pairs2"),
-    pytest.param({"bwd_pairs": True}, 1, 37, 1, 1, 24, 16, 16, id="bwd-pairs-C16-one-subchunk"),
-    pytest.param({"fwd_intra_subchunk": True}, 2, 70, 1, 2, 96, 40, 64, id="fwd-subchunk-K96-G2-T70"),
-    pytest.param({"fwd_intra_subchunk": True}, 1, 1, 1, 1, 16, 16, 64, id="fwd-subchunk-T1"),
-    pytest.param({"fwd_intra_subchunk": True, "fwd_intra_BK": 32}, 1, 45, 2, 1, 40, 24, 32, id="fwd-subchunk-C32-K40"),
-    pytest.param({"fwd_intra_subchunk": True}, 1, 37, 1, 1, 24, 16, 16, id="fwd-subchunk-C16-one-subchunk"),
-    pytest.param({"bwd_stored_mkk": True}, 2, 70, 1, 2, 96, 40, 64, id="bwd-stored-mkk-K96-G2"),
-    pytest.param({"bwd_stored_mkk": True, "bwd_split": True, "bwd_intra_BK": 32}, 1, 50, 2, 1, 72, 24, 32,
+    pytest.param({"bwd_stored_mkk": True, "bwd_subchunk": False}, 2, 70, 1, 2, 96, 40, 64, id="bwd-stored-mkk-K96-G2"),
+    pytest.param({"bwd_stored_mkk": True, "bwd_split": True, "bwd_intra_BK": 32, "bwd_subchunk": False}, 1, 50, 2, 1, 72, 24, 32,
                  id="bwd-stored-mkk-split-K72-C32"),
-    pytest.param({"bwd_stored_mkk": True, "fwd_intra_subchunk": True}, 1, 1, 1, 1, 16, 16, 64,
-                 id="bwd-stored-mkk-subchunk-T1"),
-    pytest.param({"bwd_stored_mkk": True, "fwd_intra_BK": 32}, 1, 45, 1, 2, 64, 16, 64, id="bwd-stored-mkk-kblock"),
+    pytest.param({"bwd_stored_mkk": True, "fwd_intra_BK": 32, "bwd_subchunk": False}, 1, 45, 1, 2, 64, 16, 64, id="bwd-stored-mkk-kblock"),
     pytest.param({"bwd_subchunk": True}, 2, 70, 1, 2, 96, 40, 64, id="bwd-subchunk-K96-G2-T70"),
     pytest.param({"bwd_subchunk": True}, 1, 1, 1, 1, 16, 16, 64, id="bwd-subchunk-T1"),
-    pytest.param({"bwd_subchunk": True, "bwd_intra_BK": 32, "fwd_intra_subchunk": True}, 1, 45, 2, 1, 40, 24, 32,
-                 id="bwd-subchunk-C32-K40-fwd-subchunk"),
     pytest.param({"bwd_subchunk": True}, 1, 37, 1, 1, 24, 16, 16, id="bwd-subchunk-C16-one-subchunk"),
-    pytest.param({"fwd_intra_subchunk": True, "bwd_subchunk": True}, 1, 49, 2, 2, 40, 24, 64, id="both-subchunk-H2-G2"),
     pytest.param({"bwd_subchunk": True, "bwd_intra_BK": 16, "bwd_intra_BV": 16}, 1, 33, 1, 1, 8, 8, 32,
                  id="bwd-subchunk-BK16-K8"),
     pytest.param({"fwd_store_states": True}, 2, 70, 1, 2, 40, 24, 64, id="fwd-store-states-G2-T70"),
     pytest.param({"fwd_store_states": True, "states_dtype": "input"}, 1, 45, 1, 1, 96, 32, 32,
                  id="fwd-store-states-2byte-K96"),
-    pytest.param({"bwd_split": True}, 1, 70, 1, 2, 96, 40, 64, id="bwd-split-K96-G2"),
-    pytest.param({"bwd_split": True, "bwd_intra_BK": 16, "bwd_intra_BV": 16}, 2, 1, 1, 1, 24, 16, 16,
+    pytest.param({"bwd_split": True, "bwd_subchunk": False}, 1, 70, 1, 2, 96, 40, 64, id="bwd-split-K96-G2"),
+    pytest.param({"bwd_split": True, "bwd_intra_BK": 16, "bwd_intra_BV": 16, "bwd_subchunk": False}, 2, 1, 1, 1, 24, 16, 16,
                  id="bwd-split-T1-K24"),
-    # 16-bit dot operands (fp16 inputs here; the interpreter's bf16 is wrong): against the reference only
-    pytest.param({"dot16_intra": True, "dot16_state": True, "dot16_bwd": True}, 2, 70, 1, 2, 96, 40, 64,
-                 id="dot16-all-K96-G2"),
-    pytest.param({"dot16_intra": True, "dot16_state": True, "dot16_bwd": True, "bwd_subchunk": True,
-                  "fwd_store_states": True}, 1, 45, 1, 1, 40, 24, 32, id="dot16-bwd-subchunk-store-C32"),
-    pytest.param({"dot16_bwd": True, "bwd_pairs": True}, 1, 1, 1, 1, 24, 16, 64, id="dot16-bwd-pairs-T1"),
+    # the per-chunk backward's products with fp32 operands at TF32 instead of the default 16-bit ones
+    # (fp16 inputs here; the interpreter's bf16 is wrong): against the reference only
+    pytest.param({"dot16_bwd": False}, 2, 70, 1, 2, 96, 40, 64, id="dot16-bwd-off-K96-G2"),
+    pytest.param({"dot16_bwd": False, "bwd_subchunk": False}, 1, 45, 1, 1, 40, 24, 32, id="dot16-bwd-off-unsplit-C32"),
     pytest.param({"gated_dtype": "input", "states_dtype": "input", "inter_dtype": "input"},
                  1, 70, 1, 1, 32, 32, 64, id="input-dtype-buffers"),
     # "auto" stores 2-byte buffers from K = 65 up: fp32 ones are the alternative there
@@ -229,7 +204,7 @@ def test_chunk_kda_tuning_alternatives_match_recurrent(tuning, B, T, H, G, K, V,
     # fp16 when a buffer dtype is the point of the case (the interpreter's bf16 is wrong, see README),
     # compared with the default buffers' run as well; else fp32
     buffers = any(name.endswith("_dtype") for name in tuning)
-    lowp = buffers or any(name.startswith("dot16") for name in tuning)
+    lowp = buffers or "dot16_bwd" in tuning
     dtype = torch.float16 if lowp else torch.float32
     inputs = make_inputs(B, T, H, G, K, V, dtype=dtype, device=DEVICE, h0=True)
     ref = run_with_grads(naive_recurrent_kda, *[x.float() for x in inputs])

@@ -224,8 +224,7 @@ def bench_stages(shape, chunk_size: int = 64) -> dict:
     bench = triton.testing.do_bench
     return {
         "fwd_intra": bench(lambda: C_.fwd_intra(q, k, v, g, b, sc, C, prec)),
-        "fwd_state": bench(lambda: kda_fwd_state(it, B, T, HV, C, None, v.dtype, False,
-                                                 precision=C_._stage_prec("dot16_state", prec, v.dtype))),
+        "fwd_state": bench(lambda: kda_fwd_state(it, B, T, HV, C, None, v.dtype, False, precision=prec)),
         "fwd_state_recompute": bench(lambda: C_.recompute_states(it, None, B, T, HV, C, v.dtype, prec)),
         "bwd_state": bench(lambda: C_.bwd_state(it, do, None, B, T, HV, C, False, v.dtype, prec)),
         "bwd_intra": bench(lambda: C_.bwd_intra(q, k, v, g, b, it.tm, it.mkk, h, dh, do, vn, dvn, sc, C, prec)),

@@ -1,8 +1,10 @@
 """Triton chunked KDA: autograd wrapper and public entry point (kernels in chunk_fwd.py, chunk_bwd.py).
 
-Launches with the default TUNING: forward 2; backward 3 (state re-scan, reverse state scan, per-chunk
-gradients) plus the GVA group sum of dq, dk in torch. The TUNING alternatives add one (split
-backward) or two (three-launch stage 1) launches.
+Launches with the default TUNING: forward 2; backward 5 (state re-scan, reverse state scan, and the
+per-chunk gradients as V side, intra-chunk score gradients, key side) plus the GVA group sum of dq,
+dk in torch. The TUNING alternatives change that count (one per-chunk backward launch without
+bwd_subchunk / bwd_split, no re-scan with fwd_store_states, three stage-1 launches with
+fwd_intra_split).
 """
 from __future__ import annotations
 
@@ -18,17 +20,21 @@ _CHUNK_SIZES = (16, 32, 64)
 # Launch and storage choices, in one place so scripts/kda_sweep.py can time alternatives on a GPU.
 # fwd_intra_BK: key-column block of stage 1 (None = whole K in one tile; see kda_fwd_intra).
 # fwd_intra_split: stage 1 as three launches (scores, solve, W/U); fwd_intra_maxnreg: its register cap.
-# fwd_intra_subchunk: stage 1's scores per (chunk, 16-row query sub-chunk) in [16, K] tiles, then the
-#   solve and W/U launches (fwd_intra_subchunk_warps: the scores kernel's warps; ptxas at K = 128: 128
-#   registers at 8 warps, also when it stores Mkk). Not yet timed on a GPU.
 # bwd_stored_mkk: stage 1 also stores the raw Mkk, and the per-chunk backward reads it for dβ instead of
-#   recomputing the intra-chunk scores in every key block. Not yet timed on a GPU.
-# bwd_subchunk: the split backward with stored Mkk, whose intra-chunk score gradients come from a launch
-#   per (chunk, 16-row sub-chunk, 32-column key block) instead of masked [BT, BK] tiles in the key-side
-#   kernel (implies bwd_split and bwd_stored_mkk; bwd_subchunk_warps: that launch's warps). Not yet timed.
+#   recomputing the intra-chunk scores in every key block.
+# bwd_subchunk (default): the split backward with stored Mkk, whose intra-chunk score gradients come
+#   from a launch per (chunk, 16-row sub-chunk, 32-column key block) instead of masked [BT, BK] tiles in
+#   the key-side kernel (implies bwd_split and bwd_stored_mkk; bwd_subchunk_warps: that launch's warps).
+# dot16_bwd (default): the per-chunk backward's products take operands rounded to the input dtype
+#   (bf16 / fp16) instead of fp32 operands at TF32; the anchored score products keep fp32 range (see
+#   chunk_fwd._dot_wide). No effect on fp32 inputs.
+#   Why these defaults (H200, bf16, B8 T2048 H16 K=V=128, fwd / fwd+bwd ms, notes/session4_gpu.md): session 3's
+#   defaults 1.671 / 6.718; bwd_subchunk 1.676 / 5.842; with 2 warps 1.682 / 5.713; bwd_subchunk +
+#   fwd_store_states + dot16_bwd 1.685 / 5.270 (largest relative RMS error 7.9e-3 in dg, tolerance 0.02).
 # fwd_store_states: when a gradient is needed, the forward scan also stores S_n and Vn (memory: one
-#   [B*HV, NT, K, V] states buffer and one [B*HV, T, V] fp32 buffer per call) and the backward skips
-#   its re-scan (0.51 ms of 7.4 at B8 T2048 H16 K128, session 3). Not yet timed.
+#   [B*HV, NT, K, V] states buffer and one [B*HV, T, V] fp32 buffer per call, about as much as q, k, v, g
+#   themselves at K = V = 128) and the backward skips its re-scan: 0.29 ms of 5.7 at the shape above.
+#   Off by default for that memory.
 # bwd_split: per-chunk backward as two launches (V side once, key side per key block; kda_bwd_intra).
 # bwd_intra_BK / _BV: its key / value blocks (None = the launcher's choice).
 # "*_dtype" entries: "fp32", "input" (the dtype of q/k/v: bf16 halves that buffer's traffic), or
@@ -40,12 +46,14 @@ _CHUNK_SIZES = (16, 32, 64)
 #   reference; at the toy shape (B8 T2048 H8 K16) they made the forward slower, 0.266 ms against
 #   0.209 ms with fp32 buffers (session 1), because 2-byte Q e^Γ / K e^(γ-Γ) need the key-blocked
 #   stage-1 kernel. K in between (e.g. 64) is not measured; it keeps fp32.
+# Measured and dropped (session 4, notes/session4_gpu.md): stage-1 scores per query sub-chunk program
+#   (1.9x slower forward), scores and score gradients as 16 x 16 block pairs in batched 3-D products
+#   (1.7-2.6x slower forward, 12 % slower backward), 16-bit operands in stage 1 and the state scans
+#   (an illegal memory access on the H200, not investigated).
 TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None, "fwd_intra_split": False,
-          "fwd_intra_pairs": 0, "fwd_intra_pairs_BK": 32, "fwd_intra_subchunk": False, "fwd_intra_subchunk_warps": 8, "bwd_stored_mkk": False,
-          "bwd_subchunk": False, "bwd_subchunk_warps": 4, "bwd_pairs": False, "bwd_pairs_BK": 32, "fwd_store_states": False,
-          "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None, "bwd_intra_warps": 8,
-          "dot16_intra": False, "dot16_state": False, "dot16_bwd": False,
-          "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32"}
+          "bwd_stored_mkk": False, "bwd_subchunk": True, "bwd_subchunk_warps": 2, "dot16_bwd": True,
+          "fwd_store_states": False, "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None,
+          "bwd_intra_warps": 8, "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32"}
 _DTYPE_CHOICES = ("auto", "fp32", "input")
 _AUTO_INPUT_MIN_K = 65
 
@@ -58,20 +66,18 @@ def check_tuning(tuning: dict) -> None:
     for name in ("inter_dtype", "gated_dtype", "states_dtype"):
         if tuning.get(name, "fp32") not in _DTYPE_CHOICES:
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]!r} must be one of {_DTYPE_CHOICES}")
-    for name in ("fwd_intra_BK", "bwd_intra_BK", "bwd_intra_BV", "fwd_intra_pairs_BK", "bwd_pairs_BK"):
+    for name in ("fwd_intra_BK", "bwd_intra_BK", "bwd_intra_BV"):
         b = tuning.get(name)
         if b is not None and (b < 16 or b & (b - 1)):
             raise ValueError(f"chunk_kda TUNING: {name}={b} must be None or a power of two >= 16")
-    if tuning.get("fwd_intra_pairs", 0) not in (0, 1, 2):
-        raise ValueError(f"chunk_kda TUNING: fwd_intra_pairs={tuning['fwd_intra_pairs']} must be 0, 1 or 2")
-    for name in ("fwd_intra_warps", "bwd_intra_warps", "fwd_intra_subchunk_warps", "bwd_subchunk_warps"):
+    for name in ("fwd_intra_warps", "bwd_intra_warps", "bwd_subchunk_warps"):
         if tuning.get(name, 8) not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]} must be a power of two <= 32")
 
 
 def _stage_prec(name: str, prec: str, dtype: torch.dtype) -> str:
-    """The dot precision of one stage: `prec`, or with TUNING[name] (dot16_intra / dot16_state /
-    dot16_bwd) and 16-bit inputs, operands rounded to the input dtype (dot_precision)."""
+    """The dot precision of one stage: `prec`, or with TUNING[name] (dot16_bwd) and 16-bit inputs,
+    operands rounded to the input dtype (dot_precision)."""
     return dot_precision(dtype, operands16=True) if TUNING[name] else prec
 
 
@@ -89,35 +95,30 @@ def fwd_intra(q, k, v, g, beta, scale, C, prec) -> Intra:
     K = q.shape[-1]
     return kda_fwd_intra(q, k, v, g, beta, scale, C, _tuned_dtype("inter_dtype", v.dtype, K),
                          _tuned_dtype("gated_dtype", v.dtype, K),
-                         num_warps=TUNING["fwd_intra_warps"], precision=_stage_prec("dot16_intra", prec, v.dtype),
-                         key_block=TUNING["fwd_intra_BK"],
+                         num_warps=TUNING["fwd_intra_warps"], precision=prec, key_block=TUNING["fwd_intra_BK"],
                          maxnreg=TUNING["fwd_intra_maxnreg"], split=TUNING["fwd_intra_split"],
-                         subchunk=TUNING["fwd_intra_subchunk"], subchunk_warps=TUNING["fwd_intra_subchunk_warps"],
-                         store_mkk=TUNING["bwd_stored_mkk"] or TUNING["bwd_subchunk"] or TUNING["bwd_pairs"],
-                         pairs=TUNING["fwd_intra_pairs"], pairs_key_block=TUNING["fwd_intra_pairs_BK"])
+                         store_mkk=TUNING["bwd_stored_mkk"] or TUNING["bwd_subchunk"])
 
 
 def recompute_states(it: Intra, h0, B, T, HV, C, v_dtype, prec):
     """The chunk start states S_n and pseudo-values Vn for the backward (recomputed, not stored)."""
     sd = _tuned_dtype("states_dtype", v_dtype, it.w.shape[-1])
     _, _, h, vn = kda_fwd_state(it, B, T, HV, C, h0, v_dtype, False, store_o=False, store_h=True, h_dtype=sd,
-                                precision=_stage_prec("dot16_state", prec, v_dtype))
+                                precision=prec)
     return h, vn
 
 
 def bwd_state(it: Intra, do, dht, B, T, HV, C, need_dh0, v_dtype, prec):
     sd = _tuned_dtype("states_dtype", v_dtype, it.w.shape[-1])
-    return kda_bwd_state(it, do, dht, B, T, HV, C, need_dh0, dh_dtype=sd,
-                         precision=_stage_prec("dot16_state", prec, v_dtype))
+    return kda_bwd_state(it, do, dht, B, T, HV, C, need_dh0, dh_dtype=sd, precision=prec)
 
 
 def bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale, C, prec):
     return kda_bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale, C, BK=TUNING["bwd_intra_BK"],
                          BV=TUNING["bwd_intra_BV"], num_warps=TUNING["bwd_intra_warps"],
                          precision=_stage_prec("dot16_bwd", prec, v.dtype),
-                         split=TUNING["bwd_split"] or TUNING["bwd_subchunk"] or TUNING["bwd_pairs"],
-                         subchunk=TUNING["bwd_subchunk"], subchunk_warps=TUNING["bwd_subchunk_warps"],
-                         pairs=TUNING["bwd_pairs"], pairs_key_block=TUNING["bwd_pairs_BK"])
+                         split=TUNING["bwd_split"] or TUNING["bwd_subchunk"], subchunk=TUNING["bwd_subchunk"],
+                         subchunk_warps=TUNING["bwd_subchunk_warps"])
 
 
 class ChunkKDAFunction(torch.autograd.Function):
@@ -132,7 +133,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         keep = TUNING["fwd_store_states"] and any(ctx.needs_input_grad[:6])
         sd = _tuned_dtype("states_dtype", v.dtype, q.shape[-1])
         o, ht, h, vn = kda_fwd_state(it, B, T, HV, chunk_size, h0, v.dtype, output_final_state, store_h=keep,
-                                     h_dtype=sd, precision=_stage_prec("dot16_state", prec, v.dtype))
+                                     h_dtype=sd, precision=prec)
         ctx.save_for_backward(q, k, v, g, beta, h0, *it, h, vn)
         ctx.scale, ctx.chunk_size, ctx.prec = scale, chunk_size, prec
         return o, ht

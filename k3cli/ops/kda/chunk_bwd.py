@@ -27,10 +27,7 @@ from k3cli.ops.kda.chunk_fwd import (
     _dot_wide,
     _intra_scores,
     _load_chunk_qkg,
-    _pair_decay,
-    _rel_decay,
     _scan_start,
-    _sub3,
     _subchunk_rows,
     interpreting,
     pick_configs,
@@ -398,84 +395,6 @@ def _kda_bwd_scores_subchunk_kernel(q, k, g, beta, dqk, dkk, dqs, dks, dgs, scal
     tl.store(dgs + p_hk, b_qb * b_dq_r + b_kb * (b_dk_r - acc_kc), mask=m_bk)
 
 
-@triton.jit
-def _dm_pair_blocks(dqk, dkk, beta, base, i_b, i_hv, i_n, T, s: tl.constexpr, BY_KEY: tl.constexpr,
-                    HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, scale):
-    """Blocks (a, a - s) of the masked score gradients dMq = scale·dAqk (j <= i) and dMk = -β_i dAkk
-    (j < i), from the unmasked dO Vn^T (dqk) and dY Vn^T (dkk), as [NC, BC, BC]: indexed by the query
-    sub-chunk a as [a, i, j], or BY_KEY by the key sub-chunk c = a - s and transposed, [c, j, i]; zeros
-    for pairs outside the chunk."""
-    NC: tl.constexpr = BT // BC
-    o_x = tl.arange(0, NC)[:, None, None]
-    o_1 = tl.arange(0, BC)[None, :, None]
-    o_2 = tl.arange(0, BC)[None, None, :]
-    if BY_KEY:
-        a, i, j = o_x + s, o_2, o_1
-    else:
-        a, i, j = o_x, o_1, o_2
-    m = (a - s >= 0) & (a < NC) & (j >= 0)
-    p = (base + a * BC + i) * BT + (a - s) * BC + j
-    b_dmq = tl.load(dqk + p, mask=m & (i + s * BC >= j), other=0.)
-    b_dmk = tl.load(dkk + p, mask=m & (i + s * BC > j), other=0.)
-    t = i_n * BT + a * BC + i
-    b_beta = tl.load(beta + (i_b * T + t).to(tl.int64) * HV + i_hv, mask=(t < T) & (a < NC), other=0.)
-    return b_dmq * scale, -b_dmk * b_beta.to(tl.float32)
-
-
-@triton.jit
-def _kda_bwd_scores_pairs_kernel(q, k, g, beta, dqk, dkk, dqs, dks, dgs, scale, T, NT,
-                                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                                 BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-    """The intra-chunk score gradients of the per-chunk backward as BC x BC block pairs, one program per
-    (chunk, batch*value-head, BK-column key block): what `_kda_bwd_scores_subchunk_kernel` stores, with
-    each pair (a, c = a - s) taken once per sub-chunk offset s in batched [NC, BC, .] products, anchored
-    like the forward's `_pair_block` (qn = q e^(Γ_i - A_a), kt = k e^(A_c - Γ_j), F = e^(A_a - A_c)):
-      dq_r[a] = e^(Γ - A_a) ⊙ Σ_s F ⊙ (dMq[a, a-s] kt_(a-s)),  dk_r likewise with dMk,
-      dk_c[c] = e^(A_c - Γ) ⊙ Σ_s F ⊙ (dMq[c+s, c]^T qn_(c+s) + dMk[c+s, c]^T kn_(c+s)).
-    The shifted sub-chunks are read from memory: key rows s sub-chunks back, query rows s ahead."""
-    i_n, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    NC: tl.constexpr = BT // BC
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
-    base = (i_bh * NT * BT + i_n * BT).to(tl.int64)
-    b_g = _sub3(g, i_b, i_hv, i_n, 0, i_k, T, HV, K, BT, BC, BK)
-    b_rel, b_first = _rel_decay(b_g, BC)
-    b_tot = tl.sum(b_g, 1)
-    b_A = tl.cumsum(b_tot, 0) - b_tot + b_first
-    acc_q = tl.zeros([NC, BC, BK], dtype=tl.float32)
-    acc_kr = tl.zeros([NC, BC, BK], dtype=tl.float32)
-    acc_kc = tl.zeros([NC, BC, BK], dtype=tl.float32)
-    for s in tl.static_range(NC):
-        # these rows as queries: blocks (a, a - s) against the key sub-chunks a - s
-        b_dmq, b_dmk = _dm_pair_blocks(dqk, dkk, beta, base, i_b, i_hv, i_n, T, s, False, HV, BT, BC, scale)
-        b_rk, _ = _rel_decay(_sub3(g, i_b, i_hv, i_n, s, i_k, T, HV, K, BT, BC, BK), BC)
-        b_kt = _sub3(k, i_b, i_h, i_n, s, i_k, T, H, K, BT, BC, BK) * tl.exp(-b_rk)
-        b_f = _pair_decay(b_A, s, False, NC)
-        acc_q += b_f * _dot_wide(b_dmq, b_kt, PREC)
-        acc_kr += b_f * _dot_wide(b_dmk, b_kt, PREC)
-        # these rows as keys: blocks (c + s, c) for the query sub-chunks c + s
-        b_dmq, b_dmk = _dm_pair_blocks(dqk, dkk, beta, base, i_b, i_hv, i_n, T, s, True, HV, BT, BC, scale)
-        b_rq, _ = _rel_decay(_sub3(g, i_b, i_hv, i_n, -s, i_k, T, HV, K, BT, BC, BK), BC)
-        b_eq = tl.exp(b_rq)
-        b_qn = _sub3(q, i_b, i_h, i_n, -s, i_k, T, H, K, BT, BC, BK) * b_eq
-        b_kn = _sub3(k, i_b, i_h, i_n, -s, i_k, T, H, K, BT, BC, BK) * b_eq
-        acc_kc += _pair_decay(b_A, s, True, NC) * (_dot_wide(b_dmq, b_qn, PREC)
-                                                   + _dot_wide(b_dmk, b_kn, PREC))
-    b_e = tl.exp(b_rel)
-    b_dq_r = b_e * acc_q
-    b_dk_r = b_e * acc_kr
-    b_dk_c = tl.exp(-b_rel) * acc_kc
-    o_k = i_k * BK + tl.arange(0, BK)[None, None, :]
-    t = i_n * BT + tl.arange(0, NC)[:, None, None] * BC + tl.arange(0, BC)[None, :, None]
-    m = (t < T) & (o_k < K)
-    p = (i_b * T + t).to(tl.int64) * (HV * K) + i_hv * K + o_k
-    b_q = _sub3(q, i_b, i_h, i_n, 0, i_k, T, H, K, BT, BC, BK)
-    b_k = _sub3(k, i_b, i_h, i_n, 0, i_k, T, H, K, BT, BC, BK)
-    tl.store(dqs + p, b_dq_r, mask=m)
-    tl.store(dks + p, b_dk_r + b_dk_c, mask=m)
-    tl.store(dgs + p, b_q * b_dq_r + b_k * (b_dk_r - b_dk_c), mask=m)
-
-
 def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, need_dh0: bool,
                   dh_dtype: torch.dtype = torch.float32, precision: str = "tf32"):
     """Launch the reverse scan. Returns dh [B*HV, NT, K, V] (grad of each chunk's END state),
@@ -497,16 +416,13 @@ def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, 
 
 def kda_bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale: float, chunk_size: int,
                   BK: int | None = None, BV: int | None = None, num_warps: int = 8, precision: str = "tf32",
-                  split: bool = False, subchunk: bool = False, subchunk_warps: int = 4, pairs: bool = False,
-                  pairs_key_block: int = 32):
+                  split: bool = False, subchunk: bool = False, subchunk_warps: int = 4):
     """Launch the per-chunk gradient kernel(s). Returns dq, dk [B, T, HV, K] fp32 (per value head),
     dv [B, T, HV, V] (v.dtype), dg [B, T, HV, K] fp32, dbeta [B, T, HV] fp32. `split`: two launches
     (`_kda_bwd_vside_kernel` once per chunk, then `_kda_bwd_kside_kernel` per key block) instead of
     one kernel that redoes the key-independent V reductions in every key block. `mkk`: the forward's
     stored Mkk or None. `subchunk` (with `split` and a stored `mkk`): the intra-chunk score gradients
-    come from `_kda_bwd_scores_subchunk_kernel` (`subchunk_warps` warps) between the two launches;
-    `pairs` (with `split` and a stored `mkk`): from `_kda_bwd_scores_pairs_kernel` instead (key blocks of
-    `pairs_key_block` columns)."""
+    come from `_kda_bwd_scores_subchunk_kernel` (`subchunk_warps` warps) between the two launches."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
@@ -531,15 +447,8 @@ def kda_bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale: float, c
         _kda_bwd_vside_kernel[(NT, B * HV)](
             v, beta, tm, do, vn, dvn, dv, dy, dqk, dkk, dbeta[NK], T, NT, HV=HV, V=V, BT=BT, BV=BV,
             PREC=precision, num_warps=num_warps, num_stages=1)
-        scores_done = (subchunk or pairs) and mkk is not None
-        if scores_done and pairs:
-            # the score gradients as 16 x 16 block pairs per (chunk, key block of BKP columns)
-            BKP = min(max(16, triton.next_power_of_2(K)), pairs_key_block)
-            dqs, dks, dgs = (torch.empty_like(dq) for _ in range(3))
-            _kda_bwd_scores_pairs_kernel[(NT, B * HV, triton.cdiv(K, BKP))](
-                q, k, g, beta, dqk, dkk, dqs, dks, dgs, scale, T, NT, H=H, HV=HV, K=K, BT=BT, BC=min(16, BT),
-                BK=BKP, PREC=precision, num_warps=subchunk_warps, num_stages=1)
-        elif scores_done:
+        scores_done = subchunk and mkk is not None
+        if scores_done:
             # the score gradients per (chunk, 16-row sub-chunk, key block) in [16, BKS] tiles
             BC = min(16, BT)
             BKS = min(BK, 32)

@@ -294,188 +294,16 @@ def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk, scal
 
 
 @triton.jit
-def _sub3(x, i_b, i_head, i_n, s: tl.constexpr, i_k, T, NHEAD: tl.constexpr, K: tl.constexpr,
-          BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
-    """[NC, BC, BK] fp32 rows of chunk i_n, key columns [i_k*BK, (i_k+1)*BK): entry a holds sub-chunk
-    a - s (zeros where that is outside the chunk, past T and past K) — a sub-chunk-shifted view (s may
-    be negative), read from memory because registers cannot be sliced."""
-    NC: tl.constexpr = BT // BC
-    o_a = tl.arange(0, NC)[:, None, None] - s
-    o_k = i_k * BK + tl.arange(0, BK)
-    t = i_n * BT + o_a * BC + tl.arange(0, BC)[None, :, None]
-    m = (o_a >= 0) & (o_a < NC) & (t < T) & (o_k[None, None, :] < K)
-    p = x + (i_b * T + t).to(tl.int64) * (NHEAD * K) + i_head * K + o_k[None, None, :]
-    return tl.load(p, mask=m, other=0.).to(tl.float32)
-
-
-@triton.jit
-def _rel_decay(b_g, BC: tl.constexpr):
-    """Per sub-chunk of b_g [NC, BC, BK] (g rows): Γ_i - Γ_anchor with the anchor at the sub-chunk's
-    FIRST row (<= 0), and that first row's g [NC, BK]."""
-    b_first = tl.sum(tl.where(tl.arange(0, BC)[None, :, None] == 0, b_g, 0.), 1)
-    return tl.cumsum(b_g, 1) - b_first[:, None, :], b_first
-
-
-@triton.jit
-def _pair_decay(b_A, s: tl.constexpr, BY_KEY: tl.constexpr, NC: tl.constexpr):
-    """The cross-block decay e^(A_a - A_c) <= 1 of the pairs (a, c = a - s) from the anchors b_A [NC, BK],
-    as [NC, 1, BK] indexed by the query sub-chunk a (zeros for a < s), or BY_KEY by the key sub-chunk c
-    (zeros for c + s >= NC)."""
-    o_a = tl.arange(0, NC)
-    d: tl.constexpr = s if BY_KEY else -s
-    # the anchor d sub-chunks away, gathered by a one-hot sum (registers cannot be shifted)
-    b_Ad = tl.sum(tl.where(o_a[:, None, None] + d == o_a[None, :, None], b_A[None, :, :], 0.), 1)
-    m = ((o_a + d >= 0) & (o_a + d < NC))[:, None]
-    b_x = b_Ad - b_A if BY_KEY else b_A - b_Ad
-    return tl.where(m, tl.exp(tl.where(m, b_x, 0.)), 0.)[:, None, :]
-
-
-@triton.jit
-def _pair_block(k, g, b_qn, b_kn, b_A, s: tl.constexpr, i_b, i_h, i_hv, i_n, i_k, T, H: tl.constexpr,
-                HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                PREC: tl.constexpr):
-    """Scores of block pairs (a, a - s) for every query sub-chunk a >= s, one key block, as [NC, BC, BC]
-    (zeros for a < s): Σ_d qn_id e^(A_a - A_c)_d kt_jd, with qn = q e^(Γ_i - A_a) <= |q|, the factor
-    e^(A_a - A_c) <= 1 (c = a - s <= a) and kt = k e^(A_c - Γ_j) <= e^((BC-1) |g|max) |k|.
-    Returns (query-key, key-key) scores."""
-    NC: tl.constexpr = BT // BC
-    b_k = _sub3(k, i_b, i_h, i_n, s, i_k, T, H, K, BT, BC, BK)
-    b_rel, _ = _rel_decay(_sub3(g, i_b, i_hv, i_n, s, i_k, T, HV, K, BT, BC, BK), BC)
-    b_kt = tl.trans(b_k * tl.exp(-b_rel), 0, 2, 1)
-    if s > 0:
-        b_f = _pair_decay(b_A, s, False, NC)
-        b_qn = b_qn * b_f
-        b_kn = b_kn * b_f
-    return _dot_wide(b_qn, b_kt, PREC), _dot_wide(b_kn, b_kt, PREC)
-
-
-@triton.jit
-def _store_pair_blocks(aqk, tm, mkk, base, b_sq, b_sk, b_beta, scale, s: tl.constexpr, BT: tl.constexpr,
-                       BC: tl.constexpr, STORE_MKK: tl.constexpr):
-    """Blocks (a, a - s) of scale·Aqk (j <= i), β_i Akk (j < i) and, with STORE_MKK, raw Mkk; and zeros
-    in blocks (a, a + s) above the diagonal."""
-    NC: tl.constexpr = BT // BC
-    o_a = tl.arange(0, NC)[:, None, None]
-    o_i = tl.arange(0, BC)[None, :, None]
-    o_j = tl.arange(0, BC)[None, None, :]
-    row = (base + o_a * BC + o_i) * BT
-    m = (o_a >= s) & (o_j >= 0)
-    if s == 0:
-        b_sq = tl.where(o_i >= o_j, b_sq, 0.)
-        b_sk = tl.where(o_i > o_j, b_sk, 0.)
-    p = row + (o_a - s) * BC + o_j
-    tl.store(aqk + p, b_sq * scale, mask=m)
-    if STORE_MKK:
-        tl.store(mkk + p, b_sk, mask=m)
-    tl.store(tm + p, b_sk * b_beta, mask=m)
-    if s > 0:
-        p_up = row + (o_a + s) * BC + o_j
-        m_up = (o_a + s < NC) & (o_j >= 0)
-        b_zero = tl.zeros([NC, BC, BC], dtype=tl.float32)
-        tl.store(aqk + p_up, b_zero, mask=m_up)
-        if STORE_MKK:
-            tl.store(mkk + p_up, b_zero, mask=m_up)
-        tl.store(tm + p_up, b_zero, mask=m_up)
-
-
-@triton.jit
-def _pair_query_side(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
-    """One key block of the query side of `_pair_block` as [NC, BC, BK]: q e^(Γ_i - A_a), k e^(Γ_i - A_a),
-    and the anchors A_a = Γ at sub-chunk a's first row [NC, BK] (the earlier sub-chunks' sums plus that
-    row's g)."""
-    b_g = _sub3(g, i_b, i_hv, i_n, 0, i_k, T, HV, K, BT, BC, BK)
-    b_rel, b_first = _rel_decay(b_g, BC)
-    b_tot = tl.sum(b_g, 1)
-    b_A = tl.cumsum(b_tot, 0) - b_tot + b_first
-    b_e = tl.exp(b_rel)
-    b_qn = _sub3(q, i_b, i_h, i_n, 0, i_k, T, H, K, BT, BC, BK) * b_e
-    b_kn = _sub3(k, i_b, i_h, i_n, 0, i_k, T, H, K, BT, BC, BK) * b_e
-    return b_qn, b_kn, b_A
-
-
-@triton.jit
-def _pair_offset_scores(q, k, g, beta3, aqk, tm, mkk, scale, s: tl.constexpr, i_b, i_h, i_hv, i_n, base, T,
-                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                        BK: tl.constexpr, PREC: tl.constexpr, STORE_MKK: tl.constexpr):
-    """`_pair_scores` for one offset s: its two accumulators over all key blocks, then its blocks stored
-    (the query side is re-derived per offset: fewer live registers, more exp work)."""
-    NC: tl.constexpr = BT // BC
-    b_aq = tl.zeros([NC, BC, BC], dtype=tl.float32)
-    b_ak = tl.zeros([NC, BC, BC], dtype=tl.float32)
-    for i_k in range((K + BK - 1) // BK):
-        b_qn, b_kn, b_A = _pair_query_side(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BC, BK)
-        b_sq, b_sk = _pair_block(k, g, b_qn, b_kn, b_A, s, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BC, BK, PREC)
-        b_aq += b_sq
-        b_ak += b_sk
-    _store_pair_blocks(aqk, tm, mkk, base, b_aq, b_ak, beta3, scale, s, BT, BC, STORE_MKK)
-
-
-@triton.jit
-def _pair_scores(q, k, g, beta, aqk, tm, mkk, scale, i_b, i_h, i_hv, i_n, base, T, H: tl.constexpr,
-                 HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                 PREC: tl.constexpr, STORE_MKK: tl.constexpr):
-    """This chunk's scale·Aqk, β Akk (and raw Mkk) as BC x BC block pairs: for each sub-chunk offset
-    s = a - c a batched [NC, BC, BK] x [NC, BK, BC] product, accumulated over BK-column key blocks.
-    Every needed pair (c <= a) is computed once, against 4x the work in the masked [BT, BT]
-    products of `_intra_scores`; the key side of offset s is read shifted by s sub-chunks."""
-    NC: tl.constexpr = BT // BC
-    o_a = tl.arange(0, NC)
-    b_q0 = tl.zeros([NC, BC, BC], dtype=tl.float32)
-    b_k0 = tl.zeros([NC, BC, BC], dtype=tl.float32)
-    if NC > 1:
-        b_q1 = tl.zeros([NC, BC, BC], dtype=tl.float32)
-        b_k1 = tl.zeros([NC, BC, BC], dtype=tl.float32)
-    if NC > 2:
-        b_q2 = tl.zeros([NC, BC, BC], dtype=tl.float32)
-        b_k2 = tl.zeros([NC, BC, BC], dtype=tl.float32)
-        b_q3 = tl.zeros([NC, BC, BC], dtype=tl.float32)
-        b_k3 = tl.zeros([NC, BC, BC], dtype=tl.float32)
-    for i_k in range((K + BK - 1) // BK):
-        b_qn, b_kn, b_A = _pair_query_side(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BC, BK)
-        b_sq, b_sk = _pair_block(k, g, b_qn, b_kn, b_A, 0, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BC, BK, PREC)
-        b_q0 += b_sq
-        b_k0 += b_sk
-        if NC > 1:
-            b_sq, b_sk = _pair_block(k, g, b_qn, b_kn, b_A, 1, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BC, BK,
-                                     PREC)
-            b_q1 += b_sq
-            b_k1 += b_sk
-        if NC > 2:
-            b_sq, b_sk = _pair_block(k, g, b_qn, b_kn, b_A, 2, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BC, BK,
-                                     PREC)
-            b_q2 += b_sq
-            b_k2 += b_sk
-            b_sq, b_sk = _pair_block(k, g, b_qn, b_kn, b_A, 3, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BC, BK,
-                                     PREC)
-            b_q3 += b_sq
-            b_k3 += b_sk
-    t = i_n * BT + o_a[:, None] * BC + tl.arange(0, BC)[None, :]
-    b_beta = tl.load(beta + (i_b * T + t).to(tl.int64) * HV + i_hv, mask=t < T, other=0.).to(tl.float32)
-    b_beta = b_beta[:, :, None]
-    _store_pair_blocks(aqk, tm, mkk, base, b_q0, b_k0, b_beta, scale, 0, BT, BC, STORE_MKK)
-    if NC > 1:
-        _store_pair_blocks(aqk, tm, mkk, base, b_q1, b_k1, b_beta, scale, 1, BT, BC, STORE_MKK)
-    if NC > 2:
-        _store_pair_blocks(aqk, tm, mkk, base, b_q2, b_k2, b_beta, scale, 2, BT, BC, STORE_MKK)
-        _store_pair_blocks(aqk, tm, mkk, base, b_q3, b_k3, b_beta, scale, 3, BT, BC, STORE_MKK)
-
-
-@triton.jit
 def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk, scale, T, NT,
                                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                  BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                 PREC: tl.constexpr, PART: tl.constexpr, STORE_MKK: tl.constexpr,
-                                 PAIRS: tl.constexpr = False, PBK: tl.constexpr = 32):
+                                 PREC: tl.constexpr, PART: tl.constexpr, STORE_MKK: tl.constexpr):
     """Stage 1 with the key dimension walked in BK-column blocks: the same outputs as
     `_kda_fwd_intra_kernel`, but no program holds more than [BT, BK] of q, k, Γ at a time (at K = 128
     the whole-K kernel sat at 255 registers, 1 block per SM and spilled; ncu, notes/session2_gpu.md).
     Scores accumulate over key blocks (they are sums over key dims); Γ is re-derived per block.
     PART 0 does everything; 1, 2, 3 are the scores (+ gated operands), the solve of the Tm buffer in
-    place, and W, U — three launches in that order give the same result with smaller programs.
-    PAIRS: the scores as BC x BC block pairs in key blocks of PBK columns instead of masked [BT, BT]
-    products per query sub-chunk; 1: all sub-chunk offsets per key block (`_pair_scores`), 2: one offset
-    at a time (`_pair_offset_scores`)."""
+    place, and W, U — three launches in that order give the same result with smaller programs."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -493,33 +321,20 @@ def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mk
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
             b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK)
-            if not PAIRS:
-                b_sq, b_sk = _intra_scores(b_q, b_k, b_G, BT, BC, PREC)
-                b_mqk += b_sq
-                b_mkk += b_sk
+            b_sq, b_sk = _intra_scores(b_q, b_k, b_G, BT, BC, PREC)
+            b_mqk += b_sq
+            b_mkk += b_sk
             # the gated operands of the state scans for these key columns
             b_gam = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), 0)
             p_rk = (base + o_t)[:, None] * K + o_k[None, :]
             tl.store(qg + p_rk, (b_q * tl.exp(b_G) * scale).to(qg.dtype.element_ty), mask=m_k[None, :])
             tl.store(kd + p_rk, (b_k * tl.exp(b_gam[None, :] - b_G)).to(kd.dtype.element_ty), mask=m_k[None, :])
             tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=m_k)
-        if PAIRS == 2:
-            NC: tl.constexpr = BT // BC
-            t3 = i_n * BT + tl.arange(0, NC)[:, None] * BC + tl.arange(0, BC)[None, :]
-            b_beta3 = tl.load(beta + (i_b * T + t3).to(tl.int64) * HV + i_hv, mask=t3 < T, other=0.)
-            b_beta3 = b_beta3.to(tl.float32)[:, :, None]
-            for s in tl.static_range(NC):
-                _pair_offset_scores(q, k, g, b_beta3, aqk, tm, mkk, scale, s, i_b, i_h, i_hv, i_n, base, T, H, HV, K,
-                                    BT, BC, PBK, PREC, STORE_MKK)
-        elif PAIRS:
-            _pair_scores(q, k, g, beta, aqk, tm, mkk, scale, i_b, i_h, i_hv, i_n, base, T, H, HV, K, BT, BC, PBK,
-                         PREC, STORE_MKK)
-        else:
-            tl.store(aqk + p_tt, tl.where(o_t[:, None] >= o_t[None, :], b_mqk, 0.) * scale)
-            b_mkk = tl.where(o_t[:, None] > o_t[None, :], b_mkk, 0.)
-            if STORE_MKK:
-                tl.store(mkk + p_tt, b_mkk)
-            tl.store(tm + p_tt, b_mkk * b_beta[:, None])
+        tl.store(aqk + p_tt, tl.where(o_t[:, None] >= o_t[None, :], b_mqk, 0.) * scale)
+        b_mkk = tl.where(o_t[:, None] > o_t[None, :], b_mkk, 0.)
+        if STORE_MKK:
+            tl.store(mkk + p_tt, b_mkk)
+        tl.store(tm + p_tt, b_mkk * b_beta[:, None])
     if PART == 0:
         tl.debug_barrier()
         b_tm = _unit_lower_inverse(tm + base * BT, BT, BC)
@@ -535,102 +350,6 @@ def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mk
             b_w = _dot(b_tm, b_k * tl.exp(b_G) * b_beta[:, None], PREC)
             tl.store(w + (base + o_t)[:, None] * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_k[None, :])
         _store_u(v, u, b_tm, b_beta, i_b, i_hv, i_n, base, T, HV, V, BT, BV, PREC)
-
-
-@triton.jit
-def _kda_fwd_scores_subchunk_kernel(q, k, g, beta, qg, kd, eg, aqk, tm, mkk, scale, T, NT,
-                                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                                    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-                                    STORE_MKK: tl.constexpr):
-    """Stage 1, scores only, one program per (chunk, query sub-chunk a, batch*value-head): rows
-    [a*BC, (a+1)*BC) of Aqk (scaled, j <= i) and of β_i Akk (j < i) as BC x BC blocks against key
-    sub-chunks c <= a (zeros for c > a), plus this sub-chunk's rows of Q e^Γ, K e^(γ-Γ) (and e^γ from
-    a = 0). Tiles are [BC, BK] with BK a key-column block (scores accumulate over blocks; every key
-    column's Γ is independent): no [BT, K] tile, no masked redundant rows and two [BC, BC]
-    accumulators, at the price of re-reading sub-chunks' q, k and g per block pair (from L1/L2). Anchored like `_anchored_factors`:
-    e_q = e^(Γ_i - Γ_a0) <= 1, e_k = e^(Γ_a0 - Γ_j) <= 1 for j < a0 (inside the diagonal block
-    <= e^(15 |g|max)). The solve and W, U follow as PART 2 and 3 of the key-blocked kernel."""
-    i_na, i_bh = tl.program_id(0), tl.program_id(1)
-    NC: tl.constexpr = BT // BC
-    i_n, a = i_na // NC, i_na % NC
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
-    o_c = tl.arange(0, BC)
-    i_row = a * BC + o_c
-    base = (i_bh * NT * BT + i_n * BT).to(tl.int64)
-    m_i = (i_n * BT + i_row) < T
-    b_beta = tl.load(beta + (i_b * T + i_n * BT + i_row).to(tl.int64) * HV + i_hv, mask=m_i, other=0.)
-    b_beta = b_beta.to(tl.float32)
-    p_row = (base + i_row)[:, None] * BT
-    NKB: tl.constexpr = (K + BK - 1) // BK
-    # the gated operands of the state scans for these rows: Γ before sub-chunk a and γ per key block
-    for i_k in tl.static_range(NKB):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        b_pre = tl.zeros([BK], dtype=tl.float32)
-        b_gam = tl.zeros([BK], dtype=tl.float32)
-        for c in tl.static_range(NC):
-            _, _, b_gc = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, c, i_k, T, H, HV, K, BT, BC, BK)
-            b_sum = tl.sum(b_gc, 0)
-            b_pre += tl.where(c < a, b_sum, 0.)
-            b_gam += b_sum
-        b_qa, b_ka, b_ga = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, a, i_k, T, H, HV, K, BT, BC, BK)
-        b_Ga = b_pre[None, :] + tl.cumsum(b_ga, 0)
-        p_rk = (base + i_row)[:, None] * K + o_k[None, :]
-        tl.store(qg + p_rk, (b_qa * tl.exp(b_Ga) * scale).to(qg.dtype.element_ty), mask=m_k[None, :])
-        tl.store(kd + p_rk, (b_ka * tl.exp(b_gam[None, :] - b_Ga)).to(kd.dtype.element_ty), mask=m_k[None, :])
-        if a == 0:
-            tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=m_k)
-    # block (a, c) for each key sub-chunk c <= a, accumulated over key blocks; only two [BC, BC]
-    # accumulators live (the rows of a and their Γ are re-derived per (c, key block), from L1/L2)
-    c = a * 0
-    while c <= a:
-        b_sq = tl.zeros([BC, BC], dtype=tl.float32)
-        b_sk = tl.zeros([BC, BC], dtype=tl.float32)
-        for i_k in tl.static_range(NKB):
-            # Γ before sub-chunks c and a in this key block
-            b_pre_c = tl.zeros([BK], dtype=tl.float32)
-            b_pre_a = tl.zeros([BK], dtype=tl.float32)
-            # (one sub-chunk: a is the constant 0, and an empty while loop crashes Triton's coalesce
-            # pass for sm_90 — found by compiling with scripts/ptxas_report.py --chunk 16)
-            if NC > 1:
-                c2 = a * 0
-                while c2 < a:
-                    _, _, b_g2 = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, c2, i_k, T, H, HV, K, BT, BC, BK)
-                    b_sum = tl.sum(b_g2, 0)
-                    b_pre_a += b_sum
-                    b_pre_c += tl.where(c2 < c, b_sum, 0.)
-                    c2 += 1
-            b_qa, b_ka, b_ga = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, a, i_k, T, H, HV, K, BT, BC, BK)
-            b_Ga = b_pre_a[None, :] + tl.cumsum(b_ga, 0)
-            b_anchor = tl.sum(tl.where(o_c[:, None] == 0, b_Ga, 0.), 0)
-            e_q = tl.exp(b_Ga - b_anchor[None, :])
-            _, b_kc, b_gc = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, c, i_k, T, H, HV, K, BT, BC, BK)
-            b_Gc = b_pre_c[None, :] + tl.cumsum(b_gc, 0)
-            b_kb = tl.trans(b_kc * tl.exp(b_anchor[None, :] - b_Gc))
-            b_sq += _dot_wide(b_qa * e_q, b_kb, PREC)
-            b_sk += _dot_wide(b_ka * e_q, b_kb, PREC)
-        _store_score_block(aqk, tm, mkk, p_row, b_sq, b_sk, b_beta, scale, i_row, c, BC, STORE_MKK)
-        c += 1
-    b_zero = tl.zeros([BC, BC], dtype=tl.float32)
-    while c < NC:
-        _store_score_block(aqk, tm, mkk, p_row, b_zero, b_zero, b_beta, scale, i_row, c, BC, STORE_MKK)
-        c += 1
-
-
-@triton.jit
-def _store_score_block(aqk, tm, mkk, p_row, b_sq, b_sk, b_beta, scale, i_row, c, BC: tl.constexpr,
-                       STORE_MKK: tl.constexpr):
-    """Block (a, c) of scale·Aqk (j <= i) and β_i Akk (j < i) for the rows i_row of sub-chunk a (the
-    causal masks change only the diagonal block); the caller passes zeros for c > a. With STORE_MKK also the raw Mkk block
-    (no β) for the backward's dβ."""
-    j_col = c * BC + tl.arange(0, BC)
-    b_sq = tl.where(i_row[:, None] >= j_col[None, :], b_sq, 0.)
-    b_sk = tl.where(i_row[:, None] > j_col[None, :], b_sk, 0.)
-    tl.store(aqk + p_row + j_col[None, :], b_sq * scale)
-    if STORE_MKK:
-        tl.store(mkk + p_row + j_col[None, :], b_sk)
-    tl.store(tm + p_row + j_col[None, :], b_sk * b_beta[:, None])
 
 
 @triton.jit
@@ -751,19 +470,14 @@ def dot_precision(dtype: torch.dtype, operands16: bool = False) -> str:
 def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: torch.dtype,
                   gated_dtype: torch.dtype = torch.float32, num_warps: int = 8, precision: str = "tf32",
                   key_block: int | None = None, maxnreg: int | None = None, split: bool = False,
-                  subchunk: bool = False, subchunk_warps: int = 4, store_mkk: bool = False,
-                  pairs: int = 0, pairs_key_block: int = 32) -> Intra:
+                  store_mkk: bool = False) -> Intra:
     """Launch stage 1 (one program per chunk and batch*value-head). W, U are stored in `inter_dtype`,
     Q e^Γ and K e^(γ-Γ) in `gated_dtype`; everything else fp32. `precision`: see dot_precision.
     `key_block` (16, 32, 64): walk the key dim in blocks of that many columns when K is wider
     (`_kda_fwd_intra_kblock_kernel`, also used for a non-fp32 `gated_dtype`); None: whole-K tiles.
     `maxnreg`: per-thread register cap (ptxas .maxnreg; 128 at 8 warps = two blocks per SM).
     `split`: three launches (scores, solve, W/U) of the key-blocked kernel instead of one.
-    `subchunk`: the scores from `_kda_fwd_scores_subchunk_kernel` (one program per chunk and query
-    sub-chunk, `subchunk_warps` warps), then the key-blocked kernel's solve and W/U launches.
-    `store_mkk`: also keep the raw Mkk (Intra.mkk, else None) for the backward's dβ term.
-    `pairs` (0, 1, 2): the key-blocked kernel with its scores as BC x BC block pairs in key blocks of
-    `pairs_key_block` columns (PAIRS of `_kda_fwd_intra_kblock_kernel`)."""
+    `store_mkk`: also keep the raw Mkk (Intra.mkk, else None) for the backward's dβ term."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
@@ -787,23 +501,11 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     mkk_arg = tm if mkk is None else mkk   # any fp32 buffer when STORE_MKK is off (never written)
     args = (q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk_arg, scale, T, NT)
     opts["STORE_MKK"] = store_mkk
-    if subchunk:
-        # scores per (chunk, query sub-chunk) in [BC, K] tiles, then the key-blocked kernel's solve and W, U
-        BC = min(16, BT)
-        _kda_fwd_scores_subchunk_kernel[(NT * (BT // BC), B * HV)](
-            q, k, g, beta, qg, kd, eg, aqk, tm, mkk_arg, scale, T, NT, H=H, HV=HV, K=K, BT=BT, BC=BC,
-            BK=min(BK, 32), PREC=precision, STORE_MKK=store_mkk, num_warps=subchunk_warps, num_stages=1)
-        BK = min(BK, key_block or BK)
-        for part in (2, 3):
-            _kda_fwd_intra_kblock_kernel[(NT, B * HV)](
-                *args, H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=BV, PREC=precision, PART=part, **opts)
-    elif (key_block is not None and key_block < BK) or gated_dtype != torch.float32 or split or pairs:
-        PBK = min(BK, pairs_key_block)
+    if (key_block is not None and key_block < BK) or gated_dtype != torch.float32 or split:
         BK = min(BK, key_block or BK)
         for part in (1, 2, 3) if split else (0,):
             _kda_fwd_intra_kblock_kernel[(NT, B * HV)](
-                *args, H=H, HV=HV, K=K, V=V, BT=BT, BC=min(16, BT), BK=BK, BV=BV, PREC=precision, PART=part,
-                PAIRS=pairs, PBK=PBK, **opts)
+                *args, H=H, HV=HV, K=K, V=V, BT=BT, BC=min(16, BT), BK=BK, BV=BV, PREC=precision, PART=part, **opts)
     else:
         _kda_fwd_intra_kernel[(NT, B * HV)](
             *args, H=H, HV=HV, K=K, V=V, BT=BT, BC=min(16, BT), BK=BK, BV=BV, PREC=precision, **opts)
