@@ -182,10 +182,10 @@ TUNING_CASES = [
     pytest.param({"bwd_split": True, "bwd_subchunk": False}, 1, 70, 1, 2, 96, 40, 64, id="bwd-split-K96-G2"),
     pytest.param({"bwd_split": True, "bwd_intra_BK": 16, "bwd_intra_BV": 16, "bwd_subchunk": False}, 2, 1, 1, 1, 24, 16, 16,
                  id="bwd-split-T1-K24"),
-    # the per-chunk backward's products with fp32 operands at TF32 instead of the default 16-bit ones
-    # (fp16 inputs here; the interpreter's bf16 is wrong): against the reference only
-    pytest.param({"dot16_bwd": False}, 2, 70, 1, 2, 96, 40, 64, id="dot16-bwd-off-K96-G2"),
-    pytest.param({"dot16_bwd": False, "bwd_subchunk": False}, 1, 45, 1, 1, 40, 24, 32, id="dot16-bwd-off-unsplit-C32"),
+    # the per-chunk backward's products with 16-bit operands (fp16 inputs here; the interpreter's bf16 is
+    # wrong): against the reference only
+    pytest.param({"dot16_bwd": True}, 2, 70, 1, 2, 96, 40, 64, id="dot16-bwd-K96-G2"),
+    pytest.param({"dot16_bwd": True, "bwd_subchunk": False}, 1, 45, 1, 1, 40, 24, 32, id="dot16-bwd-unsplit-C32"),
     pytest.param({"gated_dtype": "input", "states_dtype": "input", "inter_dtype": "input"},
                  1, 70, 1, 1, 32, 32, 64, id="input-dtype-buffers"),
     # "auto" stores 2-byte buffers from K = 65 up: fp32 ones are the alternative there
