@@ -25,8 +25,9 @@ from k3cli.ops.kda.bench import _fla_chunk_kda, _fwd_bwd_fns, _inputs  # noqa: E
 from k3cli.ops.kda.naive import naive_chunk_kda  # noqa: E402
 
 BASE = dict(chunk_mod.TUNING)
-# Each entry overrides the CURRENT chunk.TUNING. Session 4 made bwd_subchunk (2 warps) the default, so the
-# older entries below now run on top of it; "s3_defaults" is the state before.
+# Each entry overrides the CURRENT chunk.TUNING. Session 4 made bwd_subchunk (2 warps) the default; the
+# older entries that time the unsplit / split backward name "bwd_subchunk": False, the rest run on top of
+# it; "s3_defaults" is the state before.
 # Results: notes/session{2,3,4}_gpu.md and notes/session*_sweep*.jsonl.
 VARIANTS = {
     "base": {},
@@ -44,27 +45,27 @@ VARIANTS = {
     # 2-byte W, Q e^Γ, K e^(γ-Γ): the state scans' two-stage configs fit in shared memory at K = 128
     "bufs_in": {"inter_dtype": "input", "gated_dtype": "input"},
     # measured in session 2 (notes/session2_gpu.md): within 3 % of base
-    "bi_k32v32w4": {"bwd_intra_BK": 32, "bwd_intra_BV": 32, "bwd_intra_warps": 4},
+    "bi_k32v32w4": {"bwd_subchunk": False, "bwd_intra_BK": 32, "bwd_intra_BV": 32, "bwd_intra_warps": 4},
     "fi_w16": {"fwd_intra_warps": 16},
     "fi_w4": {"fwd_intra_warps": 4},
-    "bi_k32v64w8": {"bwd_intra_BK": 32, "bwd_intra_BV": 64},
-    "bi_k32v64w4": {"bwd_intra_BK": 32, "bwd_intra_BV": 64, "bwd_intra_warps": 4},
-    "bi_k64v64w16": {"bwd_intra_warps": 16},
+    "bi_k32v64w8": {"bwd_subchunk": False, "bwd_intra_BK": 32, "bwd_intra_BV": 64},
+    "bi_k32v64w4": {"bwd_subchunk": False, "bwd_intra_BK": 32, "bwd_intra_BV": 64, "bwd_intra_warps": 4},
+    "bi_k64v64w16": {"bwd_subchunk": False, "bwd_intra_warps": 16},
     # spill-free per scripts/ptxas_report.py (sm_90, 8 warps): stage 1 BK32, split backward BK32 BV32
-    "nospill": {"fwd_intra_BK": 32, "bwd_split": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
+    "nospill": {"bwd_subchunk": False, "fwd_intra_BK": 32, "bwd_split": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
     # scores / solve / W,U launches: 232 / 125 / 196 registers at 8 warps (ptxas_report), no spills
     "fi_split_kb32": {"fwd_intra_split": True, "fwd_intra_BK": 32},
     "fi_split_kb32_w16": {"fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_warps": 16},   # all spill-free
-    "bwd_split": {"bwd_split": True},
-    "bwd_split_k32v32": {"bwd_split": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
-    "bwd_split_k32v32_w16": {"bwd_split": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32, "bwd_intra_warps": 16},
+    "bwd_split": {"bwd_subchunk": False, "bwd_split": True},
+    "bwd_split_k32v32": {"bwd_subchunk": False, "bwd_split": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
+    "bwd_split_k32v32_w16": {"bwd_subchunk": False, "bwd_split": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32, "bwd_intra_warps": 16},
     # the session-2 guess from ptxas_report: every launch spill-free or nearly, 2-stage scans
-    "guess": {"fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_warps": 16, "bwd_split": True,
+    "guess": {"bwd_subchunk": False, "fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_warps": 16, "bwd_split": True,
               "bwd_intra_BK": 32, "bwd_intra_BV": 32, "inter_dtype": "input", "gated_dtype": "input"},
     # session 3: the backward reads the forward's stored Mkk for dβ instead of recomputing the scores per key
     # block (ptxas K128 8 warps: bwd_intra 255 regs, 1296 B stack vs 1192 recomputing; fewer instructions)
-    "bwd_mkk": {"bwd_stored_mkk": True},
-    "bwd_mkk_split_k32v32": {"bwd_stored_mkk": True, "bwd_split": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
+    "bwd_mkk": {"bwd_subchunk": False, "bwd_stored_mkk": True},
+    "bwd_mkk_split_k32v32": {"bwd_subchunk": False, "bwd_stored_mkk": True, "bwd_split": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
     # session 3: score gradients per (chunk, 16-row sub-chunk, 32-column key block) (ptxas K128: 80 regs,
     # no spills), the key-side kernel without its sub-chunk loop (BK32 BV32: 183 regs, no spills)
     "bwd_subchunk": {"bwd_subchunk": True},
@@ -80,13 +81,13 @@ VARIANTS = {
     "bsub_store": {"bwd_subchunk": True, "fwd_store_states": True},
     "bsub_mkk_w8": {"bwd_subchunk": True, "bwd_subchunk_warps": 8},
     "bsub_w2": {"bwd_subchunk": True, "bwd_subchunk_warps": 2},
-    # session 4: the per-chunk backward's products with 16-bit operands (dot16_bwd; off: dg error at K16)
     "bsub_store_w2": {"bwd_subchunk": True, "fwd_store_states": True, "bwd_subchunk_warps": 2},
+    # session 4: the per-chunk backward's products with 16-bit operands (dot16_bwd; off: dg error at K16)
     "d16_bwd": {"bwd_subchunk": True, "fwd_store_states": True, "dot16_bwd": True},
     # chunk 32: [32, 32] score tiles, twice the sequential scan steps (chunk_size is chunk_kda's argument)
     "c32": {"chunk_size": 32},
     "c32_kb16_w4": {"chunk_size": 32, "fwd_intra_BK": 16, "fwd_intra_warps": 4},
-    "combo": {"fwd_intra_BK": 32, "bwd_intra_BK": 32, "bwd_intra_BV": 32, "bwd_intra_warps": 4,
+    "combo": {"bwd_subchunk": False, "fwd_intra_BK": 32, "bwd_intra_BK": 32, "bwd_intra_BV": 32, "bwd_intra_warps": 4,
               "gated_dtype": "input", "states_dtype": "input"},
 }
 SPEED_SHAPES = [(8, 2048, 16, 16, 128), (1, 16384, 16, 16, 128)]

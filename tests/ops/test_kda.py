@@ -201,27 +201,36 @@ def test_chunk_kda_tuning_alternatives_match_recurrent(tuning, B, T, H, G, K, V,
     from k3cli.ops.kda import chunk as chunk_mod
     from k3cli.ops.kda import chunk_kda
     chunk_mod.check_tuning(tuning)   # a misspelt key would silently test the default path
-    # fp16 when a buffer dtype is the point of the case (the interpreter's bf16 is wrong, see README),
-    # compared with the default buffers' run as well; else fp32
+    # fp16 when a buffer dtype or 16-bit dot operands are the point of the case (the interpreter's bf16
+    # is wrong, see README), compared with the same case without them as well; else fp32
     buffers = any(name.endswith("_dtype") for name in tuning)
     lowp = buffers or "dot16_bwd" in tuning
     dtype = torch.float16 if lowp else torch.float32
     inputs = make_inputs(B, T, H, G, K, V, dtype=dtype, device=DEVICE, h0=True)
     ref = run_with_grads(naive_recurrent_kda, *[x.float() for x in inputs])
-    base = run_with_grads(chunk_kda, *inputs, chunk_size=C) if buffers else None
-    saved = dict(chunk_mod.TUNING)
-    try:
-        chunk_mod.TUNING.update(tuning)
-        out = run_with_grads(chunk_kda, *inputs, chunk_size=C)
-    finally:
-        chunk_mod.TUNING.clear()
-        chunk_mod.TUNING.update(saved)
+
+    def run_under(over):
+        saved = dict(chunk_mod.TUNING)
+        try:
+            chunk_mod.TUNING.update(over)
+            return run_with_grads(chunk_kda, *inputs, chunk_size=C)
+        finally:
+            chunk_mod.TUNING.clear()
+            chunk_mod.TUNING.update(saved)
+
+    out = run_under(tuning)
+    # the same case without its buffer dtypes / 16-bit operands
+    base = run_under({n: v for n, v in tuning.items() if not n.endswith("_dtype") and n != "dot16_bwd"}) \
+        if lowp else None
     for name in ref:
         assert out[name].shape == ref[name].shape, name
         assert_close(name, out[name], ref[name], tol=None if lowp else 1e-5)
         if buffers:
-            # what the buffer dtypes change against the default run: their rounding only (measured ≤ 3.4e-4)
+            # what the buffer dtypes change: their rounding only (measured ≤ 3.4e-4)
             assert_close(name, out[name], base[name], tol=1e-3)
+    if "dot16_bwd" in tuning:
+        # the 16-bit operands were used: they move the gradients, not the forward
+        assert not torch.equal(out["dq"], base["dq"]) and torch.equal(out["o"], base["o"])
 
 
 def test_check_tuning_rejects_bad_entries():

@@ -1,17 +1,18 @@
 """Backward stages of the Triton chunked KDA (derivation in README.md, "Backward").
 
-Given the forward's saved stage-1 buffers (W, U, Q e^Γ, K e^(γ-Γ), e^γ, Aqk, Tm) and the per-chunk
-start states S_n and pseudo-values Vn (recomputed by re-running the forward state scan with
-STORE_H), two launches:
+Given the forward's saved stage-1 buffers (W, U, Q e^Γ, K e^(γ-Γ), e^γ, Aqk, Tm, and the raw Mkk when
+stored) and the per-chunk start states S_n and pseudo-values Vn (recomputed by re-running the forward
+state scan with STORE_H, or kept by the forward with chunk.TUNING fwd_store_states):
   1. `_kda_bwd_state_kernel`, sequential over chunks in reverse per (value block, batch*head):
      dVn = Aqk^T dO + (K e^(γ-Γ)) dS',  dS = e^γ dS' + scale (Q e^Γ)^T dO - W^T dVn; stores dS' per
      chunk, dVn and dh0.
-  2. `_kda_bwd_intra_kernel`, parallel over (chunk, batch*head, key block): dq, dk, dv, dβ, dg.
-     Alternative (chunk.TUNING bwd_split): `_kda_bwd_vside_kernel` once per chunk for the
-     key-independent V reductions, then `_kda_bwd_kside_kernel` per key block; both kernels end in
-     `_bwd_key_side`. With bwd_subchunk, `_kda_bwd_scores_subchunk_kernel` runs between the two and
-     computes the intra-chunk score gradients per 16-row sub-chunk; with bwd_stored_mkk (implied),
-     dβ's Mkk term reads the forward's stored Mkk instead of recomputing the scores.
+  2. The per-chunk gradients dq, dk, dv, dβ, dg. Default (chunk.TUNING bwd_subchunk): three launches —
+     `_kda_bwd_vside_kernel` once per chunk for the key-independent V reductions,
+     `_kda_bwd_scores_subchunk_kernel` for the intra-chunk score gradients per (chunk, 16-row
+     sub-chunk, key block), then `_kda_bwd_kside_kernel` per key block, with dβ's Mkk term from the
+     forward's stored Mkk. Alternatives: the same without the sub-chunk launch (bwd_split; the key side
+     then loops over sub-chunks itself), or one `_kda_bwd_intra_kernel` per (chunk, batch*head, key
+     block) redoing the V reductions in every key block. All end in `_bwd_key_side`.
 """
 from __future__ import annotations
 

@@ -103,8 +103,8 @@ def _blk(p, i, j, BT: tl.constexpr, BC: tl.constexpr):
 
 @triton.jit
 def _dot(a, b, PREC: tl.constexpr):
-    """The non-solve products: PREC "bf16" / "fp16" rounds both operands to that 16-bit type (fp32
-    accumulation; what the inputs carry already), else fp32 operands at tl.dot input precision PREC."""
+    """The non-solve products: PREC "bf16" / "fp16" rounds both (fp32) operands to that 16-bit type, fp32
+    accumulation (chunk.TUNING dot16_bwd); else fp32 operands at tl.dot input precision PREC."""
     if PREC == "bf16":
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
     elif PREC == "fp16":
@@ -461,7 +461,7 @@ def dot_precision(dtype: torch.dtype, operands16: bool = False) -> str:
     forward 1.4e-2 (scaled) away from its exact-fp32 decode on the H200, and "ieee" spills at
     K = 128 per scripts/ptxas_report.py), unless torch allows TF32 matmuls. bf16/fp16 inputs: "tf32"
     (they carry less precision than TF32 already), or with `operands16` "bf16" / "fp16": both operands
-    rounded to the input dtype (chunk.TUNING dot16_*). The solve is always "ieee" (`_mm`)."""
+    rounded to the input dtype (chunk.TUNING dot16_bwd). The solve is always "ieee" (`_mm`)."""
     if operands16 and dtype in (torch.bfloat16, torch.float16):
         return "bf16" if dtype == torch.bfloat16 else "fp16"
     return "tf32x3" if dtype == torch.float32 and not torch_allows_tf32() else "tf32"
