@@ -84,6 +84,12 @@ VARIANTS = {
     "bsub_store_w2": {"bwd_subchunk": True, "fwd_store_states": True, "bwd_subchunk_warps": 2},
     # session 4: the per-chunk backward's products with 16-bit operands (dot16_bwd; off: dg error at K16)
     "d16_bwd": {"bwd_subchunk": True, "fwd_store_states": True, "dot16_bwd": True},
+    # session 4, after the device time: stage-1 scores as 16 x 16 block pairs in 2-D whole-K tiles, one
+    # program per (chunk, head), then the solve + W, U launch (ptxas K128: 255 registers, no spill at 4 warps)
+    "pairs": {"fwd_intra_pairs": True},
+    "pairs_w8": {"fwd_intra_pairs": True, "fwd_intra_pairs_warps": 8},
+    "pairs_w2": {"fwd_intra_pairs": True, "fwd_intra_pairs_warps": 2},
+    "pairs_store": {"fwd_intra_pairs": True, "fwd_store_states": True},
     # chunk 32: [32, 32] score tiles, twice the sequential scan steps (chunk_size is chunk_kda's argument)
     "c32": {"chunk_size": 32},
     "c32_kb16_w4": {"chunk_size": 32, "fwd_intra_BK": 16, "fwd_intra_warps": 4},

@@ -20,6 +20,10 @@ _CHUNK_SIZES = (16, 32, 64)
 # Launch and storage choices, in one place so scripts/kda_sweep.py can time alternatives on a GPU.
 # fwd_intra_BK: key-column block of stage 1 (None = whole K in one tile; see kda_fwd_intra).
 # fwd_intra_split: stage 1 as three launches (scores, solve, W/U); fwd_intra_maxnreg: its register cap.
+# fwd_intra_pairs: stage 1's scores from one program per (chunk, batch*head) that forms each needed
+#   16 x 16 block pair (c <= a) once in whole-K [16, K] tiles, Γ per sub-chunk from one pass of sub-chunk
+#   sums (2-D products; the batched 3-D form measured slower), plus the gated operands; then the solve and
+#   W, U in one launch (fwd_intra_pairs_warps: the scores kernel's warps). Not yet timed on a GPU.
 # bwd_stored_mkk: stage 1 also stores the raw Mkk, and the per-chunk backward reads it for dβ instead of
 #   recomputing the intra-chunk scores in every key block.
 # bwd_subchunk (default): the split backward with stored Mkk, whose intra-chunk score gradients come
@@ -53,7 +57,7 @@ _CHUNK_SIZES = (16, 32, 64)
 #   (1.7-2.6x slower forward, 12 % slower fwd+bwd), 16-bit operands in stage 1 and the state scans
 #   (an illegal memory access on the H200, not investigated).
 TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None, "fwd_intra_split": False,
-          "bwd_stored_mkk": False, "bwd_subchunk": True, "bwd_subchunk_warps": 2, "dot16_bwd": False,
+          "fwd_intra_pairs": False, "fwd_intra_pairs_warps": 4, "bwd_stored_mkk": False, "bwd_subchunk": True, "bwd_subchunk_warps": 2, "dot16_bwd": False,
           "fwd_store_states": False, "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None,
           "bwd_intra_warps": 8, "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32"}
 _DTYPE_CHOICES = ("auto", "fp32", "input")
@@ -72,7 +76,7 @@ def check_tuning(tuning: dict) -> None:
         b = tuning.get(name)
         if b is not None and (b < 16 or b & (b - 1)):
             raise ValueError(f"chunk_kda TUNING: {name}={b} must be None or a power of two >= 16")
-    for name in ("fwd_intra_warps", "bwd_intra_warps", "bwd_subchunk_warps"):
+    for name in ("fwd_intra_warps", "bwd_intra_warps", "bwd_subchunk_warps", "fwd_intra_pairs_warps"):
         if tuning.get(name, 8) not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]} must be a power of two <= 32")
 
@@ -99,7 +103,8 @@ def fwd_intra(q, k, v, g, beta, scale, C, prec) -> Intra:
                          _tuned_dtype("gated_dtype", v.dtype, K),
                          num_warps=TUNING["fwd_intra_warps"], precision=prec, key_block=TUNING["fwd_intra_BK"],
                          maxnreg=TUNING["fwd_intra_maxnreg"], split=TUNING["fwd_intra_split"],
-                         store_mkk=TUNING["bwd_stored_mkk"] or TUNING["bwd_subchunk"])
+                         store_mkk=TUNING["bwd_stored_mkk"] or TUNING["bwd_subchunk"],
+                         pairs=TUNING["fwd_intra_pairs"], pairs_warps=TUNING["fwd_intra_pairs_warps"])
 
 
 def recompute_states(it: Intra, h0, B, T, HV, C, v_dtype, prec):

@@ -294,6 +294,99 @@ def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk, scal
 
 
 @triton.jit
+def _subchunk_gamma(g, i_b, i_hv, i_n, c, b_pre, T, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                    BC: tl.constexpr, BK: tl.constexpr):
+    """Γ (chunk-local inclusive cumsum of g) on the rows of sub-chunk c as [BC, BK], given the sums of
+    the earlier sub-chunks b_pre [NC, BK] (row c is taken by a one-hot sum: registers cannot be indexed)."""
+    NC: tl.constexpr = BT // BC
+    o_k = tl.arange(0, BK)
+    t = i_n * BT + c * BC + tl.arange(0, BC)
+    b_g = tl.load(g + (i_b * T + t).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_k[None, :],
+                  mask=(t < T)[:, None] & (o_k < K)[None, :], other=0.).to(tl.float32)
+    b_p = tl.sum(tl.where(tl.arange(0, NC)[:, None] == c, b_pre, 0.), 0)
+    return b_p[None, :] + tl.cumsum(b_g, 0)
+
+
+@triton.jit
+def _subchunk_qk(x, i_b, i_h, i_n, c, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                 BK: tl.constexpr):
+    """Rows of sub-chunk c of q or k (head i_h) as [BC, BK] fp32, zeros past T and K."""
+    o_k = tl.arange(0, BK)
+    t = i_n * BT + c * BC + tl.arange(0, BC)
+    return tl.load(x + (i_b * T + t).to(tl.int64)[:, None] * (H * K) + i_h * K + o_k[None, :],
+                   mask=(t < T)[:, None] & (o_k < K)[None, :], other=0.).to(tl.float32)
+
+
+@triton.jit
+def _kda_fwd_scores_pairs_kernel(q, k, g, beta, qg, kd, eg, aqk, tm, mkk, scale, T, NT,
+                                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                                 BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                                 STORE_MKK: tl.constexpr):
+    """Stage-1 scores only, one program per (chunk, batch*value-head), whole-K [BC, BK] tiles: each
+    needed BC x BC block pair (a, c), c <= a, once — Aqk = scale·Σ_d (q_a e^(Γ_a - A_a)) (k_c e^(A_a - Γ_c))
+    and Akk likewise with k_a — anchored at A_a = Γ at sub-chunk a's first row (the factors as in
+    `_anchored_factors`). Γ of a sub-chunk is its cumsum plus the sums of the earlier sub-chunks, which
+    are formed once from a [NC, BC, BK] view of g. Writes scale·Aqk (j <= i), β_i Akk (j < i) into tm
+    and, with STORE_MKK, raw Mkk, zeros above the diagonal blocks; and the scans' gated operands
+    Q e^Γ, K e^(γ-Γ), e^γ. The solve and W, U follow as PART 4 of `_kda_fwd_intra_kblock_kernel`."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    NC: tl.constexpr = BT // BC
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    base = (i_bh * NT * BT + i_n * BT).to(tl.int64)
+    o_c = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    # sums of g per sub-chunk, then the exclusive prefix: Γ before each sub-chunk
+    t3 = i_n * BT + tl.arange(0, NC)[:, None, None] * BC + o_c[None, :, None]
+    b_g3 = tl.load(g + (i_b * T + t3).to(tl.int64) * (HV * K) + i_hv * K + o_k[None, None, :],
+                   mask=(t3 < T) & (o_k[None, None, :] < K), other=0.).to(tl.float32)
+    b_tot = tl.sum(b_g3, 1)
+    b_pre = tl.cumsum(b_tot, 0) - b_tot
+    b_gam = tl.sum(b_tot, 0)
+    m_k = o_k < K
+    tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=m_k)
+    # runtime loops (not unrolled): unrolled, the compiler kept many [BC, BK] tiles live (255 registers)
+    a = i_n * 0
+    while a < NC:
+        i_row = a * BC + o_c
+        m_i = (i_n * BT + i_row) < T
+        b_beta = tl.load(beta + (i_b * T + i_n * BT + i_row).to(tl.int64) * HV + i_hv, mask=m_i, other=0.)
+        b_beta = b_beta.to(tl.float32)
+        b_Ga = _subchunk_gamma(g, i_b, i_hv, i_n, a, b_pre, T, HV, K, BT, BC, BK)
+        b_anchor = tl.sum(tl.where(o_c[:, None] == 0, b_Ga, 0.), 0)
+        b_q = _subchunk_qk(q, i_b, i_h, i_n, a, T, H, K, BT, BC, BK)
+        b_k = _subchunk_qk(k, i_b, i_h, i_n, a, T, H, K, BT, BC, BK)
+        p_rk = (base + i_row)[:, None] * K + o_k[None, :]
+        tl.store(qg + p_rk, (b_q * tl.exp(b_Ga) * scale).to(qg.dtype.element_ty), mask=m_k[None, :])
+        tl.store(kd + p_rk, (b_k * tl.exp(b_gam[None, :] - b_Ga)).to(kd.dtype.element_ty), mask=m_k[None, :])
+        b_e = tl.exp(b_Ga - b_anchor[None, :])
+        b_qa = b_q * b_e
+        b_ka = b_k * b_e
+        p_row = (base + i_row)[:, None] * BT
+        c = a * 0
+        while c <= a:
+            j_col = c * BC + o_c
+            b_Gc = _subchunk_gamma(g, i_b, i_hv, i_n, c, b_pre, T, HV, K, BT, BC, BK)
+            b_kc = _subchunk_qk(k, i_b, i_h, i_n, c, T, H, K, BT, BC, BK) * tl.exp(b_anchor[None, :] - b_Gc)
+            b_kt = tl.trans(b_kc)
+            b_sq = tl.where(i_row[:, None] >= j_col[None, :], _dot_wide(b_qa, b_kt, PREC), 0.)
+            b_sk = tl.where(i_row[:, None] > j_col[None, :], _dot_wide(b_ka, b_kt, PREC), 0.)
+            tl.store(aqk + p_row + j_col[None, :], b_sq * scale)
+            if STORE_MKK:
+                tl.store(mkk + p_row + j_col[None, :], b_sk)
+            tl.store(tm + p_row + j_col[None, :], b_sk * b_beta[:, None])
+            c += 1
+        b_zero = tl.zeros([BC, BC], dtype=tl.float32)
+        while c < NC:
+            j_col = c * BC + o_c
+            tl.store(aqk + p_row + j_col[None, :], b_zero)
+            if STORE_MKK:
+                tl.store(mkk + p_row + j_col[None, :], b_zero)
+            tl.store(tm + p_row + j_col[None, :], b_zero)
+            c += 1
+        a += 1
+
+@triton.jit
 def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk, scale, T, NT,
                                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                  BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -303,7 +396,8 @@ def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mk
     the whole-K kernel sat at 255 registers, 1 block per SM and spilled; ncu, notes/session2_gpu.md).
     Scores accumulate over key blocks (they are sums over key dims); Γ is re-derived per block.
     PART 0 does everything; 1, 2, 3 are the scores (+ gated operands), the solve of the Tm buffer in
-    place, and W, U — three launches in that order give the same result with smaller programs."""
+    place, and W, U — three launches in that order give the same result with smaller programs. PART 4 is
+    the solve then W, U, after `_kda_fwd_scores_pairs_kernel` (chunk.TUNING fwd_intra_pairs)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -335,14 +429,14 @@ def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mk
         if STORE_MKK:
             tl.store(mkk + p_tt, b_mkk)
         tl.store(tm + p_tt, b_mkk * b_beta[:, None])
-    if PART == 0:
+    if PART == 0 or PART == 4:
         tl.debug_barrier()
         b_tm = _unit_lower_inverse(tm + base * BT, BT, BC)
     if PART == 2:
         _unit_lower_inverse(tm + base * BT, BT, BC)
     if PART == 3:
         b_tm = tl.load(tm + p_tt)
-    if PART == 0 or PART == 3:
+    if PART == 0 or PART == 3 or PART == 4:
         for i_k in range((K + BK - 1) // BK):
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
@@ -470,14 +564,16 @@ def dot_precision(dtype: torch.dtype, operands16: bool = False) -> str:
 def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: torch.dtype,
                   gated_dtype: torch.dtype = torch.float32, num_warps: int = 8, precision: str = "tf32",
                   key_block: int | None = None, maxnreg: int | None = None, split: bool = False,
-                  store_mkk: bool = False) -> Intra:
+                  store_mkk: bool = False, pairs: bool = False, pairs_warps: int = 4) -> Intra:
     """Launch stage 1 (one program per chunk and batch*value-head). W, U are stored in `inter_dtype`,
     Q e^Γ and K e^(γ-Γ) in `gated_dtype`; everything else fp32. `precision`: see dot_precision.
     `key_block` (16, 32, 64): walk the key dim in blocks of that many columns when K is wider
     (`_kda_fwd_intra_kblock_kernel`, also used for a non-fp32 `gated_dtype`); None: whole-K tiles.
     `maxnreg`: per-thread register cap (ptxas .maxnreg; 128 at 8 warps = two blocks per SM).
     `split`: three launches (scores, solve, W/U) of the key-blocked kernel instead of one.
-    `store_mkk`: also keep the raw Mkk (Intra.mkk, else None) for the backward's dβ term."""
+    `store_mkk`: also keep the raw Mkk (Intra.mkk, else None) for the backward's dβ term.
+    `pairs`: the scores and gated operands from `_kda_fwd_scores_pairs_kernel` (`pairs_warps` warps),
+    then the solve and W, U as one launch of the key-blocked kernel (PART 4)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
@@ -501,7 +597,14 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     mkk_arg = tm if mkk is None else mkk   # any fp32 buffer when STORE_MKK is off (never written)
     args = (q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk_arg, scale, T, NT)
     opts["STORE_MKK"] = store_mkk
-    if (key_block is not None and key_block < BK) or gated_dtype != torch.float32 or split:
+    if pairs:
+        _kda_fwd_scores_pairs_kernel[(NT, B * HV)](
+            q, k, g, beta, qg, kd, eg, aqk, tm, mkk_arg, scale, T, NT, H=H, HV=HV, K=K, BT=BT, BC=min(16, BT),
+            BK=BK, PREC=precision, STORE_MKK=store_mkk, num_warps=pairs_warps, num_stages=1)
+        _kda_fwd_intra_kblock_kernel[(NT, B * HV)](
+            *args, H=H, HV=HV, K=K, V=V, BT=BT, BC=min(16, BT), BK=min(BK, key_block or BK), BV=BV,
+            PREC=precision, PART=4, **opts)
+    elif (key_block is not None and key_block < BK) or gated_dtype != torch.float32 or split:
         BK = min(BK, key_block or BK)
         for part in (1, 2, 3) if split else (0,):
             _kda_fwd_intra_kblock_kernel[(NT, B * HV)](
