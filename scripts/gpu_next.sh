@@ -10,9 +10,10 @@
 # Then scripts/gpu_next2.sh: fla's forward+backward in the same process as ours.
 set -uo pipefail
 source scripts/gpu_env.sh
-timeout 200 python3 -m pytest -q -m gpu tests/ops/test_kda.py -k bf16_gpu -p no:cacheprovider 2>&1 \
+timeout 200 python3 -m pytest -q -m gpu tests/ops/test_kda.py -k test_chunk_kda_bf16_gpu -p no:cacheprovider 2>&1 \
   | grep -E "passed|failed|Error|assert" | tee "$OUT/gpu_tier_bf16.txt"
-timeout 120 python3 -m pytest -q -m gpu tests/ops/test_kda.py -k "not bf16_gpu" -p no:cacheprovider 2>&1 \
+timeout 120 python3 -m pytest -q -m gpu tests/ops/test_kda.py -k "not test_chunk_kda_bf16_gpu" -p no:cacheprovider 2>&1 \
   | grep -E "passed|failed|Error|assert" | tee "$OUT/gpu_tier_rest.txt"
-timeout 220 python3 scripts/kda_sweep.py base s3_defaults pairs pairs_w8 pairs_w2 pairs_store 2>&1 \
+timeout 60 python3 scripts/kda_stage1_parts.py 2>&1 | tee "$OUT/stage1_parts.txt"
+timeout 180 python3 scripts/kda_sweep.py base s3_defaults pairs pairs_w8 pairs_w2 pairs_store 2>&1 \
   | tee "$OUT/sweep.txt" | tail -8

@@ -3,7 +3,8 @@
     python scripts/kda_stage1_parts.py      # CUDA, bf16
 
 PART 1 = scores (+ the gated operands), 2 = the in-place (I + Akk)^-1 solve, 3 = W and U; 0 = all in
-one launch (what chunk_kda runs by default with 2-byte buffers). Medians of triton.testing.do_bench,
+one launch (what chunk_kda runs by default with 2-byte buffers); and the block-pair scores kernel
+(chunk.TUNING fwd_intra_pairs) with its solve + W, U launch (PART 4), at 2 / 4 / 8 warps. Medians of triton.testing.do_bench,
 one line per (shape, key block). Not a correctness check (parts 1-3 run on the same buffers in order
 once before timing, so each timed launch sees valid inputs).
 """
@@ -13,7 +14,12 @@ import torch
 import triton
 
 from k3cli.ops.kda.bench import _inputs
-from k3cli.ops.kda.chunk_fwd import _kda_fwd_intra_kblock_kernel, dot_precision, kda_fwd_intra
+from k3cli.ops.kda.chunk_fwd import (
+    _kda_fwd_intra_kblock_kernel,
+    _kda_fwd_scores_pairs_kernel,
+    dot_precision,
+    kda_fwd_intra,
+)
 
 
 def main() -> None:
@@ -37,6 +43,14 @@ def main() -> None:
             t = {p: triton.testing.do_bench(launch(p)) for p in (1, 2, 3, 0)}
             print(f"{shape} BK {bk}: scores {t[1]:.3f}  solve {t[2]:.3f}  W,U {t[3]:.3f}  "
                   f"(sum {t[1] + t[2] + t[3]:.3f})  one launch {t[0]:.3f} ms", flush=True)
+            if bk == K:
+                pargs = (q, k, g, b, it.qg, it.kd, it.eg, it.aqk, it.tm, it.tm, K ** -0.5, T, NT)
+                pm = dict(H=H, HV=HV, K=K, BT=BT, BC=16, BK=bk, PREC=prec, STORE_MKK=False, num_stages=1)
+                tp = {w: triton.testing.do_bench(lambda w=w: _kda_fwd_scores_pairs_kernel[(NT, B * HV)](
+                    *pargs, num_warps=w, **pm)) for w in (2, 4, 8)}
+                t4 = triton.testing.do_bench(launch(4))
+                print(f"{shape} pairs scores (2/4/8 warps) {tp[2]:.3f} / {tp[4]:.3f} / {tp[8]:.3f}  "
+                      f"solve + W,U {t4:.3f} ms", flush=True)
 
 
 if __name__ == "__main__":
