@@ -84,6 +84,8 @@ VARIANTS = {
     "bsub_store_w2": {"bwd_subchunk": True, "fwd_store_states": True, "bwd_subchunk_warps": 2},
     # session 4: the per-chunk backward's products with 16-bit operands (dot16_bwd; off: dg error at K16)
     "d16_bwd": {"bwd_subchunk": True, "fwd_store_states": True, "dot16_bwd": True},
+    "d16n_bwd": {"dot16_bwd": "narrow"},   # the anchored score products stay TF32 (untimed)
+    "d16_bwd_only": {"dot16_bwd": True},
     # session 4, after the device time: stage-1 scores as 16 x 16 block pairs in 2-D whole-K tiles, one
     # program per (chunk, head), then the solve + W, U launch (ptxas K128: 255 registers, no spill at 4 warps)
     "pairs": {"fwd_intra_pairs": True},

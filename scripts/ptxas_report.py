@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--warps", type=int, nargs="+", default=[16, 8, 4])
     ap.add_argument("--chunk", type=int, default=64, help="BT, the chunk size")
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (ptxas .maxnreg)")
-    ap.add_argument("--prec", default="tf32", choices=["tf32", "tf32x3", "ieee", "bf16", "fp16"], help="tl.dot input precision")
+    ap.add_argument("--prec", default="tf32", choices=["tf32", "tf32x3", "ieee", "bf16", "fp16", "bf16n"], help="tl.dot input precision")
     args = ap.parse_args()
     K = V = args.K
     BKf = max(16, triton.next_power_of_2(K))

@@ -194,6 +194,7 @@ TUNING_CASES = [
     # wrong): against the reference only
     pytest.param({"dot16_bwd": True}, 2, 70, 1, 2, 96, 40, 64, id="dot16-bwd-K96-G2"),
     pytest.param({"dot16_bwd": True, "bwd_subchunk": False}, 1, 45, 1, 1, 40, 24, 32, id="dot16-bwd-unsplit-C32"),
+    pytest.param({"dot16_bwd": "narrow"}, 1, 37, 1, 2, 24, 16, 16, id="dot16-bwd-narrow-C16-G2"),
     pytest.param({"gated_dtype": "input", "states_dtype": "input", "inter_dtype": "input"},
                  1, 70, 1, 1, 32, 32, 64, id="input-dtype-buffers"),
     # "auto" stores 2-byte buffers from K = 65 up: fp32 ones are the alternative there
@@ -244,7 +245,8 @@ def test_chunk_kda_tuning_alternatives_match_recurrent(tuning, B, T, H, G, K, V,
 def test_check_tuning_rejects_bad_entries():
     from k3cli.ops.kda.chunk import check_tuning
     for bad, msg in (({"fwd_intra_bk": 32}, "unknown keys"), ({"gated_dtype": "bf16"}, "must be one of"),
-                     ({"bwd_intra_BK": 24}, "power of two"), ({"fwd_intra_warps": 3}, "power of two")):
+                     ({"bwd_intra_BK": 24}, "power of two"), ({"fwd_intra_warps": 3}, "power of two"),
+                     ({"dot16_bwd": "wide"}, "False, True or 'narrow'")):
         with pytest.raises(ValueError, match=msg):
             check_tuning(bad)
 
@@ -342,6 +344,9 @@ def test_dot_precision_follows_input_dtype_and_torch_tf32_settings():
             matmul.allow_tf32 = False
         assert dot_precision(torch.float32) == "tf32x3"
         assert dot_precision(torch.bfloat16) == "tf32" and dot_precision(torch.float16) == "tf32"
+        # 16-bit operands (TUNING dot16_bwd) only for 16-bit inputs
+        assert dot_precision(torch.bfloat16, True) == "bf16" and dot_precision(torch.float16, "narrow") == "fp16n"
+        assert dot_precision(torch.float32, True) == "tf32x3"
         if has_new:
             matmul.fp32_precision = "tf32"
             assert dot_precision(torch.float32) == "tf32"

@@ -36,7 +36,9 @@ _CHUNK_SIZES = (16, 32, 64)
 #   instead of fp32 operands at TF32; the anchored score products keep fp32 range (chunk_fwd._dot_wide).
 #   Off by default: it made fwd+bwd 8 % faster at K = 128 (5.73 -> 5.27 ms above, with fwd_store_states),
 #   but dg's relative RMS error at B2 T1000 H1 G2 K=V=16 rose from 0.0044 to 0.029, over the issue's 0.02
-#   (H200, session 4).
+#   (H200, session 4). "narrow": the same except the anchored score products and their gradients, which
+#   stay TF32 (in bf16 the likeliest source of that dg error; identical to True for fp16, whose range
+#   forces it there anyway). Not yet timed or checked on a GPU.
 # fwd_store_states: when a gradient is needed, the forward scan also stores S_n and Vn (memory: one
 #   [B*HV, NT, K, V] states buffer and one [B*HV, T, V] fp32 buffer per call, about as much as q, k, v, g
 #   themselves at K = V = 128) and the backward skips its re-scan: 0.29 ms of 5.7 at B8 T2048 H16 K128.
@@ -76,6 +78,8 @@ def check_tuning(tuning: dict) -> None:
         b = tuning.get(name)
         if b is not None and (b < 16 or b & (b - 1)):
             raise ValueError(f"chunk_kda TUNING: {name}={b} must be None or a power of two >= 16")
+    if tuning.get("dot16_bwd", False) not in (False, True, "narrow"):
+        raise ValueError(f"chunk_kda TUNING: dot16_bwd={tuning['dot16_bwd']!r} must be False, True or 'narrow'")
     for name in ("fwd_intra_warps", "bwd_intra_warps", "bwd_subchunk_warps", "fwd_intra_pairs_warps"):
         if tuning.get(name, 8) not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]} must be a power of two <= 32")
@@ -84,7 +88,7 @@ def check_tuning(tuning: dict) -> None:
 def _stage_prec(name: str, prec: str, dtype: torch.dtype) -> str:
     """The dot precision of one stage: `prec`, or with TUNING[name] (dot16_bwd) and 16-bit inputs,
     operands rounded to the input dtype (dot_precision)."""
-    return dot_precision(dtype, operands16=True) if TUNING[name] else prec
+    return dot_precision(dtype, operands16=TUNING[name]) if TUNING[name] else prec
 
 
 def _tuned_dtype(name: str, dtype: torch.dtype, K: int) -> torch.dtype:

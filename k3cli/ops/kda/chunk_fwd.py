@@ -103,11 +103,16 @@ def _blk(p, i, j, BT: tl.constexpr, BC: tl.constexpr):
 
 @triton.jit
 def _dot(a, b, PREC: tl.constexpr):
-    """The non-solve products: PREC "bf16" / "fp16" rounds both (fp32) operands to that 16-bit type, fp32
-    accumulation (chunk.TUNING dot16_bwd); else fp32 operands at tl.dot input precision PREC."""
+    """The non-solve products: PREC "bf16" / "fp16" (and their "narrow" forms "bf16n" / "fp16n") rounds
+    both (fp32) operands to that 16-bit type, fp32 accumulation (chunk.TUNING dot16_bwd); else fp32
+    operands at tl.dot input precision PREC."""
     if PREC == "bf16":
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif PREC == "bf16n":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
     elif PREC == "fp16":
+        return tl.dot(a.to(tl.float16), b.to(tl.float16))
+    elif PREC == "fp16n":
         return tl.dot(a.to(tl.float16), b.to(tl.float16))
     else:
         return tl.dot(a, b, input_precision=PREC)
@@ -117,8 +122,12 @@ def _dot(a, b, PREC: tl.constexpr):
 def _dot_wide(a, b, PREC: tl.constexpr):
     """`_dot` for the anchored score products and their gradients: an anchored operand spans
     e^(-(BC-1) |g|max) .. e^((BC-1) |g|max) (e^±75 at lower_bound -5), beyond fp16's range, so "fp16"
-    stays fp32 (TF32) here; bf16 has fp32's range."""
+    stays fp32 (TF32) here; bf16 has fp32's range. The narrow forms keep all of these at TF32."""
     if PREC == "fp16":
+        return tl.dot(a, b, input_precision="tf32")
+    elif PREC == "bf16n":
+        return tl.dot(a, b, input_precision="tf32")
+    elif PREC == "fp16n":
         return tl.dot(a, b, input_precision="tf32")
     else:
         return _dot(a, b, PREC)
@@ -549,15 +558,16 @@ def torch_allows_tf32() -> bool:
         return False
 
 
-def dot_precision(dtype: torch.dtype, operands16: bool = False) -> str:
+def dot_precision(dtype: torch.dtype, operands16: bool | str = False) -> str:
     """`tl.dot` input precision for the non-solve products. fp32 inputs: "tf32x3" (three TF32
     products, about fp32 accuracy on the tensor cores; plain TF32 put a whole fp32 model's chunked
     forward 1.4e-2 (scaled) away from its exact-fp32 decode on the H200, and "ieee" spills at
     K = 128 per scripts/ptxas_report.py), unless torch allows TF32 matmuls. bf16/fp16 inputs: "tf32"
     (they carry less precision than TF32 already), or with `operands16` "bf16" / "fp16": both operands
-    rounded to the input dtype (chunk.TUNING dot16_bwd). The solve is always "ieee" (`_mm`)."""
+    rounded to the input dtype (chunk.TUNING dot16_bwd), and with operands16="narrow" "bf16n" / "fp16n":
+    the same except the anchored score products (`_dot_wide`). The solve is always "ieee" (`_mm`)."""
     if operands16 and dtype in (torch.bfloat16, torch.float16):
-        return "bf16" if dtype == torch.bfloat16 else "fp16"
+        return ("bf16" if dtype == torch.bfloat16 else "fp16") + ("n" if operands16 == "narrow" else "")
     return "tf32x3" if dtype == torch.float32 and not torch_allows_tf32() else "tf32"
 
 
