@@ -14,6 +14,6 @@ timeout 200 python3 -m pytest -q -m gpu tests/ops/test_kda.py -k test_chunk_kda_
   | grep -E "passed|failed|Error|assert" | tee "$OUT/gpu_tier_bf16.txt"
 timeout 120 python3 -m pytest -q -m gpu tests/ops/test_kda.py -k "not test_chunk_kda_bf16_gpu" -p no:cacheprovider 2>&1 \
   | grep -E "passed|failed|Error|assert" | tee "$OUT/gpu_tier_rest.txt"
-timeout 60 python3 scripts/kda_stage1_parts.py 2>&1 | tee "$OUT/stage1_parts.txt"
-timeout 180 python3 scripts/kda_sweep.py base s3_defaults pairs pairs_w8 pairs_w2 pairs_store 2>&1 \
+timeout 90 python3 scripts/kda_stage1_parts.py 2>&1 | tee "$OUT/stage1_parts.txt"
+timeout 170 python3 scripts/kda_sweep.py base s3_defaults pairs pairs_w8 pairs_w2 pairs_store 2>&1 \
   | tee "$OUT/sweep.txt" | tail -8

@@ -46,8 +46,9 @@ def main() -> None:
             if bk == K:
                 pargs = (q, k, g, b, it.qg, it.kd, it.eg, it.aqk, it.tm, it.tm, K ** -0.5, T, NT)
                 pm = dict(H=H, HV=HV, K=K, BT=BT, BC=16, BK=bk, PREC=prec, STORE_MKK=False, num_stages=1)
-                tp = {w: triton.testing.do_bench(lambda w=w: _kda_fwd_scores_pairs_kernel[(NT, B * HV)](
-                    *pargs, num_warps=w, **pm)) for w in (2, 4, 8)}
+                tp = {w: triton.testing.do_bench(lambda w=w, grid=(NT, B * HV), pargs=pargs, pm=pm:
+                                                 _kda_fwd_scores_pairs_kernel[grid](*pargs, num_warps=w, **pm))
+                      for w in (2, 4, 8)}
                 t4 = triton.testing.do_bench(launch(4))
                 print(f"{shape} pairs scores (2/4/8 warps) {tp[2]:.3f} / {tp[4]:.3f} / {tp[8]:.3f}  "
                       f"solve + W,U {t4:.3f} ms", flush=True)

@@ -246,7 +246,8 @@ def test_check_tuning_rejects_bad_entries():
     from k3cli.ops.kda.chunk import check_tuning
     for bad, msg in (({"fwd_intra_bk": 32}, "unknown keys"), ({"gated_dtype": "bf16"}, "must be one of"),
                      ({"bwd_intra_BK": 24}, "power of two"), ({"fwd_intra_warps": 3}, "power of two"),
-                     ({"dot16_bwd": "wide"}, "False, True or 'narrow'")):
+                     ({"dot16_bwd": "wide"}, "False, True or 'narrow'"),
+                     ({"fwd_intra_pairs": True, "fwd_intra_split": True}, "excludes fwd_intra_split")):
         with pytest.raises(ValueError, match=msg):
             check_tuning(bad)
 
@@ -289,11 +290,24 @@ def _perturb_after(t, *xs):
 
 
 @needs_triton
-def test_chunk_kda_causality_bit_stable():
+@pytest.mark.parametrize("tuning", [{}, {"fwd_intra_pairs": True}], ids=["default", "fwd-pairs"])
+def test_chunk_kda_causality_bit_stable(tuning):
+    from k3cli.ops.kda import chunk as chunk_mod
     from k3cli.ops.kda import chunk_kda
+    saved = dict(chunk_mod.TUNING)
+    chunk_mod.TUNING.update(tuning)
+    try:
+        _check_causality(chunk_kda)
+    finally:
+        chunk_mod.TUNING.clear()
+        chunk_mod.TUNING.update(saved)
+
+
+def _check_causality(chunk_kda):
     q, k, v, g, beta, h0 = make_inputs(1, 100, 1, 1, 16, 16, device=DEVICE)
     o, _ = chunk_kda(q, k, v, g, beta, initial_state=h0)
-    for t in (10, 63, 70):
+    # inside sub-chunk 0, at a chunk end, past it, and mid-way through later 16-row sub-chunks
+    for t in (10, 20, 40, 63, 70):
         q2, k2, v2, b2 = _perturb_after(t, q, k, v, beta)
         g2 = g.clone()
         g2[:, t + 1:] = -4.0 * torch.rand_like(g2[:, t + 1:])
@@ -468,7 +482,7 @@ def test_chunk_kda_bf16_gpu(B, T, H, G, K):
 def test_chunk_kda_fp32_gpu_is_fp32_accurate():
     """fp32 inputs get fp32-accurate dots (tf32x3, chunk_fwd.dot_precision): against the fp32
     recurrence at 1e-4 (plain TF32 moved a whole fp32 model 2.9e-3 to 1.4e-2, scaled max, from its
-    exact-fp32 decode in session 2). Written after that session's device time: not yet run."""
+    exact-fp32 decode in session 2). Passed on the H200 in session 3 (notes/session3_gpu.md)."""
     from k3cli.ops.kda import chunk_kda
     inputs = make_inputs(2, 300, 4, 2, 128, 128, dtype=torch.float32, device="cuda")
     ref = run_with_grads(naive_recurrent_kda, *inputs)

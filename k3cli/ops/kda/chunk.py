@@ -55,8 +55,8 @@ _CHUNK_SIZES = (16, 32, 64)
 #   0.209 ms with fp32 buffers (session 1), because 2-byte Q e^Γ / K e^(γ-Γ) need the key-blocked
 #   stage-1 kernel. K in between (e.g. 64) is not measured; it keeps fp32.
 # Measured and dropped (session 4, notes/session4_gpu.md): stage-1 scores per query sub-chunk program
-#   (1.9x slower forward), scores and score gradients as 16 x 16 block pairs in batched 3-D products
-#   (1.7-2.6x slower forward, 12 % slower fwd+bwd), 16-bit operands in stage 1 and the state scans
+#   (1.3-1.9x slower forward at 4 / 8 warps), scores and score gradients as 16 x 16 block pairs in batched
+#   3-D products (1.6-2.6x slower forward, 12 % slower fwd+bwd), 16-bit operands in stage 1 and the state scans
 #   (an illegal memory access on the H200, not investigated).
 TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None, "fwd_intra_split": False,
           "fwd_intra_pairs": False, "fwd_intra_pairs_warps": 4, "bwd_stored_mkk": False, "bwd_subchunk": True, "bwd_subchunk_warps": 2, "dot16_bwd": False,
@@ -78,6 +78,8 @@ def check_tuning(tuning: dict) -> None:
         b = tuning.get(name)
         if b is not None and (b < 16 or b & (b - 1)):
             raise ValueError(f"chunk_kda TUNING: {name}={b} must be None or a power of two >= 16")
+    if tuning.get("fwd_intra_pairs") and tuning.get("fwd_intra_split"):
+        raise ValueError("chunk_kda TUNING: fwd_intra_pairs has its own launches; it excludes fwd_intra_split")
     if tuning.get("dot16_bwd", False) not in (False, True, "narrow"):
         raise ValueError(f"chunk_kda TUNING: dot16_bwd={tuning['dot16_bwd']!r} must be False, True or 'narrow'")
     for name in ("fwd_intra_warps", "bwd_intra_warps", "bwd_subchunk_warps", "fwd_intra_pairs_warps"):
@@ -88,7 +90,9 @@ def check_tuning(tuning: dict) -> None:
 def _stage_prec(name: str, prec: str, dtype: torch.dtype) -> str:
     """The dot precision of one stage: `prec`, or with TUNING[name] (dot16_bwd) and 16-bit inputs,
     operands rounded to the input dtype (dot_precision)."""
-    return dot_precision(dtype, operands16=TUNING[name]) if TUNING[name] else prec
+    if TUNING[name] and dtype in (torch.bfloat16, torch.float16):
+        return dot_precision(dtype, operands16=TUNING[name])
+    return prec
 
 
 def _tuned_dtype(name: str, dtype: torch.dtype, K: int) -> torch.dtype:

@@ -350,7 +350,10 @@ def _kda_fwd_scores_pairs_kernel(q, k, g, beta, qg, kd, eg, aqk, tm, mkk, scale,
     b_g3 = tl.load(g + (i_b * T + t3).to(tl.int64) * (HV * K) + i_hv * K + o_k[None, None, :],
                    mask=(t3 < T) & (o_k[None, None, :] < K), other=0.).to(tl.float32)
     b_tot = tl.sum(b_g3, 1)
-    b_pre = tl.cumsum(b_tot, 0) - b_tot
+    # Γ before sub-chunk a: a masked sum over s < a, not cumsum - tot (that rounds with tot_a, which holds
+    # later tokens: outputs moved by 1e-8 when tokens after them changed; a review found it)
+    o_s = tl.arange(0, NC)
+    b_pre = tl.sum(tl.where(o_s[:, None, None] > o_s[None, :, None], b_tot[None, :, :], 0.), 1)
     b_gam = tl.sum(b_tot, 0)
     m_k = o_k < K
     tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=m_k)
