@@ -493,17 +493,26 @@ def test_chunk_kda_fp32_gpu_is_fp32_accurate():
 
 @pytest.mark.gpu
 @gpu
-def test_chunk_kda_causality_bf16_gpu():
-    """Issue 5: perturbing tokens after t leaves outputs at <= t bit-identical (bf16, K=128, GVA)."""
+@pytest.mark.parametrize("tuning", [{}, {"fwd_intra_pairs": True}], ids=["default", "fwd-pairs"])
+def test_chunk_kda_causality_bf16_gpu(tuning):
+    """Issue 5: perturbing tokens after t leaves outputs at <= t bit-identical (bf16, K=128, GVA);
+    t inside sub-chunk 0, at and past a chunk end, and mid-way through later 16-row sub-chunks."""
+    from k3cli.ops.kda import chunk as chunk_mod
     from k3cli.ops.kda import chunk_kda
-    q, k, v, g, beta, h0 = make_inputs(2, 300, 4, 2, 128, 128, dtype=torch.bfloat16, device="cuda")
-    o, _ = chunk_kda(q, k, v, g, beta, initial_state=h0)
-    for t in (0, 63, 64, 200):
-        q2, k2, v2, b2 = _perturb_after(t, q, k, v, beta)
-        g2 = g.clone()
-        g2[:, t + 1:] = -4.0 * torch.rand_like(g2[:, t + 1:])
-        o2, _ = chunk_kda(q2, k2, v2, g2, b2, initial_state=h0)
-        assert torch.equal(o[:, :t + 1], o2[:, :t + 1]), f"output at <= {t} changed"
+    saved = dict(chunk_mod.TUNING)
+    chunk_mod.TUNING.update(tuning)
+    try:
+        q, k, v, g, beta, h0 = make_inputs(2, 300, 4, 2, 128, 128, dtype=torch.bfloat16, device="cuda")
+        o, _ = chunk_kda(q, k, v, g, beta, initial_state=h0)
+        for t in (0, 20, 40, 63, 64, 200):
+            q2, k2, v2, b2 = _perturb_after(t, q, k, v, beta)
+            g2 = g.clone()
+            g2[:, t + 1:] = -4.0 * torch.rand_like(g2[:, t + 1:])
+            o2, _ = chunk_kda(q2, k2, v2, g2, b2, initial_state=h0)
+            assert torch.equal(o[:, :t + 1], o2[:, :t + 1]), f"output at <= {t} changed"
+    finally:
+        chunk_mod.TUNING.clear()
+        chunk_mod.TUNING.update(saved)
 
 
 @pytest.mark.gpu
