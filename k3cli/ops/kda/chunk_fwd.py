@@ -106,13 +106,9 @@ def _dot(a, b, PREC: tl.constexpr):
     """The non-solve products: PREC "bf16" / "fp16" (and their "narrow" forms "bf16n" / "fp16n") rounds
     both (fp32) operands to that 16-bit type, fp32 accumulation (chunk.TUNING dot16_bwd); else fp32
     operands at tl.dot input precision PREC."""
-    if PREC == "bf16":
+    if PREC == "bf16" or PREC == "bf16n":
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    elif PREC == "bf16n":
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    elif PREC == "fp16":
-        return tl.dot(a.to(tl.float16), b.to(tl.float16))
-    elif PREC == "fp16n":
+    elif PREC == "fp16" or PREC == "fp16n":
         return tl.dot(a.to(tl.float16), b.to(tl.float16))
     else:
         return tl.dot(a, b, input_precision=PREC)
@@ -123,11 +119,7 @@ def _dot_wide(a, b, PREC: tl.constexpr):
     """`_dot` for the anchored score products and their gradients: an anchored operand spans
     e^(-(BC-1) |g|max) .. e^((BC-1) |g|max) (e^±75 at lower_bound -5), beyond fp16's range, so "fp16"
     stays fp32 (TF32) here; bf16 has fp32's range. The narrow forms keep all of these at TF32."""
-    if PREC == "fp16":
-        return tl.dot(a, b, input_precision="tf32")
-    elif PREC == "bf16n":
-        return tl.dot(a, b, input_precision="tf32")
-    elif PREC == "fp16n":
+    if PREC == "fp16" or PREC == "bf16n" or PREC == "fp16n":
         return tl.dot(a, b, input_precision="tf32")
     else:
         return _dot(a, b, PREC)
@@ -303,30 +295,6 @@ def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk, scal
 
 
 @triton.jit
-def _subchunk_gamma(g, i_b, i_hv, i_n, c, b_pre, T, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                    BC: tl.constexpr, BK: tl.constexpr):
-    """Γ (chunk-local inclusive cumsum of g) on the rows of sub-chunk c as [BC, BK], given the sums of
-    the earlier sub-chunks b_pre [NC, BK] (row c is taken by a one-hot sum: registers cannot be indexed)."""
-    NC: tl.constexpr = BT // BC
-    o_k = tl.arange(0, BK)
-    t = i_n * BT + c * BC + tl.arange(0, BC)
-    b_g = tl.load(g + (i_b * T + t).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_k[None, :],
-                  mask=(t < T)[:, None] & (o_k < K)[None, :], other=0.).to(tl.float32)
-    b_p = tl.sum(tl.where(tl.arange(0, NC)[:, None] == c, b_pre, 0.), 0)
-    return b_p[None, :] + tl.cumsum(b_g, 0)
-
-
-@triton.jit
-def _subchunk_qk(x, i_b, i_h, i_n, c, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                 BK: tl.constexpr):
-    """Rows of sub-chunk c of q or k (head i_h) as [BC, BK] fp32, zeros past T and K."""
-    o_k = tl.arange(0, BK)
-    t = i_n * BT + c * BC + tl.arange(0, BC)
-    return tl.load(x + (i_b * T + t).to(tl.int64)[:, None] * (H * K) + i_h * K + o_k[None, :],
-                   mask=(t < T)[:, None] & (o_k < K)[None, :], other=0.).to(tl.float32)
-
-
-@triton.jit
 def _kda_fwd_scores_pairs_kernel(q, k, g, beta, qg, kd, eg, aqk, tm, mkk, scale, T, NT,
                                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                                  BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
@@ -334,8 +302,8 @@ def _kda_fwd_scores_pairs_kernel(q, k, g, beta, qg, kd, eg, aqk, tm, mkk, scale,
     """Stage-1 scores only, one program per (chunk, batch*value-head), whole-K [BC, BK] tiles: each
     needed BC x BC block pair (a, c), c <= a, once — Aqk = scale·Σ_d (q_a e^(Γ_a - A_a)) (k_c e^(A_a - Γ_c))
     and Akk likewise with k_a — anchored at A_a = Γ at sub-chunk a's first row (the factors as in
-    `_anchored_factors`). Γ of a sub-chunk is its cumsum plus the sums of the earlier sub-chunks, which
-    are formed once from a [NC, BC, BK] view of g. Writes scale·Aqk (j <= i), β_i Akk (j < i) into tm
+    `_anchored_factors`). Γ of a sub-chunk is its cumsum plus a running sum of the earlier sub-chunks
+    (added in order, so it depends on no later token). Writes scale·Aqk (j <= i), β_i Akk (j < i) into tm
     and, with STORE_MKK, raw Mkk, zeros above the diagonal blocks; and the scans' gated operands
     Q e^Γ, K e^(γ-Γ), e^γ. The solve and W, U follow as PART 4 of `_kda_fwd_intra_kblock_kernel`."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
@@ -345,29 +313,26 @@ def _kda_fwd_scores_pairs_kernel(q, k, g, beta, qg, kd, eg, aqk, tm, mkk, scale,
     base = (i_bh * NT * BT + i_n * BT).to(tl.int64)
     o_c = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
-    # sums of g per sub-chunk, then the exclusive prefix: Γ before each sub-chunk
-    t3 = i_n * BT + tl.arange(0, NC)[:, None, None] * BC + o_c[None, :, None]
-    b_g3 = tl.load(g + (i_b * T + t3).to(tl.int64) * (HV * K) + i_hv * K + o_k[None, None, :],
-                   mask=(t3 < T) & (o_k[None, None, :] < K), other=0.).to(tl.float32)
-    b_tot = tl.sum(b_g3, 1)
-    # Γ before sub-chunk a: a masked sum over s < a, not cumsum - tot (that rounds with tot_a, which holds
-    # later tokens: outputs moved by 1e-8 when tokens after them changed; a review found it)
-    o_s = tl.arange(0, NC)
-    b_pre = tl.sum(tl.where(o_s[:, None, None] > o_s[None, :, None], b_tot[None, :, :], 0.), 1)
-    b_gam = tl.sum(b_tot, 0)
     m_k = o_k < K
-    tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=m_k)
     # runtime loops (not unrolled): unrolled, the compiler kept many [BC, BK] tiles live (255 registers)
+    # γ, the whole chunk's sum, for K e^(γ-Γ) and e^γ
+    b_gam = tl.zeros([BK], dtype=tl.float32)
+    c = i_n * 0
+    while c < NC:
+        _, _, b_gc = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, c, 0, T, H, HV, K, BT, BC, BK)
+        b_gam += tl.sum(b_gc, 0)
+        c += 1
+    tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=m_k)
+    b_pre_a = tl.zeros([BK], dtype=tl.float32)
     a = i_n * 0
     while a < NC:
         i_row = a * BC + o_c
         m_i = (i_n * BT + i_row) < T
         b_beta = tl.load(beta + (i_b * T + i_n * BT + i_row).to(tl.int64) * HV + i_hv, mask=m_i, other=0.)
         b_beta = b_beta.to(tl.float32)
-        b_Ga = _subchunk_gamma(g, i_b, i_hv, i_n, a, b_pre, T, HV, K, BT, BC, BK)
+        b_q, b_k, b_ga = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, a, 0, T, H, HV, K, BT, BC, BK)
+        b_Ga = b_pre_a[None, :] + tl.cumsum(b_ga, 0)
         b_anchor = tl.sum(tl.where(o_c[:, None] == 0, b_Ga, 0.), 0)
-        b_q = _subchunk_qk(q, i_b, i_h, i_n, a, T, H, K, BT, BC, BK)
-        b_k = _subchunk_qk(k, i_b, i_h, i_n, a, T, H, K, BT, BC, BK)
         p_rk = (base + i_row)[:, None] * K + o_k[None, :]
         tl.store(qg + p_rk, (b_q * tl.exp(b_Ga) * scale).to(qg.dtype.element_ty), mask=m_k[None, :])
         tl.store(kd + p_rk, (b_k * tl.exp(b_gam[None, :] - b_Ga)).to(kd.dtype.element_ty), mask=m_k[None, :])
@@ -375,12 +340,14 @@ def _kda_fwd_scores_pairs_kernel(q, k, g, beta, qg, kd, eg, aqk, tm, mkk, scale,
         b_qa = b_q * b_e
         b_ka = b_k * b_e
         p_row = (base + i_row)[:, None] * BT
+        b_pre_c = tl.zeros([BK], dtype=tl.float32)
         c = a * 0
         while c <= a:
             j_col = c * BC + o_c
-            b_Gc = _subchunk_gamma(g, i_b, i_hv, i_n, c, b_pre, T, HV, K, BT, BC, BK)
-            b_kc = _subchunk_qk(k, i_b, i_h, i_n, c, T, H, K, BT, BC, BK) * tl.exp(b_anchor[None, :] - b_Gc)
-            b_kt = tl.trans(b_kc)
+            _, b_kc, b_gc = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, c, 0, T, H, HV, K, BT, BC, BK)
+            b_Gc = b_pre_c[None, :] + tl.cumsum(b_gc, 0)
+            b_pre_c += tl.sum(b_gc, 0)
+            b_kt = tl.trans(b_kc * tl.exp(b_anchor[None, :] - b_Gc))
             b_sq = tl.where(i_row[:, None] >= j_col[None, :], _dot_wide(b_qa, b_kt, PREC), 0.)
             b_sk = tl.where(i_row[:, None] > j_col[None, :], _dot_wide(b_ka, b_kt, PREC), 0.)
             tl.store(aqk + p_row + j_col[None, :], b_sq * scale)
@@ -396,7 +363,9 @@ def _kda_fwd_scores_pairs_kernel(q, k, g, beta, qg, kd, eg, aqk, tm, mkk, scale,
                 tl.store(mkk + p_row + j_col[None, :], b_zero)
             tl.store(tm + p_row + j_col[None, :], b_zero)
             c += 1
+        b_pre_a += tl.sum(b_ga, 0)
         a += 1
+
 
 @triton.jit
 def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk, scale, T, NT,
