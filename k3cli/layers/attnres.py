@@ -46,6 +46,11 @@ def source_keys(sources: Sequence[torch.Tensor], eps: float = 1e-6) -> list[torc
 
 
 @_fp32_math
+def _w_tilde(query: torch.Tensor, gain: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The scoring vector(s) w̃ = query ⊙ gain in `dtype`; gain None: query is w̃ already."""
+    return (query if gain is None else query * gain).to(dtype)
+
+
 def naive_attnres(sources: Sequence[torch.Tensor], query: torch.Tensor, gain: torch.Tensor,
                   eps: float = 1e-6, keys: Sequence[torch.Tensor] | None = None,
                   return_weights: bool = False):
@@ -58,7 +63,7 @@ def naive_attnres(sources: Sequence[torch.Tensor], query: torch.Tensor, gain: to
     """
     wd = _wd(sources[0])
     keys = source_keys(sources, eps) if keys is None else keys
-    w = (query if gain is None else query * gain).to(wd)
+    w = _w_tilde(query, gain, wd)
     # a matvec per source and an accumulated weighted sum: einsum over [N, B, T, D] lowers to
     # B·T tiny bmms and was ~4× slower on CPU for k3-toy
     s = torch.stack([key @ w for key in keys])                                           # (N, B, T)
@@ -79,7 +84,7 @@ def attnres_phase1(blocks: Sequence[torch.Tensor], queries: torch.Tensor, gains:
     """
     wd = _wd(blocks[0])
     keys = source_keys(blocks, eps) if keys is None else keys
-    w = (queries if gains is None else queries * gains).to(wd)
+    w = _w_tilde(queries, gains, wd)
     s = torch.stack([key @ w.T for key in keys]).permute(3, 0, 1, 2)                    # (S, n, B, T)
     m = s.amax(1)                                                                         # (S, B, T)
     p = (s - m[:, None]).exp()
@@ -98,7 +103,7 @@ def attnres_merge(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, partial: to
     if partial is None:
         return o / l[..., None]
     p = partial.to(o.dtype)
-    s = rms_norm(p, None, eps) @ (query if gain is None else query * gain).to(o.dtype)                               # (B, T)
+    s = rms_norm(p, None, eps) @ _w_tilde(query, gain, o.dtype)                           # (B, T)
     m_new = torch.maximum(m, s)
     a, b = (m - m_new).exp(), (s - m_new).exp()
     return (o * a[..., None] + b[..., None] * p) / (l * a + b)[..., None]
