@@ -92,6 +92,19 @@ VARIANTS = {
     "pairs_w8": {"fwd_intra_pairs": True, "fwd_intra_pairs_warps": 8},
     "pairs_w2": {"fwd_intra_pairs": True, "fwd_intra_pairs_warps": 2},
     "pairs_store": {"fwd_intra_pairs": True, "fwd_store_states": True},
+    # session 5: pairs at fewer warps (2 warps: stage-1 scores 0.59 ms against 0.82), the solve and W, U as
+    # two launches after them, and the per-sub-chunk scores from a stored Γ (TUNING fwd_intra_sub)
+    "pairs_w1": {"fwd_intra_pairs": True, "fwd_intra_pairs_warps": 1},
+    "pairs_w2_split": {"fwd_intra_pairs": True, "fwd_intra_pairs_warps": 2, "fwd_intra_split": True},
+    "pairs_w1_split": {"fwd_intra_pairs": True, "fwd_intra_pairs_warps": 1, "fwd_intra_split": True},
+    "pairs_w2_split_bk32": {"fwd_intra_pairs": True, "fwd_intra_pairs_warps": 2, "fwd_intra_split": True,
+                            "fwd_intra_BK": 32},
+    "pairs_w2_w4": {"fwd_intra_pairs": True, "fwd_intra_pairs_warps": 2, "fwd_intra_warps": 4},
+    "sub": {"fwd_intra_sub": True},
+    "sub_w2": {"fwd_intra_sub": True, "fwd_intra_sub_warps": 2},
+    "sub_bk16": {"fwd_intra_sub": True, "fwd_intra_sub_BK": 16},
+    "sub_split": {"fwd_intra_sub": True, "fwd_intra_split": True},
+    "sub_split_bk32": {"fwd_intra_sub": True, "fwd_intra_split": True, "fwd_intra_BK": 32},
     # chunk 32: [32, 32] score tiles, twice the sequential scan steps (chunk_size is chunk_kda's argument)
     "c32": {"chunk_size": 32},
     "c32_kb16_w4": {"chunk_size": 32, "fwd_intra_BK": 16, "fwd_intra_warps": 4},

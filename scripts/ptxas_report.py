@@ -62,6 +62,11 @@ def main() -> None:
                           dict(base, BK=bk, BV=min(64, BKf), PART=0, STORE_MKK=False)))
     cases.append(("fwd scores pairs (whole K)", F._kda_fwd_scores_pairs_kernel,
                   dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=BKf, PREC=args.prec, STORE_MKK=True)))
+    for bk in sorted({min(64, BKf), min(32, BKf)}):
+        cases.append((f"fwd gamma BK{bk}", F._kda_fwd_gamma_kernel, dict(H=16, HV=16, K=K, BT=BT, BK=bk)))
+    for bk in sorted({min(64, BKf), BKf}):
+        cases.append((f"fwd scores sub BK{bk}", F._kda_fwd_scores_sub_kernel,
+                      dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=bk, PREC=args.prec, STORE_MKK=True)))
     cases.append((f"fwd_intra solve + W,U BK{BKf}", F._kda_fwd_intra_kblock_kernel,
                   dict(base, BK=BKf, BV=min(64, BKf), PART=4, STORE_MKK=False)))
     for bk in (BKf, 32):

@@ -175,6 +175,16 @@ TUNING_CASES = [
                  id="fwd-pairs-unsplit-bwd-K72"),
     pytest.param({"fwd_intra_pairs": True, "gated_dtype": "input", "inter_dtype": "input"}, 1, 70, 1, 2, 40, 24, 64,
                  id="fwd-pairs-2byte-buffers"),
+    pytest.param({"fwd_intra_sub": True}, 2, 70, 1, 2, 96, 40, 64, id="fwd-sub-K96-G2-T70"),
+    pytest.param({"fwd_intra_sub": True}, 1, 1, 1, 1, 24, 16, 64, id="fwd-sub-T1-K24"),
+    pytest.param({"fwd_intra_sub": True, "fwd_intra_sub_BK": 16}, 1, 45, 2, 1, 40, 24, 32, id="fwd-sub-C32-K40-BK16"),
+    pytest.param({"fwd_intra_sub": True}, 1, 37, 1, 1, 24, 16, 16, id="fwd-sub-C16-one-subchunk"),
+    pytest.param({"fwd_intra_sub": True, "fwd_intra_split": True, "fwd_intra_BK": 16}, 1, 50, 1, 2, 40, 24, 64,
+                 id="fwd-sub-split-tail-BK16"),
+    pytest.param({"fwd_intra_pairs": True, "fwd_intra_split": True}, 2, 1, 1, 1, 16, 16, 64, id="fwd-pairs-split-tail-T1"),
+    pytest.param({"fwd_intra_sub": True, "bwd_subchunk": False}, 1, 50, 1, 2, 72, 24, 64, id="fwd-sub-unsplit-bwd-K72"),
+    pytest.param({"fwd_intra_sub": True, "gated_dtype": "input", "inter_dtype": "input"}, 1, 70, 1, 2, 40, 24, 64,
+                 id="fwd-sub-2byte-buffers"),
     pytest.param({"bwd_stored_mkk": True, "bwd_subchunk": False}, 2, 70, 1, 2, 96, 40, 64, id="bwd-stored-mkk-K96-G2"),
     pytest.param({"bwd_stored_mkk": True, "bwd_split": True, "bwd_intra_BK": 32, "bwd_subchunk": False}, 1, 50, 2, 1, 72, 24, 32,
                  id="bwd-stored-mkk-split-K72-C32"),
@@ -247,7 +257,7 @@ def test_check_tuning_rejects_bad_entries():
     for bad, msg in (({"fwd_intra_bk": 32}, "unknown keys"), ({"gated_dtype": "bf16"}, "must be one of"),
                      ({"bwd_intra_BK": 24}, "power of two"), ({"fwd_intra_warps": 3}, "power of two"),
                      ({"dot16_bwd": "wide"}, "False, True or 'narrow'"),
-                     ({"fwd_intra_pairs": True, "fwd_intra_split": True}, "excludes fwd_intra_split")):
+                     ({"fwd_intra_sub": True, "fwd_intra_pairs": True}, "set at most one")):
         with pytest.raises(ValueError, match=msg):
             check_tuning(bad)
 
@@ -290,7 +300,8 @@ def _perturb_after(t, *xs):
 
 
 @needs_triton
-@pytest.mark.parametrize("tuning", [{}, {"fwd_intra_pairs": True}], ids=["default", "fwd-pairs"])
+@pytest.mark.parametrize("tuning", [{}, {"fwd_intra_pairs": True}, {"fwd_intra_sub": True}],
+                         ids=["default", "fwd-pairs", "fwd-sub"])
 def test_chunk_kda_causality_bit_stable(tuning):
     from k3cli.ops.kda import chunk as chunk_mod
     from k3cli.ops.kda import chunk_kda
@@ -493,7 +504,8 @@ def test_chunk_kda_fp32_gpu_is_fp32_accurate():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("tuning", [{}, {"fwd_intra_pairs": True}], ids=["default", "fwd-pairs"])
+@pytest.mark.parametrize("tuning", [{}, {"fwd_intra_pairs": True}, {"fwd_intra_sub": True}],
+                         ids=["default", "fwd-pairs", "fwd-sub"])
 def test_chunk_kda_causality_bf16_gpu(tuning):
     """Issue 5: perturbing tokens after t leaves outputs at <= t bit-identical (bf16, K=128, GVA);
     t inside sub-chunk 0, at and past a chunk end, and mid-way through later 16-row sub-chunks."""

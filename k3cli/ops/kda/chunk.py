@@ -59,7 +59,8 @@ _CHUNK_SIZES = (16, 32, 64)
 #   3-D products (1.6-2.6x slower forward, 12 % slower fwd+bwd), 16-bit operands in stage 1 and the state scans
 #   (an illegal memory access on the H200, not investigated).
 TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None, "fwd_intra_split": False,
-          "fwd_intra_pairs": False, "fwd_intra_pairs_warps": 4, "bwd_stored_mkk": False, "bwd_subchunk": True, "bwd_subchunk_warps": 2, "dot16_bwd": False,
+          "fwd_intra_pairs": False, "fwd_intra_pairs_warps": 4, "fwd_intra_sub": False, "fwd_intra_sub_warps": 1,
+          "fwd_intra_sub_BK": 32, "bwd_stored_mkk": False, "bwd_subchunk": True, "bwd_subchunk_warps": 2, "dot16_bwd": False,
           "fwd_store_states": False, "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None,
           "bwd_intra_warps": 8, "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32"}
 _DTYPE_CHOICES = ("auto", "fp32", "input")
@@ -74,15 +75,17 @@ def check_tuning(tuning: dict) -> None:
     for name in ("inter_dtype", "gated_dtype", "states_dtype"):
         if tuning.get(name, "fp32") not in _DTYPE_CHOICES:
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]!r} must be one of {_DTYPE_CHOICES}")
-    for name in ("fwd_intra_BK", "bwd_intra_BK", "bwd_intra_BV"):
+    for name in ("fwd_intra_BK", "bwd_intra_BK", "bwd_intra_BV", "fwd_intra_sub_BK"):
         b = tuning.get(name)
         if b is not None and (b < 16 or b & (b - 1)):
             raise ValueError(f"chunk_kda TUNING: {name}={b} must be None or a power of two >= 16")
-    if tuning.get("fwd_intra_pairs") and tuning.get("fwd_intra_split"):
-        raise ValueError("chunk_kda TUNING: fwd_intra_pairs has its own launches; it excludes fwd_intra_split")
+    if tuning.get("fwd_intra_pairs") and tuning.get("fwd_intra_sub"):
+        raise ValueError("chunk_kda TUNING: fwd_intra_pairs and fwd_intra_sub are different stage-1 score "
+                         "kernels; set at most one")
     if tuning.get("dot16_bwd", False) not in (False, True, "narrow"):
         raise ValueError(f"chunk_kda TUNING: dot16_bwd={tuning['dot16_bwd']!r} must be False, True or 'narrow'")
-    for name in ("fwd_intra_warps", "bwd_intra_warps", "bwd_subchunk_warps", "fwd_intra_pairs_warps"):
+    for name in ("fwd_intra_warps", "bwd_intra_warps", "bwd_subchunk_warps", "fwd_intra_pairs_warps",
+                 "fwd_intra_sub_warps"):
         if tuning.get(name, 8) not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]} must be a power of two <= 32")
 
@@ -112,7 +115,9 @@ def fwd_intra(q, k, v, g, beta, scale, C, prec) -> Intra:
                          num_warps=TUNING["fwd_intra_warps"], precision=prec, key_block=TUNING["fwd_intra_BK"],
                          maxnreg=TUNING["fwd_intra_maxnreg"], split=TUNING["fwd_intra_split"],
                          store_mkk=TUNING["bwd_stored_mkk"] or TUNING["bwd_subchunk"],
-                         pairs=TUNING["fwd_intra_pairs"], pairs_warps=TUNING["fwd_intra_pairs_warps"])
+                         pairs=TUNING["fwd_intra_pairs"], pairs_warps=TUNING["fwd_intra_pairs_warps"],
+                         sub=TUNING["fwd_intra_sub"], sub_warps=TUNING["fwd_intra_sub_warps"],
+                         sub_key_block=TUNING["fwd_intra_sub_BK"])
 
 
 def recompute_states(it: Intra, h0, B, T, HV, C, v_dtype, prec):

@@ -368,6 +368,100 @@ def _kda_fwd_scores_pairs_kernel(q, k, g, beta, qg, kd, eg, aqk, tm, mkk, scale,
 
 
 @triton.jit
+def _qk_rows(x, i_b, i_h, o_t, o_k, T, H: tl.constexpr, K: tl.constexpr):
+    """Token rows o_t, key columns o_k of head i_h of a [B, T, H, K] q or k, fp32, zeros past T and K."""
+    m = (o_t < T)[:, None] & (o_k < K)[None, :]
+    row = (i_b * T + o_t).to(tl.int64) * (H * K) + i_h * K
+    return tl.load(x + row[:, None] + o_k[None, :], mask=m, other=0.).to(tl.float32)
+
+
+@triton.jit
+def _kda_fwd_gamma_kernel(q, k, g, gc, qg, kd, eg, scale, T, NT, H: tl.constexpr, HV: tl.constexpr,
+                          K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """Stage 1a (chunk.TUNING fwd_intra_sub), one program per (chunk, batch*value-head, BK key columns):
+    Γ = chunk-local cumsum of g into the fp32 `gc` buffer, and the state scans' gated operands
+    scale·Q e^Γ, K e^(γ-Γ), e^γ."""
+    i_n, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    o_t = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK)
+    base = (i_bh * NT * BT + i_n * BT).to(tl.int64)
+    p_rk = (base + o_t)[:, None] * K + o_k[None, :]
+    b_gam = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), 0)
+    tl.store(gc + p_rk, b_G, mask=m_k[None, :])
+    tl.store(qg + p_rk, (b_q * tl.exp(b_G) * scale).to(qg.dtype.element_ty), mask=m_k[None, :])
+    tl.store(kd + p_rk, (b_k * tl.exp(b_gam[None, :] - b_G)).to(kd.dtype.element_ty), mask=m_k[None, :])
+    tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=m_k)
+
+
+@triton.jit
+def _kda_fwd_scores_sub_kernel(q, k, gc, beta, aqk, tm, mkk, scale, T, NT, H: tl.constexpr, HV: tl.constexpr,
+                               K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                               PREC: tl.constexpr, STORE_MKK: tl.constexpr):
+    """Stage 1b (chunk.TUNING fwd_intra_sub), one program per (chunk x query sub-chunk a, batch*value-head):
+    the BC x BC score blocks (a, c) of rows [a*BC, (a+1)*BC), c <= a, over BK-column key blocks, from the
+    stored Γ (`gc`), anchored at Γ of the sub-chunk's first row A (as `_anchored_factors`):
+    Σ_d (q_id e^(Γ_id - A_d)) (k_jd e^(A_d - Γ_jd)). Writes scale·Aqk (j <= i) to aqk, β_i Akk (j < i) to
+    tm, raw Akk to mkk with STORE_MKK, and zeros in the blocks c > a."""
+    i_na, i_bh = tl.program_id(0), tl.program_id(1)
+    NC: tl.constexpr = BT // BC
+    i_n, a = i_na // NC, i_na % NC
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    o_c = tl.arange(0, BC)
+    i_row = a * BC + o_c
+    m_i = (i_n * BT + i_row) < T
+    base = (i_bh * NT * BT + i_n * BT).to(tl.int64)
+    b_beta = tl.load(beta + (i_b * T + i_n * BT + i_row).to(tl.int64) * HV + i_hv, mask=m_i, other=0.)
+    b_beta = b_beta.to(tl.float32)
+    # scalar bases and block pointers (64-bit pointer tiles cost two registers per element)
+    q_h = q + (i_b * T * H + i_h).to(tl.int64) * K
+    k_h = k + (i_b * T * H + i_h).to(tl.int64) * K
+    gc_n = gc + base * K
+    t_a = i_n * BT + a * BC
+    p_row = (base + i_row)[:, None] * BT
+    # runtime loops (not unrolled: unrolled, the compiler kept every pair's tiles live, 255 registers)
+    c = a * 0
+    while c <= a:
+        j_col = c * BC + o_c
+        b_sq = tl.zeros([BC, BC], dtype=tl.float32)
+        b_sk = tl.zeros([BC, BC], dtype=tl.float32)
+        for i_k in range((K + BK - 1) // BK):
+            o_k = i_k * BK + tl.arange(0, BK)
+            b_A = tl.load(gc_n + a * BC * K + o_k, mask=o_k < K, other=0.)
+            p_ga = tl.make_block_ptr(gc_n, (BT, K), (K, 1), (a * BC, i_k * BK), (BC, BK), (1, 0))
+            b_e = tl.exp(tl.load(p_ga, boundary_check=(1,), padding_option="zero") - b_A[None, :])
+            # the key side loaded transposed, [BK, BC]
+            p_kt = tl.make_block_ptr(k_h, (K, T), (1, H * K), (i_k * BK, i_n * BT + c * BC), (BK, BC), (0, 1))
+            p_gt = tl.make_block_ptr(gc_n, (K, BT), (1, K), (i_k * BK, c * BC), (BK, BC), (0, 1))
+            b_kt = tl.load(p_kt, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+            b_kt *= tl.exp(b_A[:, None] - tl.load(p_gt, boundary_check=(0,), padding_option="zero"))
+            p_q = tl.make_block_ptr(q_h, (T, K), (H * K, 1), (t_a, i_k * BK), (BC, BK), (1, 0))
+            p_k = tl.make_block_ptr(k_h, (T, K), (H * K, 1), (t_a, i_k * BK), (BC, BK), (1, 0))
+            b_qa = tl.load(p_q, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+            b_ka = tl.load(p_k, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+            b_sq += _dot_wide(b_qa * b_e, b_kt, PREC)
+            b_sk += _dot_wide(b_ka * b_e, b_kt, PREC)
+        tl.store(aqk + p_row + j_col[None, :], tl.where(i_row[:, None] >= j_col[None, :], b_sq, 0.) * scale)
+        b_sk = tl.where(i_row[:, None] > j_col[None, :], b_sk, 0.)
+        if STORE_MKK:
+            tl.store(mkk + p_row + j_col[None, :], b_sk)
+        tl.store(tm + p_row + j_col[None, :], b_sk * b_beta[:, None])
+        c += 1
+    b_zero = tl.zeros([BC, BC], dtype=tl.float32)
+    while c < NC:
+        j_col = c * BC + o_c
+        tl.store(aqk + p_row + j_col[None, :], b_zero)
+        if STORE_MKK:
+            tl.store(mkk + p_row + j_col[None, :], b_zero)
+        tl.store(tm + p_row + j_col[None, :], b_zero)
+        c += 1
+
+
+@triton.jit
 def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk, scale, T, NT,
                                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                  BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -546,16 +640,21 @@ def dot_precision(dtype: torch.dtype, operands16: bool | str = False) -> str:
 def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: torch.dtype,
                   gated_dtype: torch.dtype = torch.float32, num_warps: int = 8, precision: str = "tf32",
                   key_block: int | None = None, maxnreg: int | None = None, split: bool = False,
-                  store_mkk: bool = False, pairs: bool = False, pairs_warps: int = 4) -> Intra:
+                  store_mkk: bool = False, pairs: bool = False, pairs_warps: int = 4, sub: bool = False,
+                  sub_warps: int = 1, sub_key_block: int = 32) -> Intra:
     """Launch stage 1 (one program per chunk and batch*value-head). W, U are stored in `inter_dtype`,
     Q e^Γ and K e^(γ-Γ) in `gated_dtype`; everything else fp32. `precision`: see dot_precision.
     `key_block` (16, 32, 64): walk the key dim in blocks of that many columns when K is wider
     (`_kda_fwd_intra_kblock_kernel`, also used for a non-fp32 `gated_dtype`); None: whole-K tiles.
     `maxnreg`: per-thread register cap (ptxas .maxnreg; 128 at 8 warps = two blocks per SM).
-    `split`: three launches (scores, solve, W/U) of the key-blocked kernel instead of one.
+    `split`: three launches (scores, solve, W/U) of the key-blocked kernel instead of one; with `pairs`
+    or `sub`: the solve and W, U as two launches after their scores.
     `store_mkk`: also keep the raw Mkk (Intra.mkk, else None) for the backward's dβ term.
     `pairs`: the scores and gated operands from `_kda_fwd_scores_pairs_kernel` (`pairs_warps` warps),
-    then the solve and W, U as one launch of the key-blocked kernel (PART 4)."""
+    then the solve and W, U as one launch of the key-blocked kernel (PART 4).
+    `sub`: Γ into an fp32 buffer with the gated operands (`_kda_fwd_gamma_kernel`), the scores per
+    (chunk, 16-row query sub-chunk) from it (`_kda_fwd_scores_sub_kernel`, `sub_warps` warps, key blocks of
+    `sub_key_block` columns), then the solve and W, U (PART 4): small programs, many per SM."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
@@ -579,13 +678,25 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     mkk_arg = tm if mkk is None else mkk   # any fp32 buffer when STORE_MKK is off (never written)
     args = (q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk_arg, scale, T, NT)
     opts["STORE_MKK"] = store_mkk
-    if pairs:
+    if sub:
+        BC = min(16, BT)
+        gc = torch.empty(B * HV, NT * BT, K, device=dev, dtype=torch.float32)
+        BKg = min(BK, 32)
+        _kda_fwd_gamma_kernel[(NT, B * HV, triton.cdiv(K, BKg))](
+            q, k, g, gc, qg, kd, eg, scale, T, NT, H=H, HV=HV, K=K, BT=BT, BK=BKg, num_warps=4, num_stages=1)
+        _kda_fwd_scores_sub_kernel[(NT * (BT // BC), B * HV)](
+            q, k, gc, beta, aqk, tm, mkk_arg, scale, T, NT, H=H, HV=HV, K=K, BT=BT, BC=BC,
+            BK=min(BK, sub_key_block), PREC=precision, STORE_MKK=store_mkk, num_warps=sub_warps, num_stages=1)
+    elif pairs:
         _kda_fwd_scores_pairs_kernel[(NT, B * HV)](
             q, k, g, beta, qg, kd, eg, aqk, tm, mkk_arg, scale, T, NT, H=H, HV=HV, K=K, BT=BT, BC=min(16, BT),
             BK=BK, PREC=precision, STORE_MKK=store_mkk, num_warps=pairs_warps, num_stages=1)
-        _kda_fwd_intra_kblock_kernel[(NT, B * HV)](
-            *args, H=H, HV=HV, K=K, V=V, BT=BT, BC=min(16, BT), BK=min(BK, key_block or BK), BV=BV,
-            PREC=precision, PART=4, **opts)
+    if sub or pairs:
+        # after the scores: the solve then W, U, in one launch or (split) two
+        for part in (2, 3) if split else (4,):
+            _kda_fwd_intra_kblock_kernel[(NT, B * HV)](
+                *args, H=H, HV=HV, K=K, V=V, BT=BT, BC=min(16, BT), BK=min(BK, key_block or BK), BV=BV,
+                PREC=precision, PART=part, **opts)
     elif (key_block is not None and key_block < BK) or gated_dtype != torch.float32 or split:
         BK = min(BK, key_block or BK)
         for part in (1, 2, 3) if split else (0,):
