@@ -681,7 +681,8 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     if sub:
         BC = min(16, BT)
         gc = torch.empty(B * HV, NT * BT, K, device=dev, dtype=torch.float32)
-        BKg = min(BK, 32)
+        # 64 key columns at 4 warps: 0.145 ms against 0.190 with 32 (H200, B8 T2048 H16 K128, session 5)
+        BKg = min(BK, 64)
         _kda_fwd_gamma_kernel[(NT, B * HV, triton.cdiv(K, BKg))](
             q, k, g, gc, qg, kd, eg, scale, T, NT, H=H, HV=HV, K=K, BT=BT, BK=BKg, num_warps=4, num_stages=1)
         _kda_fwd_scores_sub_kernel[(NT * (BT // BC), B * HV)](
