@@ -1,6 +1,6 @@
 """Device time per kernel of one chunk_kda forward+backward (CUDA, bf16), from the torch profiler.
 
-    python scripts/kda_kernel_times.py [B,T,H,HV,K] [--tuning '{"fwd_intra_pairs": true}'] [--steps 10]
+    python scripts/kda_kernel_times.py [B,T,H,HV,K] [--tuning '{"fwd_scores": "pairs"}'] [--steps 10]
 
 Runs the forward+backward `--steps` times after a warm-up and prints, per kernel name, the mean device
 time per step and its share: which launch of stage 1, the scans or the per-chunk backward to work on.

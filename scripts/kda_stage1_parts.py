@@ -4,7 +4,7 @@
 
 PART 1 = scores (+ the gated operands), 2 = the in-place (I + Akk)^-1 solve, 3 = W and U; 0 = all in
 one launch (what chunk_kda runs by default with 2-byte buffers); and the block-pair scores kernel
-(chunk.TUNING fwd_intra_pairs) with its solve + W, U launch (PART 4), at 2 / 4 / 8 warps. Medians of triton.testing.do_bench,
+(chunk.TUNING fwd_scores "pairs") with its solve + W, U launch (PART 4), at 2 / 4 / 8 warps. Medians of triton.testing.do_bench,
 one line per (shape, key block). Not a correctness check (parts 1-3 run on the same buffers in order
 once before timing, so each timed launch sees valid inputs).
 """

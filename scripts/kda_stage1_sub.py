@@ -2,8 +2,8 @@
 
     python scripts/kda_stage1_sub.py      # CUDA, bf16
 
-Times (medians of triton.testing.do_bench, ms): the block-pair scores kernel (TUNING fwd_intra_pairs)
-at 1 / 2 / 4 warps; the Γ kernel and the per-sub-chunk scores kernel (TUNING fwd_intra_sub) per warps
+Times (medians of triton.testing.do_bench, ms): the block-pair scores kernel (TUNING fwd_scores "pairs")
+at 1 / 2 / 4 warps; the Γ kernel and the per-sub-chunk scores kernel (TUNING fwd_scores "sub") per warps
 and key block; the solve (PART 2), W, U (PART 3) and both in one launch (PART 4) per warps and key
 block. Not a correctness check: the launches run once in pipeline order first, so each timed launch
 sees valid inputs.

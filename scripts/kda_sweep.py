@@ -25,20 +25,23 @@ from k3cli.ops.kda.bench import _fla_chunk_kda, _fwd_bwd_fns, _inputs  # noqa: E
 from k3cli.ops.kda.naive import naive_chunk_kda  # noqa: E402
 
 BASE = dict(chunk_mod.TUNING)
-# Each entry overrides the CURRENT chunk.TUNING. Session 4 made bwd_subchunk (2 warps) the default; the
-# older entries that time the unsplit / split backward name "bwd_subchunk": False, the rest run on top of
-# it; "s3_defaults" is the state before.
+# Each entry overrides the CURRENT chunk.TUNING, so an older entry now runs on top of later defaults.
+# Session 4 made bwd_subchunk (2 warps) the default (entries that time the unsplit / split backward name
+# "bwd_subchunk": False); session 5 made stage 1 the stored-Γ sub-chunk scores (fwd_scores "sub"; entries
+# for the one-program-per-chunk stage 1 name "fwd_scores": "chunk") and the backward's per-chunk launches
+# 4 warps, its score gradients 1 warp. "s4_defaults" and "s3_defaults" are the states before.
 # Results: notes/session{2,3,4}_gpu.md and notes/session*_sweep*.jsonl.
 VARIANTS = {
     "base": {},
-    "s3_defaults": {"bwd_subchunk": False},
+    "s4_defaults": {"fwd_scores": "chunk", "bwd_subchunk_warps": 2, "bwd_intra_warps": 8},
+    "s3_defaults": {"fwd_scores": "chunk", "bwd_subchunk": False, "bwd_intra_warps": 8},
     # session 2, H200: whole-K stage 1 sits at 255 registers / 1 block per SM (ncu); key blocks cut that
-    "fi_kb32": {"fwd_intra_BK": 32},
-    "fi_kb64": {"fwd_intra_BK": 64},
-    "fi_kb32_w4": {"fwd_intra_BK": 32, "fwd_intra_warps": 4},
-    "fi_kb16_w4": {"fwd_intra_BK": 16, "fwd_intra_warps": 4},
-    "fi_kb16_w16": {"fwd_intra_BK": 16, "fwd_intra_warps": 16},   # 128 regs: 16 resident warps per SM
-    "fi_kb16_r128": {"fwd_intra_BK": 16, "fwd_intra_maxnreg": 128},  # 2 blocks per SM, 280 B spill stack
+    "fi_kb32": {"fwd_scores": "chunk", "fwd_intra_BK": 32},
+    "fi_kb64": {"fwd_scores": "chunk", "fwd_intra_BK": 64},
+    "fi_kb32_w4": {"fwd_scores": "chunk", "fwd_intra_BK": 32, "fwd_intra_warps": 4},
+    "fi_kb16_w4": {"fwd_scores": "chunk", "fwd_intra_BK": 16, "fwd_intra_warps": 4},
+    "fi_kb16_w16": {"fwd_scores": "chunk", "fwd_intra_BK": 16, "fwd_intra_warps": 16},   # 128 regs: 16 resident warps per SM
+    "fi_kb16_r128": {"fwd_scores": "chunk", "fwd_intra_BK": 16, "fwd_intra_maxnreg": 128},  # 2 blocks per SM, 280 B spill stack
     "gated_in": {"gated_dtype": "input"},
     "states_in": {"states_dtype": "input"},
     "inter_in": {"inter_dtype": "input"},
@@ -46,21 +49,21 @@ VARIANTS = {
     "bufs_in": {"inter_dtype": "input", "gated_dtype": "input"},
     # measured in session 2 (notes/session2_gpu.md): within 3 % of base
     "bi_k32v32w4": {"bwd_subchunk": False, "bwd_intra_BK": 32, "bwd_intra_BV": 32, "bwd_intra_warps": 4},
-    "fi_w16": {"fwd_intra_warps": 16},
-    "fi_w4": {"fwd_intra_warps": 4},
+    "fi_w16": {"fwd_scores": "chunk", "fwd_intra_warps": 16},
+    "fi_w4": {"fwd_scores": "chunk", "fwd_intra_warps": 4},
     "bi_k32v64w8": {"bwd_subchunk": False, "bwd_intra_BK": 32, "bwd_intra_BV": 64},
     "bi_k32v64w4": {"bwd_subchunk": False, "bwd_intra_BK": 32, "bwd_intra_BV": 64, "bwd_intra_warps": 4},
     "bi_k64v64w16": {"bwd_subchunk": False, "bwd_intra_warps": 16},
     # spill-free per scripts/ptxas_report.py (sm_90, 8 warps): stage 1 BK32, split backward BK32 BV32
-    "nospill": {"bwd_subchunk": False, "fwd_intra_BK": 32, "bwd_split": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
+    "nospill": {"fwd_scores": "chunk", "bwd_subchunk": False, "fwd_intra_BK": 32, "bwd_split": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
     # scores / solve / W,U launches: 232 / 125 / 196 registers at 8 warps (ptxas_report), no spills
-    "fi_split_kb32": {"fwd_intra_split": True, "fwd_intra_BK": 32},
-    "fi_split_kb32_w16": {"fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_warps": 16},   # all spill-free
+    "fi_split_kb32": {"fwd_scores": "chunk", "fwd_intra_split": True, "fwd_intra_BK": 32},
+    "fi_split_kb32_w16": {"fwd_scores": "chunk", "fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_warps": 16},   # all spill-free
     "bwd_split": {"bwd_subchunk": False, "bwd_split": True},
     "bwd_split_k32v32": {"bwd_subchunk": False, "bwd_split": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
     "bwd_split_k32v32_w16": {"bwd_subchunk": False, "bwd_split": True, "bwd_intra_BK": 32, "bwd_intra_BV": 32, "bwd_intra_warps": 16},
     # the session-2 guess from ptxas_report: every launch spill-free or nearly, 2-stage scans
-    "guess": {"bwd_subchunk": False, "fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_warps": 16, "bwd_split": True,
+    "guess": {"fwd_scores": "chunk", "bwd_subchunk": False, "fwd_intra_split": True, "fwd_intra_BK": 32, "fwd_intra_warps": 16, "bwd_split": True,
               "bwd_intra_BK": 32, "bwd_intra_BV": 32, "inter_dtype": "input", "gated_dtype": "input"},
     # session 3: the backward reads the forward's stored Mkk for dβ instead of recomputing the scores per key
     # block (ptxas K128 8 warps: bwd_intra 255 regs, 1296 B stack vs 1192 recomputing; fewer instructions)
@@ -88,41 +91,42 @@ VARIANTS = {
     "d16_bwd_only": {"dot16_bwd": True},
     # session 4, after the device time: stage-1 scores as 16 x 16 block pairs in 2-D whole-K tiles, one
     # program per (chunk, head), then the solve + W, U launch (ptxas K128: 255 registers, no spill at 4 warps)
-    "pairs": {"fwd_intra_pairs": True},
-    "pairs_w8": {"fwd_intra_pairs": True, "fwd_intra_pairs_warps": 8},
-    "pairs_w2": {"fwd_intra_pairs": True, "fwd_intra_pairs_warps": 2},
-    "pairs_store": {"fwd_intra_pairs": True, "fwd_store_states": True},
-    # session 5: pairs at fewer warps (2 warps: stage-1 scores 0.59 ms against 0.82), the solve and W, U as
-    # two launches after them, and the per-sub-chunk scores from a stored Γ (TUNING fwd_intra_sub)
-    "pairs_w1": {"fwd_intra_pairs": True, "fwd_intra_pairs_warps": 1},
-    "pairs_w2_split": {"fwd_intra_pairs": True, "fwd_intra_pairs_warps": 2, "fwd_intra_split": True},
-    "pairs_w1_split": {"fwd_intra_pairs": True, "fwd_intra_pairs_warps": 1, "fwd_intra_split": True},
-    "pairs_w2_split_bk32": {"fwd_intra_pairs": True, "fwd_intra_pairs_warps": 2, "fwd_intra_split": True,
-                            "fwd_intra_BK": 32},
-    "pairs_w2_w4": {"fwd_intra_pairs": True, "fwd_intra_pairs_warps": 2, "fwd_intra_warps": 4},
-    "sub": {"fwd_intra_sub": True},
-    "sub_w2": {"fwd_intra_sub": True, "fwd_intra_sub_warps": 2},
-    "sub_bk16": {"fwd_intra_sub": True, "fwd_intra_sub_BK": 16},
-    "sub_split": {"fwd_intra_sub": True, "fwd_intra_split": True},
-    "sub_split_bk32": {"fwd_intra_sub": True, "fwd_intra_split": True, "fwd_intra_BK": 32},
+    "pairs": {"fwd_scores": "pairs"},
+    "pairs_w8": {"fwd_scores": "pairs", "fwd_intra_pairs_warps": 8},
+    "pairs_w2": {"fwd_scores": "pairs", "fwd_intra_pairs_warps": 2},
+    "pairs_store": {"fwd_scores": "pairs", "fwd_store_states": True},
+    # session 5 (measured with the tail at 8 warps, whole K; now fwd_tail_*): pairs at fewer warps (2 warps:
+    # stage-1 scores 0.59 ms against 0.82), the solve and W, U as two launches after them, and the
+    # per-sub-chunk scores from a stored Γ (fwd_scores "sub")
+    "pairs_w1": {"fwd_scores": "pairs", "fwd_intra_pairs_warps": 1},
+    "pairs_w2_split": {"fwd_scores": "pairs", "fwd_intra_pairs_warps": 2, "fwd_intra_split": True},
+    "pairs_w1_split": {"fwd_scores": "pairs", "fwd_intra_pairs_warps": 1, "fwd_intra_split": True},
+    "pairs_w2_split_bk32": {"fwd_scores": "pairs", "fwd_intra_pairs_warps": 2, "fwd_intra_split": True,
+                            "fwd_tail_BK": 32},
+    "pairs_w2_w4": {"fwd_scores": "pairs", "fwd_intra_pairs_warps": 2, "fwd_tail_warps": 4},
+    "sub": {"fwd_scores": "sub"},
+    "sub_w2": {"fwd_scores": "sub", "fwd_intra_sub_warps": 2},
+    "sub_bk16": {"fwd_scores": "sub", "fwd_intra_sub_BK": 16},
+    "sub_split": {"fwd_scores": "sub", "fwd_intra_split": True},
+    "sub_split_bk32": {"fwd_scores": "sub", "fwd_intra_split": True, "fwd_tail_BK": 32},
     # session 5, call 3: the best launches of call 2 (scripts/kda_stage1_sub.py) together
-    "s5": {"fwd_intra_sub": True, "fwd_intra_sub_BK": 64, "fwd_intra_warps": 2, "fwd_intra_BK": 32},
-    "s5_split": {"fwd_intra_sub": True, "fwd_intra_sub_BK": 64, "fwd_intra_warps": 2, "fwd_intra_BK": 32,
+    "s5": {"fwd_scores": "sub", "fwd_intra_sub_BK": 64, "fwd_tail_warps": 2, "fwd_tail_BK": 32},
+    "s5_split": {"fwd_scores": "sub", "fwd_intra_sub_BK": 64, "fwd_tail_warps": 2, "fwd_tail_BK": 32,
                  "fwd_intra_split": True},
-    "s5_bk64": {"fwd_intra_sub": True, "fwd_intra_sub_BK": 64, "fwd_intra_warps": 2, "fwd_intra_BK": 64},
-    "s5_pairs": {"fwd_intra_pairs": True, "fwd_intra_pairs_warps": 1, "fwd_intra_warps": 2, "fwd_intra_BK": 32},
-    "s5_bw4": {"fwd_intra_sub": True, "fwd_intra_sub_BK": 64, "fwd_intra_warps": 2, "fwd_intra_BK": 32,
+    "s5_bk64": {"fwd_scores": "sub", "fwd_intra_sub_BK": 64, "fwd_tail_warps": 2, "fwd_tail_BK": 64},
+    "s5_pairs": {"fwd_scores": "pairs", "fwd_intra_pairs_warps": 1, "fwd_tail_warps": 2, "fwd_tail_BK": 32},
+    "s5_bw4": {"fwd_scores": "sub", "fwd_intra_sub_BK": 64, "fwd_tail_warps": 2, "fwd_tail_BK": 32,
                "bwd_intra_warps": 4},
-    "s5_bw2": {"fwd_intra_sub": True, "fwd_intra_sub_BK": 64, "fwd_intra_warps": 2, "fwd_intra_BK": 32,
+    "s5_bw2": {"fwd_scores": "sub", "fwd_intra_sub_BK": 64, "fwd_tail_warps": 2, "fwd_tail_BK": 32,
                "bwd_intra_warps": 2},
-    "s5_bsw1": {"fwd_intra_sub": True, "fwd_intra_sub_BK": 64, "fwd_intra_warps": 2, "fwd_intra_BK": 32,
+    "s5_bsw1": {"fwd_scores": "sub", "fwd_intra_sub_BK": 64, "fwd_tail_warps": 2, "fwd_tail_BK": 32,
                 "bwd_subchunk_warps": 1},
-    "s5_bw4_k32": {"fwd_intra_sub": True, "fwd_intra_sub_BK": 64, "fwd_intra_warps": 2, "fwd_intra_BK": 32,
+    "s5_bw4_k32": {"fwd_scores": "sub", "fwd_intra_sub_BK": 64, "fwd_tail_warps": 2, "fwd_tail_BK": 32,
                    "bwd_intra_warps": 4, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
     # chunk 32: [32, 32] score tiles, twice the sequential scan steps (chunk_size is chunk_kda's argument)
     "c32": {"chunk_size": 32},
-    "c32_kb16_w4": {"chunk_size": 32, "fwd_intra_BK": 16, "fwd_intra_warps": 4},
-    "combo": {"bwd_subchunk": False, "fwd_intra_BK": 32, "bwd_intra_BK": 32, "bwd_intra_BV": 32, "bwd_intra_warps": 4,
+    "c32_kb16_w4": {"fwd_scores": "chunk", "chunk_size": 32, "fwd_intra_BK": 16, "fwd_intra_warps": 4},
+    "combo": {"fwd_scores": "chunk", "bwd_subchunk": False, "fwd_intra_BK": 32, "bwd_intra_BK": 32, "bwd_intra_BV": 32, "bwd_intra_warps": 4,
               "gated_dtype": "input", "states_dtype": "input"},
 }
 SPEED_SHAPES = [(8, 2048, 16, 16, 128), (1, 16384, 16, 16, 128)]

@@ -160,35 +160,38 @@ def test_chunk_kda_matches_recurrent(B, T, H, G, K, V, C, dtype, h0):
 # every TUNING alternative must compute the same function (scripts/kda_sweep.py times them on a GPU);
 # the backward alternatives to the default bwd_subchunk name "bwd_subchunk": False
 TUNING_CASES = [
-    pytest.param({"fwd_intra_BK": 16}, 1, 63, 1, 2, 40, 24, 64, id="fwd-kblock16-K40-G2-T63"),
-    pytest.param({"fwd_intra_BK": 32}, 2, 70, 1, 1, 96, 32, 32, id="fwd-kblock32-K96-C32"),
-    pytest.param({"fwd_intra_BK": 16, "fwd_intra_maxnreg": 128}, 1, 1, 1, 1, 32, 16, 64, id="fwd-kblock16-T1-r128"),
+    pytest.param({"fwd_scores": "chunk", "fwd_intra_BK": 16}, 1, 63, 1, 2, 40, 24, 64, id="fwd-kblock16-K40-G2-T63"),
+    pytest.param({"fwd_scores": "chunk", "fwd_intra_BK": 32}, 2, 70, 1, 1, 96, 32, 32, id="fwd-kblock32-K96-C32"),
+    pytest.param({"fwd_scores": "chunk", "fwd_intra_BK": 16, "fwd_intra_maxnreg": 128}, 1, 1, 1, 1, 32, 16, 64, id="fwd-kblock16-T1-r128"),
     pytest.param({"bwd_intra_BK": 16, "bwd_intra_BV": 16, "bwd_intra_warps": 4, "bwd_subchunk": False}, 1, 50, 1, 2, 48, 40, 16,
                  id="bwd-k16-v16"),
-    pytest.param({"fwd_intra_split": True, "fwd_intra_BK": 32}, 1, 70, 1, 2, 96, 40, 64, id="fwd-split-K96-G2"),
-    pytest.param({"fwd_intra_split": True}, 2, 1, 1, 1, 16, 16, 16, id="fwd-split-T1-C16"),
-    pytest.param({"fwd_intra_pairs": True}, 2, 70, 1, 2, 96, 40, 64, id="fwd-pairs-K96-G2-T70"),
-    pytest.param({"fwd_intra_pairs": True}, 1, 1, 1, 1, 24, 16, 64, id="fwd-pairs-T1-K24"),
-    pytest.param({"fwd_intra_pairs": True, "fwd_intra_BK": 16}, 1, 45, 2, 1, 40, 24, 32, id="fwd-pairs-C32-K40-BK16"),
-    pytest.param({"fwd_intra_pairs": True}, 1, 37, 1, 1, 24, 16, 16, id="fwd-pairs-C16-one-subchunk"),
-    pytest.param({"fwd_intra_pairs": True, "bwd_subchunk": False}, 1, 50, 1, 2, 72, 24, 64,
+    pytest.param({"fwd_scores": "chunk", "fwd_intra_split": True, "fwd_intra_BK": 32}, 1, 70, 1, 2, 96, 40, 64, id="fwd-split-K96-G2"),
+    pytest.param({"fwd_scores": "chunk", "fwd_intra_split": True}, 2, 1, 1, 1, 16, 16, 16, id="fwd-split-T1-C16"),
+    pytest.param({"fwd_scores": "pairs"}, 2, 70, 1, 2, 96, 40, 64, id="fwd-pairs-K96-G2-T70"),
+    pytest.param({"fwd_scores": "pairs"}, 1, 1, 1, 1, 24, 16, 64, id="fwd-pairs-T1-K24"),
+    pytest.param({"fwd_scores": "pairs", "fwd_tail_BK": 16}, 1, 45, 2, 1, 40, 24, 32, id="fwd-pairs-C32-K40-tailBK16"),
+    pytest.param({"fwd_scores": "pairs"}, 1, 37, 1, 1, 24, 16, 16, id="fwd-pairs-C16-one-subchunk"),
+    pytest.param({"fwd_scores": "pairs", "bwd_subchunk": False}, 1, 50, 1, 2, 72, 24, 64,
                  id="fwd-pairs-unsplit-bwd-K72"),
-    pytest.param({"fwd_intra_pairs": True, "gated_dtype": "input", "inter_dtype": "input"}, 1, 70, 1, 2, 40, 24, 64,
+    pytest.param({"fwd_scores": "pairs", "gated_dtype": "input", "inter_dtype": "input"}, 1, 70, 1, 2, 40, 24, 64,
                  id="fwd-pairs-2byte-buffers"),
-    pytest.param({"fwd_intra_sub": True}, 2, 70, 1, 2, 96, 40, 64, id="fwd-sub-K96-G2-T70"),
-    pytest.param({"fwd_intra_sub": True}, 1, 1, 1, 1, 24, 16, 64, id="fwd-sub-T1-K24"),
-    pytest.param({"fwd_intra_sub": True, "fwd_intra_sub_BK": 16}, 1, 45, 2, 1, 40, 24, 32, id="fwd-sub-C32-K40-BK16"),
-    pytest.param({"fwd_intra_sub": True}, 1, 37, 1, 1, 24, 16, 16, id="fwd-sub-C16-one-subchunk"),
-    pytest.param({"fwd_intra_sub": True, "fwd_intra_split": True, "fwd_intra_BK": 16}, 1, 50, 1, 2, 40, 24, 64,
+    # the one-program-per-chunk stage 1 (session 4's default): whole-K with fp32 buffers, key-blocked with 2-byte
+    pytest.param({"fwd_scores": "chunk"}, 2, 70, 1, 2, 40, 24, 64, id="fwd-chunk-wholeK-G2-T70"),
+    pytest.param({"fwd_scores": "chunk"}, 1, 1, 1, 1, 96, 16, 64, id="fwd-chunk-T1-K96"),
+    pytest.param({"fwd_scores": "sub"}, 2, 70, 1, 2, 96, 40, 64, id="fwd-sub-K96-G2-T70"),
+    pytest.param({"fwd_scores": "sub"}, 1, 1, 1, 1, 24, 16, 64, id="fwd-sub-T1-K24"),
+    pytest.param({"fwd_scores": "sub", "fwd_intra_sub_BK": 16}, 1, 45, 2, 1, 40, 24, 32, id="fwd-sub-C32-K40-BK16"),
+    pytest.param({"fwd_scores": "sub"}, 1, 37, 1, 1, 24, 16, 16, id="fwd-sub-C16-one-subchunk"),
+    pytest.param({"fwd_scores": "sub", "fwd_intra_split": True, "fwd_tail_BK": 16}, 1, 50, 1, 2, 40, 24, 64,
                  id="fwd-sub-split-tail-BK16"),
-    pytest.param({"fwd_intra_pairs": True, "fwd_intra_split": True}, 2, 1, 1, 1, 16, 16, 64, id="fwd-pairs-split-tail-T1"),
-    pytest.param({"fwd_intra_sub": True, "bwd_subchunk": False}, 1, 50, 1, 2, 72, 24, 64, id="fwd-sub-unsplit-bwd-K72"),
-    pytest.param({"fwd_intra_sub": True, "gated_dtype": "input", "inter_dtype": "input"}, 1, 70, 1, 2, 40, 24, 64,
+    pytest.param({"fwd_scores": "pairs", "fwd_intra_split": True}, 2, 1, 1, 1, 16, 16, 64, id="fwd-pairs-split-tail-T1"),
+    pytest.param({"fwd_scores": "sub", "bwd_subchunk": False}, 1, 50, 1, 2, 72, 24, 64, id="fwd-sub-unsplit-bwd-K72"),
+    pytest.param({"fwd_scores": "sub", "gated_dtype": "input", "inter_dtype": "input"}, 1, 70, 1, 2, 40, 24, 64,
                  id="fwd-sub-2byte-buffers"),
     pytest.param({"bwd_stored_mkk": True, "bwd_subchunk": False}, 2, 70, 1, 2, 96, 40, 64, id="bwd-stored-mkk-K96-G2"),
     pytest.param({"bwd_stored_mkk": True, "bwd_split": True, "bwd_intra_BK": 32, "bwd_subchunk": False}, 1, 50, 2, 1, 72, 24, 32,
                  id="bwd-stored-mkk-split-K72-C32"),
-    pytest.param({"bwd_stored_mkk": True, "fwd_intra_BK": 32, "bwd_subchunk": False}, 1, 45, 1, 2, 64, 16, 64, id="bwd-stored-mkk-kblock"),
+    pytest.param({"bwd_stored_mkk": True, "fwd_scores": "chunk", "fwd_intra_BK": 32, "bwd_subchunk": False}, 1, 45, 1, 2, 64, 16, 64, id="bwd-stored-mkk-kblock"),
     pytest.param({"bwd_subchunk": True}, 2, 70, 1, 2, 96, 40, 64, id="bwd-subchunk-K96-G2-T70"),
     pytest.param({"bwd_subchunk": True}, 1, 1, 1, 1, 16, 16, 64, id="bwd-subchunk-T1"),
     pytest.param({"bwd_subchunk": True}, 1, 37, 1, 1, 24, 16, 16, id="bwd-subchunk-C16-one-subchunk"),
@@ -257,7 +260,7 @@ def test_check_tuning_rejects_bad_entries():
     for bad, msg in (({"fwd_intra_bk": 32}, "unknown keys"), ({"gated_dtype": "bf16"}, "must be one of"),
                      ({"bwd_intra_BK": 24}, "power of two"), ({"fwd_intra_warps": 3}, "power of two"),
                      ({"dot16_bwd": "wide"}, "False, True or 'narrow'"),
-                     ({"fwd_intra_sub": True, "fwd_intra_pairs": True}, "set at most one")):
+                     ({"fwd_scores": "tiles"}, "must be one of")):
         with pytest.raises(ValueError, match=msg):
             check_tuning(bad)
 
@@ -300,8 +303,8 @@ def _perturb_after(t, *xs):
 
 
 @needs_triton
-@pytest.mark.parametrize("tuning", [{}, {"fwd_intra_pairs": True}, {"fwd_intra_sub": True}],
-                         ids=["default", "fwd-pairs", "fwd-sub"])
+@pytest.mark.parametrize("tuning", [{}, {"fwd_scores": "pairs"}, {"fwd_scores": "chunk"}],
+                         ids=["default", "fwd-pairs", "fwd-chunk"])
 def test_chunk_kda_causality_bit_stable(tuning):
     from k3cli.ops.kda import chunk as chunk_mod
     from k3cli.ops.kda import chunk_kda
@@ -504,8 +507,8 @@ def test_chunk_kda_fp32_gpu_is_fp32_accurate():
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("tuning", [{}, {"fwd_intra_pairs": True}, {"fwd_intra_sub": True}],
-                         ids=["default", "fwd-pairs", "fwd-sub"])
+@pytest.mark.parametrize("tuning", [{}, {"fwd_scores": "pairs"}, {"fwd_scores": "chunk"}],
+                         ids=["default", "fwd-pairs", "fwd-chunk"])
 def test_chunk_kda_causality_bf16_gpu(tuning):
     """Issue 5: perturbing tokens after t leaves outputs at <= t bit-identical (bf16, K=128, GVA);
     t inside sub-chunk 0, at and past a chunk end, and mid-way through later 16-row sub-chunks."""

@@ -1,10 +1,10 @@
 """Triton chunked KDA: autograd wrapper and public entry point (kernels in chunk_fwd.py, chunk_bwd.py).
 
-Launches with the default TUNING: forward 2; backward 5 (state re-scan, reverse state scan, and the
-per-chunk gradients as V side, intra-chunk score gradients, key side) plus the GVA group sum of dq,
-dk in torch. The TUNING alternatives change that count (one per-chunk backward launch without
-bwd_subchunk / bwd_split, no re-scan with fwd_store_states, three stage-1 launches with
-fwd_intra_split).
+Launches with the default TUNING: forward 4 (Γ with the gated operands, sub-chunk scores, solve + W, U,
+state scan); backward 5 (state re-scan, reverse state scan, and the per-chunk gradients as V side,
+intra-chunk score gradients, key side) plus, with GVA, the group sum of dq, dk in torch. The TUNING
+alternatives change that count (one per-chunk backward launch without bwd_subchunk / bwd_split, no
+re-scan with fwd_store_states, other stage-1 plans with fwd_scores / fwd_intra_split).
 """
 from __future__ import annotations
 
@@ -18,12 +18,19 @@ from k3cli.ops.kda.chunk_fwd import Intra, dot_precision, kda_fwd_intra, kda_fwd
 _CHUNK_SIZES = (16, 32, 64)
 
 # Launch and storage choices, in one place so scripts/kda_sweep.py can time alternatives on a GPU.
-# fwd_intra_BK: key-column block of stage 1 (None = whole K in one tile; see kda_fwd_intra).
-# fwd_intra_split: stage 1 as three launches (scores, solve, W/U); fwd_intra_maxnreg: its register cap.
-# fwd_intra_pairs: stage 1's scores from one program per (chunk, batch*head) that forms each needed
-#   16 x 16 block pair (c <= a) once in whole-K [16, K] tiles, Γ per sub-chunk from one pass of sub-chunk
-#   sums (2-D products; the batched 3-D form measured slower), plus the gated operands; then the solve and
-#   W, U in one launch (fwd_intra_pairs_warps: the scores kernel's warps). Not yet timed on a GPU.
+# fwd_scores: how stage 1 forms the intra-chunk scores Aqk, Akk.
+#   "sub" (default): Γ = chunk-local cumsum g into an fp32 buffer with the gated operands (one program per
+#     chunk, head and 64 key columns), then one program per (chunk, 16-row query sub-chunk) forms its
+#     16 x 16 blocks c <= a from that Γ (fwd_intra_sub_warps, fwd_intra_sub_BK: key columns per step), then
+#     the solve and W, U (the "tail": fwd_tail_warps, fwd_tail_BK; fwd_intra_split: as two launches).
+#     Why (H200, bf16, session 5, notes/session5_gpu.md): small programs at 1-2 warps, many per SM; at
+#     B8 T2048 H16 K=V=128 the forward went from 1.684 to 1.083 ms, B1 T16384 from 2.219 to 1.625.
+#     Memory: the Γ buffer, [B*HV, T, K] fp32, lives during the forward only.
+#   "pairs": one program per (chunk, head) forms each 16 x 16 block pair once in whole-K [16, K] tiles,
+#     Γ from running sub-chunk sums, plus the gated operands (fwd_intra_pairs_warps), then the same tail:
+#     1.127 ms at the shape above (1 warp).
+#   "chunk": session 4's default, one program per (chunk, head) for everything (fwd_intra_warps,
+#     fwd_intra_BK: None = whole K; fwd_intra_split: three launches; fwd_intra_maxnreg: register cap).
 # bwd_stored_mkk: stage 1 also stores the raw Mkk, and the per-chunk backward reads it for dβ instead of
 #   recomputing the intra-chunk scores in every key block.
 # bwd_subchunk (default): the split backward with stored Mkk, whose intra-chunk score gradients come
@@ -31,7 +38,9 @@ _CHUNK_SIZES = (16, 32, 64)
 #   the key-side kernel (implies bwd_split and bwd_stored_mkk; bwd_subchunk_warps: that launch's warps).
 #   Why (H200, bf16, fwd / fwd+bwd ms, notes/session4_gpu.md): B8 T2048 H16 K=V=128 from 1.662 / 6.680
 #   (session 3's defaults) to 1.682 / 5.713 with 2 warps, B1 T16384 from 2.199 / 8.469 to 2.214 / 7.558;
-#   relative RMS errors against the fp32 reference unchanged to 4 digits.
+#   relative RMS errors against the fp32 reference unchanged to 4 digits. Session 5: 1 warp (fwd+bwd
+#   5.093 -> 4.808 ms at B8 with fwd_scores "sub") and bwd_intra_warps 4 for the V-side and key-side
+#   launches (5.093 -> 4.853; 2 warps: 18.7 ms).
 # dot16_bwd: the per-chunk backward's products take operands rounded to the input dtype (bf16 / fp16)
 #   instead of fp32 operands at TF32; the anchored score products keep fp32 range (chunk_fwd._dot_wide).
 #   Off by default: it made fwd+bwd 8 % faster at K = 128 (5.73 -> 5.27 ms above, with fwd_store_states),
@@ -59,11 +68,13 @@ _CHUNK_SIZES = (16, 32, 64)
 #   3-D products (1.6-2.6x slower forward, 12 % slower fwd+bwd), 16-bit operands in stage 1 and the state scans
 #   (an illegal memory access on the H200, not investigated).
 TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None, "fwd_intra_split": False,
-          "fwd_intra_pairs": False, "fwd_intra_pairs_warps": 4, "fwd_intra_sub": False, "fwd_intra_sub_warps": 1,
-          "fwd_intra_sub_BK": 32, "bwd_stored_mkk": False, "bwd_subchunk": True, "bwd_subchunk_warps": 2, "dot16_bwd": False,
+          "fwd_scores": "sub", "fwd_intra_pairs_warps": 4, "fwd_intra_sub_warps": 1,
+          "fwd_intra_sub_BK": 64, "fwd_tail_warps": 2, "fwd_tail_BK": 32,
+          "bwd_stored_mkk": False, "bwd_subchunk": True, "bwd_subchunk_warps": 1, "dot16_bwd": False,
           "fwd_store_states": False, "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None,
-          "bwd_intra_warps": 8, "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32"}
+          "bwd_intra_warps": 4, "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32"}
 _DTYPE_CHOICES = ("auto", "fp32", "input")
+_FWD_SCORES = ("sub", "pairs", "chunk")
 _AUTO_INPUT_MIN_K = 65
 
 
@@ -75,17 +86,16 @@ def check_tuning(tuning: dict) -> None:
     for name in ("inter_dtype", "gated_dtype", "states_dtype"):
         if tuning.get(name, "fp32") not in _DTYPE_CHOICES:
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]!r} must be one of {_DTYPE_CHOICES}")
-    for name in ("fwd_intra_BK", "bwd_intra_BK", "bwd_intra_BV", "fwd_intra_sub_BK"):
+    for name in ("fwd_intra_BK", "bwd_intra_BK", "bwd_intra_BV", "fwd_intra_sub_BK", "fwd_tail_BK"):
         b = tuning.get(name)
         if b is not None and (b < 16 or b & (b - 1)):
             raise ValueError(f"chunk_kda TUNING: {name}={b} must be None or a power of two >= 16")
-    if tuning.get("fwd_intra_pairs") and tuning.get("fwd_intra_sub"):
-        raise ValueError("chunk_kda TUNING: fwd_intra_pairs and fwd_intra_sub are different stage-1 score "
-                         "kernels; set at most one")
+    if tuning.get("fwd_scores", "sub") not in _FWD_SCORES:
+        raise ValueError(f"chunk_kda TUNING: fwd_scores={tuning['fwd_scores']!r} must be one of {_FWD_SCORES}")
     if tuning.get("dot16_bwd", False) not in (False, True, "narrow"):
         raise ValueError(f"chunk_kda TUNING: dot16_bwd={tuning['dot16_bwd']!r} must be False, True or 'narrow'")
     for name in ("fwd_intra_warps", "bwd_intra_warps", "bwd_subchunk_warps", "fwd_intra_pairs_warps",
-                 "fwd_intra_sub_warps"):
+                 "fwd_intra_sub_warps", "fwd_tail_warps"):
         if tuning.get(name, 8) not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]} must be a power of two <= 32")
 
@@ -115,9 +125,10 @@ def fwd_intra(q, k, v, g, beta, scale, C, prec) -> Intra:
                          num_warps=TUNING["fwd_intra_warps"], precision=prec, key_block=TUNING["fwd_intra_BK"],
                          maxnreg=TUNING["fwd_intra_maxnreg"], split=TUNING["fwd_intra_split"],
                          store_mkk=TUNING["bwd_stored_mkk"] or TUNING["bwd_subchunk"],
-                         pairs=TUNING["fwd_intra_pairs"], pairs_warps=TUNING["fwd_intra_pairs_warps"],
-                         sub=TUNING["fwd_intra_sub"], sub_warps=TUNING["fwd_intra_sub_warps"],
-                         sub_key_block=TUNING["fwd_intra_sub_BK"])
+                         pairs=TUNING["fwd_scores"] == "pairs", pairs_warps=TUNING["fwd_intra_pairs_warps"],
+                         sub=TUNING["fwd_scores"] == "sub", sub_warps=TUNING["fwd_intra_sub_warps"],
+                         sub_key_block=TUNING["fwd_intra_sub_BK"], tail_warps=TUNING["fwd_tail_warps"],
+                         tail_key_block=TUNING["fwd_tail_BK"])
 
 
 def recompute_states(it: Intra, h0, B, T, HV, C, v_dtype, prec):
@@ -134,11 +145,13 @@ def bwd_state(it: Intra, do, dht, B, T, HV, C, need_dh0, v_dtype, prec):
 
 
 def bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale, C, prec):
+    # without GVA (HV = H) dq, dk, dg are stored in the inputs' dtype directly (no group sum follows)
+    gd = q.dtype if v.shape[2] == q.shape[2] else torch.float32
     return kda_bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale, C, BK=TUNING["bwd_intra_BK"],
                          BV=TUNING["bwd_intra_BV"], num_warps=TUNING["bwd_intra_warps"],
                          precision=_stage_prec("dot16_bwd", prec, v.dtype),
                          split=TUNING["bwd_split"] or TUNING["bwd_subchunk"], subchunk=TUNING["bwd_subchunk"],
-                         subchunk_warps=TUNING["bwd_subchunk_warps"])
+                         subchunk_warps=TUNING["bwd_subchunk_warps"], grad_dtype=gd)
 
 
 class ChunkKDAFunction(torch.autograd.Function):
@@ -171,9 +184,10 @@ class ChunkKDAFunction(torch.autograd.Function):
         dht = None if dht is None else dht.contiguous().float()
         dh, dvn, dh0 = bwd_state(it, do, dht, B, T, HV, C, h0 is not None, v.dtype, prec)
         dq, dk, dv, dg, dbeta = bwd_intra(q, k, v, g, beta, it.tm, it.mkk, h, dh, do, vn, dvn, scale, C, prec)
-        # GVA: value head hv used q/k head hv // G, so sum each group's gradients
-        dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
-        dk = dk.view(B, T, H, HV // H, K).sum(3).to(k.dtype)
+        if HV != H:
+            # GVA: value head hv used q/k head hv // G, so sum each group's gradients
+            dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
+            dk = dk.view(B, T, H, HV // H, K).sum(3).to(k.dtype)
         return dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0, None, None, None
 
 

@@ -417,13 +417,16 @@ def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, 
 
 def kda_bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale: float, chunk_size: int,
                   BK: int | None = None, BV: int | None = None, num_warps: int = 8, precision: str = "tf32",
-                  split: bool = False, subchunk: bool = False, subchunk_warps: int = 4):
+                  split: bool = False, subchunk: bool = False, subchunk_warps: int = 4,
+                  grad_dtype: torch.dtype = torch.float32):
     """Launch the per-chunk gradient kernel(s). Returns dq, dk [B, T, HV, K] fp32 (per value head),
     dv [B, T, HV, V] (v.dtype), dg [B, T, HV, K] fp32, dbeta [B, T, HV] fp32. `split`: two launches
     (`_kda_bwd_vside_kernel` once per chunk, then `_kda_bwd_kside_kernel` per key block) instead of
     one kernel that redoes the key-independent V reductions in every key block. `mkk`: the forward's
     stored Mkk or None. `subchunk` (with `split` and a stored `mkk`): the intra-chunk score gradients
-    come from `_kda_bwd_scores_subchunk_kernel` (`subchunk_warps` warps) between the two launches."""
+    come from `_kda_bwd_scores_subchunk_kernel` (`subchunk_warps` warps) between the two launches.
+    `grad_dtype`: the dtype dq, dk, dg are stored in (accumulation stays fp32): the inputs' dtype when
+    no GVA group sum follows, which saves a conversion pass over each."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
@@ -435,7 +438,7 @@ def kda_bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale: float, c
     # BV 32 at K = 128 spills less (ptxas) but ran slower on the H200 (4.07 vs 3.86 ms, runs 4 / 3)
     BV = BV or min(64, max(16, triton.next_power_of_2(V)))
     dev = q.device
-    dq = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)
+    dq = torch.empty(B, T, HV, K, device=dev, dtype=grad_dtype)
     dk = torch.empty_like(dq)
     dg = torch.empty_like(dq)
     dv = torch.empty_like(v)
@@ -453,7 +456,7 @@ def kda_bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale: float, c
             # the score gradients per (chunk, 16-row sub-chunk, key block) in [16, BKS] tiles
             BC = min(16, BT)
             BKS = min(BK, 32)
-            dqs, dks, dgs = (torch.empty_like(dq) for _ in range(3))
+            dqs, dks, dgs = (torch.empty(B, T, HV, K, device=dev, dtype=torch.float32) for _ in range(3))
             _kda_bwd_scores_subchunk_kernel[(NT * (BT // BC), B * HV, triton.cdiv(K, BKS))](
                 q, k, g, beta, dqk, dkk, dqs, dks, dgs, scale, T, NT, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BKS,
                 PREC=precision, num_warps=subchunk_warps, num_stages=1)

@@ -378,7 +378,7 @@ def _qk_rows(x, i_b, i_h, o_t, o_k, T, H: tl.constexpr, K: tl.constexpr):
 @triton.jit
 def _kda_fwd_gamma_kernel(q, k, g, gc, qg, kd, eg, scale, T, NT, H: tl.constexpr, HV: tl.constexpr,
                           K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """Stage 1a (chunk.TUNING fwd_intra_sub), one program per (chunk, batch*value-head, BK key columns):
+    """Stage 1a (chunk.TUNING fwd_scores "sub"), one program per (chunk, batch*value-head, BK key columns):
     Γ = chunk-local cumsum of g into the fp32 `gc` buffer, and the state scans' gated operands
     scale·Q e^Γ, K e^(γ-Γ), e^γ."""
     i_n, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -401,7 +401,7 @@ def _kda_fwd_gamma_kernel(q, k, g, gc, qg, kd, eg, scale, T, NT, H: tl.constexpr
 def _kda_fwd_scores_sub_kernel(q, k, gc, beta, aqk, tm, mkk, scale, T, NT, H: tl.constexpr, HV: tl.constexpr,
                                K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                                PREC: tl.constexpr, STORE_MKK: tl.constexpr):
-    """Stage 1b (chunk.TUNING fwd_intra_sub), one program per (chunk x query sub-chunk a, batch*value-head):
+    """Stage 1b (chunk.TUNING fwd_scores "sub"), one program per (chunk x query sub-chunk a, batch*value-head):
     the BC x BC score blocks (a, c) of rows [a*BC, (a+1)*BC), c <= a, over BK-column key blocks, from the
     stored Γ (`gc`), anchored at Γ of the sub-chunk's first row A (as `_anchored_factors`):
     Σ_d (q_id e^(Γ_id - A_d)) (k_jd e^(A_d - Γ_jd)). Writes scale·Aqk (j <= i) to aqk, β_i Akk (j < i) to
@@ -472,7 +472,7 @@ def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mk
     Scores accumulate over key blocks (they are sums over key dims); Γ is re-derived per block.
     PART 0 does everything; 1, 2, 3 are the scores (+ gated operands), the solve of the Tm buffer in
     place, and W, U — three launches in that order give the same result with smaller programs. PART 4 is
-    the solve then W, U, after `_kda_fwd_scores_pairs_kernel` (chunk.TUNING fwd_intra_pairs)."""
+    the solve then W, U, after `_kda_fwd_scores_pairs_kernel` (chunk.TUNING fwd_scores "pairs")."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -641,14 +641,16 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
                   gated_dtype: torch.dtype = torch.float32, num_warps: int = 8, precision: str = "tf32",
                   key_block: int | None = None, maxnreg: int | None = None, split: bool = False,
                   store_mkk: bool = False, pairs: bool = False, pairs_warps: int = 4, sub: bool = False,
-                  sub_warps: int = 1, sub_key_block: int = 32) -> Intra:
+                  sub_warps: int = 1, sub_key_block: int = 64, tail_warps: int = 2,
+                  tail_key_block: int | None = 32) -> Intra:
     """Launch stage 1 (one program per chunk and batch*value-head). W, U are stored in `inter_dtype`,
     Q e^Γ and K e^(γ-Γ) in `gated_dtype`; everything else fp32. `precision`: see dot_precision.
     `key_block` (16, 32, 64): walk the key dim in blocks of that many columns when K is wider
     (`_kda_fwd_intra_kblock_kernel`, also used for a non-fp32 `gated_dtype`); None: whole-K tiles.
     `maxnreg`: per-thread register cap (ptxas .maxnreg; 128 at 8 warps = two blocks per SM).
     `split`: three launches (scores, solve, W/U) of the key-blocked kernel instead of one; with `pairs`
-    or `sub`: the solve and W, U as two launches after their scores.
+    or `sub`: the solve and W, U as two launches after their scores (the "tail": `tail_warps` warps, key
+    blocks of `tail_key_block` columns, None = whole K).
     `store_mkk`: also keep the raw Mkk (Intra.mkk, else None) for the backward's dβ term.
     `pairs`: the scores and gated operands from `_kda_fwd_scores_pairs_kernel` (`pairs_warps` warps),
     then the solve and W, U as one launch of the key-blocked kernel (PART 4).
@@ -694,10 +696,11 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
             BK=BK, PREC=precision, STORE_MKK=store_mkk, num_warps=pairs_warps, num_stages=1)
     if sub or pairs:
         # after the scores: the solve then W, U, in one launch or (split) two
+        tail = dict(opts, num_warps=tail_warps)
         for part in (2, 3) if split else (4,):
             _kda_fwd_intra_kblock_kernel[(NT, B * HV)](
-                *args, H=H, HV=HV, K=K, V=V, BT=BT, BC=min(16, BT), BK=min(BK, key_block or BK), BV=BV,
-                PREC=precision, PART=part, **opts)
+                *args, H=H, HV=HV, K=K, V=V, BT=BT, BC=min(16, BT), BK=min(BK, tail_key_block or BK), BV=BV,
+                PREC=precision, PART=part, **tail)
     elif (key_block is not None and key_block < BK) or gated_dtype != torch.float32 or split:
         BK = min(BK, key_block or BK)
         for part in (1, 2, 3) if split else (0,):
