@@ -123,6 +123,9 @@ VARIANTS = {
                 "bwd_subchunk_warps": 1},
     "s5_bw4_k32": {"fwd_scores": "sub", "fwd_intra_sub_BK": 64, "fwd_tail_warps": 2, "fwd_tail_BK": 32,
                    "bwd_intra_warps": 4, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
+    # session 5, untimed: the backward reads the forward's stored Γ (no cumsums of g in its split kernels)
+    "sgamma": {"bwd_stored_gamma": True},
+    "sgamma_store": {"bwd_stored_gamma": True, "fwd_store_states": True},
     # chunk 32: [32, 32] score tiles, twice the sequential scan steps (chunk_size is chunk_kda's argument)
     "c32": {"chunk_size": 32},
     "c32_kb16_w4": {"fwd_scores": "chunk", "chunk_size": 32, "fwd_intra_BK": 16, "fwd_intra_warps": 4},

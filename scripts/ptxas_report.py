@@ -88,13 +88,15 @@ def main() -> None:
             cases.append((f"bwd_intra BK{bk} BV{bv}{tag}", B._kda_bwd_intra_kernel,
                           dict(base, BK=bk, BV=bv, STORED_MKK=stored)))
             cases.append((f"bwd kside BK{bk} BV{bv}{tag}", B._kda_bwd_kside_kernel,
-                          dict(base, BK=bk, BV=bv, STORED_MKK=stored, SCORES_DONE=False)))
-    cases.append(("bwd scores sub-chunk BK32", B._kda_bwd_scores_subchunk_kernel,
-                  dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=min(32, BKf), PREC=args.prec)))
+                          dict(base, BK=bk, BV=bv, STORED_MKK=stored, SCORES_DONE=False, GC=False)))
+    for gc in (False, True):
+        cases.append((f"bwd scores sub-chunk BK32{' stored Γ' if gc else ''}", B._kda_bwd_scores_subchunk_kernel,
+                      dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=min(32, BKf), PREC=args.prec, GC=gc)))
     for bk, bv in ((64, 64), (32, 32)):
         bk, bv = min(bk, BKf), min(bv, BKf)
-        cases.append((f"bwd kside BK{bk} BV{bv} scores done", B._kda_bwd_kside_kernel,
-                      dict(base, BK=bk, BV=bv, STORED_MKK=True, SCORES_DONE=True)))
+        for gc in (False, True):
+            cases.append((f"bwd kside BK{bk} BV{bv} scores done{' stored Γ' if gc else ''}", B._kda_bwd_kside_kernel,
+                          dict(base, BK=bk, BV=bv, STORED_MKK=True, SCORES_DONE=True, GC=gc)))
     for bv in (64, 32):
         cases.append((f"bwd vside BV{min(bv, BKf)}", B._kda_bwd_vside_kernel,
                       dict(HV=16, V=V, BT=BT, BV=min(bv, BKf), PREC=args.prec)))

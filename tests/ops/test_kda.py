@@ -180,12 +180,17 @@ TUNING_CASES = [
     pytest.param({"fwd_scores": "chunk"}, 1, 1, 1, 1, 96, 16, 64, id="fwd-chunk-T1-K96"),
     pytest.param({"fwd_scores": "sub"}, 2, 70, 1, 2, 96, 40, 64, id="fwd-sub-K96-G2-T70"),
     pytest.param({"fwd_scores": "sub"}, 1, 1, 1, 1, 24, 16, 64, id="fwd-sub-T1-K24"),
+    pytest.param({"fwd_scores": "sub"}, 1, 50, 2, 2, 40, 24, 32, id="fwd-sub-H2-G2-C32"),
     pytest.param({"fwd_scores": "sub", "fwd_intra_sub_BK": 16}, 1, 45, 2, 1, 40, 24, 32, id="fwd-sub-C32-K40-BK16"),
     pytest.param({"fwd_scores": "sub"}, 1, 37, 1, 1, 24, 16, 16, id="fwd-sub-C16-one-subchunk"),
     pytest.param({"fwd_scores": "sub", "fwd_intra_split": True, "fwd_tail_BK": 16}, 1, 50, 1, 2, 40, 24, 64,
                  id="fwd-sub-split-tail-BK16"),
     pytest.param({"fwd_scores": "pairs", "fwd_intra_split": True}, 2, 1, 1, 1, 16, 16, 64, id="fwd-pairs-split-tail-T1"),
     pytest.param({"fwd_scores": "sub", "bwd_subchunk": False}, 1, 50, 1, 2, 72, 24, 64, id="fwd-sub-unsplit-bwd-K72"),
+    pytest.param({"bwd_stored_gamma": True}, 2, 70, 1, 2, 96, 40, 64, id="bwd-stored-gamma-K96-G2-T70"),
+    pytest.param({"bwd_stored_gamma": True}, 1, 1, 1, 1, 24, 16, 16, id="bwd-stored-gamma-T1-C16"),
+    pytest.param({"bwd_stored_gamma": True, "bwd_subchunk": False, "bwd_split": True}, 1, 45, 2, 1, 40, 24, 32,
+                 id="bwd-stored-gamma-split-no-subchunk-C32"),
     pytest.param({"fwd_scores": "sub", "gated_dtype": "input", "inter_dtype": "input"}, 1, 70, 1, 2, 40, 24, 64,
                  id="fwd-sub-2byte-buffers"),
     pytest.param({"bwd_stored_mkk": True, "bwd_subchunk": False}, 2, 70, 1, 2, 96, 40, 64, id="bwd-stored-mkk-K96-G2"),
@@ -255,12 +260,27 @@ def test_chunk_kda_tuning_alternatives_match_recurrent(tuning, B, T, H, G, K, V,
         assert not torch.equal(out["dq"], base["dq"]) and torch.equal(out["o"], base["o"])
 
 
+@needs_triton
+def test_chunk_kda_dg_keeps_g_precision():
+    # half q, k, v with an fp32 g (what the model's fused gate produces): dg is accumulated and stored in
+    # fp32, not rounded through the half dtype on the way (a regression of session 5's direct stores)
+    from k3cli.ops.kda import chunk_kda
+    x = make_inputs(1, 70, 1, 1, 24, 16, dtype=torch.float16, device=DEVICE)
+    assert x[3].dtype == torch.float32
+    out = run_with_grads(chunk_kda, *x)
+    assert out["dg"].dtype == torch.float32
+    assert not torch.equal(out["dg"], out["dg"].half().float()), "dg went through fp16"
+    ref = run_with_grads(naive_recurrent_kda, *[None if t is None else t.float() for t in x])
+    assert_close("dg", out["dg"], ref["dg"])
+
+
 def test_check_tuning_rejects_bad_entries():
     from k3cli.ops.kda.chunk import check_tuning
     for bad, msg in (({"fwd_intra_bk": 32}, "unknown keys"), ({"gated_dtype": "bf16"}, "must be one of"),
                      ({"bwd_intra_BK": 24}, "power of two"), ({"fwd_intra_warps": 3}, "power of two"),
                      ({"dot16_bwd": "wide"}, "False, True or 'narrow'"),
-                     ({"fwd_scores": "tiles"}, "must be one of")):
+                     ({"fwd_scores": "tiles"}, "must be one of"),
+                     ({"bwd_stored_gamma": True, "fwd_scores": "pairs"}, "Γ buffer")):
         with pytest.raises(ValueError, match=msg):
             check_tuning(bad)
 

@@ -48,6 +48,8 @@ _CHUNK_SIZES = (16, 32, 64)
 #   (H200, session 4). "narrow": the same except the anchored score products and their gradients, which
 #   stay TF32 (in bf16 the likeliest source of that dg error; identical to True for fp16, whose range
 #   forces it there anyway). Not yet timed or checked on a GPU.
+# bwd_stored_gamma: keep fwd_scores "sub"'s Γ buffer ([B*HV, T, K] fp32, about q and k's size in bf16) for
+#   the backward, whose split kernels then read Γ instead of forming cumsums of g. Not yet timed on a GPU.
 # fwd_store_states: when a gradient is needed, the forward scan also stores S_n and Vn (memory: one
 #   [B*HV, NT, K, V] states buffer and one [B*HV, T, V] fp32 buffer per call, about as much as q, k, v, g
 #   themselves at K = V = 128) and the backward skips its re-scan: 0.29 ms of 5.7 at B8 T2048 H16 K128.
@@ -72,7 +74,8 @@ TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None,
           "fwd_intra_sub_BK": 64, "fwd_tail_warps": 2, "fwd_tail_BK": 32,
           "bwd_stored_mkk": False, "bwd_subchunk": True, "bwd_subchunk_warps": 1, "dot16_bwd": False,
           "fwd_store_states": False, "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None,
-          "bwd_intra_warps": 4, "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32"}
+          "bwd_intra_warps": 4, "bwd_stored_gamma": False, "inter_dtype": "auto", "gated_dtype": "auto",
+          "states_dtype": "fp32"}
 _DTYPE_CHOICES = ("auto", "fp32", "input")
 _FWD_SCORES = ("sub", "pairs", "chunk")
 _AUTO_INPUT_MIN_K = 65
@@ -92,6 +95,9 @@ def check_tuning(tuning: dict) -> None:
             raise ValueError(f"chunk_kda TUNING: {name}={b} must be None or a power of two >= 16")
     if tuning.get("fwd_scores", "sub") not in _FWD_SCORES:
         raise ValueError(f"chunk_kda TUNING: fwd_scores={tuning['fwd_scores']!r} must be one of {_FWD_SCORES}")
+    if tuning.get("bwd_stored_gamma") and tuning.get("fwd_scores", "sub") != "sub":
+        raise ValueError("chunk_kda TUNING: bwd_stored_gamma keeps the Γ buffer of fwd_scores 'sub'; "
+                         "the other stage-1 plans do not store one")
     if tuning.get("dot16_bwd", False) not in (False, True, "narrow"):
         raise ValueError(f"chunk_kda TUNING: dot16_bwd={tuning['dot16_bwd']!r} must be False, True or 'narrow'")
     for name in ("fwd_intra_warps", "bwd_intra_warps", "bwd_subchunk_warps", "fwd_intra_pairs_warps",
@@ -144,14 +150,14 @@ def bwd_state(it: Intra, do, dht, B, T, HV, C, need_dh0, v_dtype, prec):
     return kda_bwd_state(it, do, dht, B, T, HV, C, need_dh0, dh_dtype=sd, precision=prec)
 
 
-def bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale, C, prec):
-    # without GVA (HV = H) dq, dk, dg are stored in the inputs' dtype directly (no group sum follows)
+def bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale, C, prec, gc=None):
+    # without GVA (HV = H) dq, dk are stored in the inputs' dtype directly (no group sum follows); dg in g's
     gd = q.dtype if v.shape[2] == q.shape[2] else torch.float32
     return kda_bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale, C, BK=TUNING["bwd_intra_BK"],
                          BV=TUNING["bwd_intra_BV"], num_warps=TUNING["bwd_intra_warps"],
                          precision=_stage_prec("dot16_bwd", prec, v.dtype),
                          split=TUNING["bwd_split"] or TUNING["bwd_subchunk"], subchunk=TUNING["bwd_subchunk"],
-                         subchunk_warps=TUNING["bwd_subchunk_warps"], grad_dtype=gd)
+                         subchunk_warps=TUNING["bwd_subchunk_warps"], grad_dtype=gd, gc=gc, dg_dtype=g.dtype)
 
 
 class ChunkKDAFunction(torch.autograd.Function):
@@ -164,6 +170,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         it = fwd_intra(q, k, v, g, beta, scale, chunk_size, prec)
         # TUNING fwd_store_states: keep the chunk states S_n and Vn for the backward (memory for one scan)
         keep = TUNING["fwd_store_states"] and any(ctx.needs_input_grad[:6])
+        if not (TUNING["bwd_stored_gamma"] and any(ctx.needs_input_grad[:6])):
+            it = it._replace(gc=None)   # free Γ after the forward
         sd = _tuned_dtype("states_dtype", v.dtype, q.shape[-1])
         o, ht, h, vn = kda_fwd_state(it, B, T, HV, chunk_size, h0, v.dtype, output_final_state, store_h=keep,
                                      h_dtype=sd, precision=prec)
@@ -183,7 +191,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         do = do.contiguous()
         dht = None if dht is None else dht.contiguous().float()
         dh, dvn, dh0 = bwd_state(it, do, dht, B, T, HV, C, h0 is not None, v.dtype, prec)
-        dq, dk, dv, dg, dbeta = bwd_intra(q, k, v, g, beta, it.tm, it.mkk, h, dh, do, vn, dvn, scale, C, prec)
+        dq, dk, dv, dg, dbeta = bwd_intra(q, k, v, g, beta, it.tm, it.mkk, h, dh, do, vn, dvn, scale, C, prec,
+                                          gc=it.gc)
         if HV != H:
             # GVA: value head hv used q/k head hv // G, so sum each group's gradients
             dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)

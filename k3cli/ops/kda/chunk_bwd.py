@@ -28,6 +28,7 @@ from k3cli.ops.kda.chunk_fwd import (
     _dot_wide,
     _intra_scores,
     _load_chunk_qkg,
+    _qk_rows,
     _scan_start,
     _subchunk_rows,
     interpreting,
@@ -92,17 +93,35 @@ def _kda_bwd_state_kernel(qg, kd, eg, w, aqk, do, dht, dh, dvn, dh0, T, NT, NBH,
 
 
 @triton.jit
+def _chunk_qkG(q, k, g, gc, i_b, i_h, i_hv, i_n, i_k, T, NT, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+               BT: tl.constexpr, BK: tl.constexpr, GC: tl.constexpr):
+    """q, k [BT, BK] fp32 and Γ of chunk i_n, key columns [i_k*BK, (i_k+1)*BK): Γ read from the stored
+    `gc` with GC, else the cumsum of g (`_load_chunk_qkg`)."""
+    if GC:
+        o_t = tl.arange(0, BT)
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_q = _qk_rows(q, i_b, i_h, i_n * BT + o_t, o_k, T, H, K)
+        b_k = _qk_rows(k, i_b, i_h, i_n * BT + o_t, o_k, T, H, K)
+        row = ((i_b * HV + i_hv) * NT * BT + i_n * BT + o_t).to(tl.int64)
+        b_G = tl.load(gc + row[:, None] * K + o_k[None, :], mask=(o_k < K)[None, :], other=0.)
+    else:
+        b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK)
+    return b_q, b_k, b_G
+
+
+@triton.jit
 def _bwd_key_side(q, k, g, mkk, dq, dk, dg, dbeta, b_dqg, b_dkd, b_dx, b_dgam, b_daqk, b_dakk, b_dbeta, b_beta,
                   scale, i_b, i_h, i_hv, i_n, i_k, slot, T, NT, NBT, H: tl.constexpr, HV: tl.constexpr,
                   K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-                  STORED_MKK: tl.constexpr, dqs, dks, dgs, SCORES_DONE: tl.constexpr):
+                  STORED_MKK: tl.constexpr, dqs, dks, dgs, SCORES_DONE: tl.constexpr, gc, GC: tl.constexpr):
     """The key-block part of the per-chunk backward, after the reductions over V: from d(Q e^Γ) (b_dqg,
     unscaled), d(K e^(γ-Γ)) (b_dkd), minus d(β K e^Γ) (b_dx), Σ_v S dS (b_dgam), dO Vn^T (b_daqk) and
     dY Vn^T (b_dakk), both unmasked, to dq, dk, dg and this block's dβ share (stored in dβ slot `slot`);
     the Mkk term of dβ recomputes this key block's partial Mkk, or with STORED_MKK reads the forward's
     stored Mkk (`mkk`) in key block 0. SCORES_DONE: the intra-chunk score gradients were computed by
     `_kda_bwd_scores_subchunk_kernel` into dqs, dks, dgs ([B, T, HV, K] fp32) and are added here.
-    q, k, Γ are loaded only here, to keep them out of the V loop's registers."""
+    q, k, Γ are loaded only here, to keep them out of the V loop's registers; with GC, Γ is read from the
+    forward's stored Γ (`gc`, [B*HV, NT*BT, K] fp32; chunk.TUNING bwd_stored_gamma) instead of a cumsum."""
     o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     m_t = (i_n * BT + o_t) < T
@@ -115,7 +134,7 @@ def _bwd_key_side(q, k, g, mkk, dq, dk, dg, dbeta, b_dqg, b_dkd, b_dx, b_dgam, b
         b_dakk = -tl.where(o_t[:, None] > o_t[None, :], b_dakk, 0.)
         p_tt = ((i_b * HV + i_hv) * NT * BT + i_n * BT + o_t).to(tl.int64)[:, None] * BT + o_t[None, :]
         b_dbeta += tl.sum(b_dakk * tl.load(mkk + p_tt, mask=(o_t[:, None] >= 0) & (i_k == 0), other=0.), 1)
-    b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK)
+    b_q, b_k, b_G = _chunk_qkG(q, k, g, gc, i_b, i_h, i_hv, i_n, i_k, T, NT, H, HV, K, BT, BK, GC)
     b_gam = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), 0)
     b_eg = tl.exp(b_G)
     b_kg = b_k * b_eg
@@ -222,7 +241,7 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, dq, dk,
 
     _bwd_key_side(q, k, g, mkk, dq, dk, dg, dbeta, b_dqg, b_dkd, b_dx, b_dgam, b_daqk, b_dakk, b_dbeta, b_beta,
                   scale, i_b, i_h, i_hv, i_n, i_k, i_k, T, NT, NBT, H, HV, K, BT, BC, BK, PREC, STORED_MKK,
-                  dq, dq, dq, False)
+                  dq, dq, dq, False, dq, False)
 
 
 @triton.jit
@@ -266,11 +285,11 @@ def _kda_bwd_vside_kernel(v, beta, tm, do, vn, dvn, dv, dy, dqk, dkk, dbeta_v, T
 
 
 @triton.jit
-def _kda_bwd_kside_kernel(q, k, g, beta, mkk, h, dh, do, vn, dy, dqk, dkk, dqs, dks, dgs, dq, dk, dg, dbeta, scale,
-                          T, NT, NBT,
+def _kda_bwd_kside_kernel(q, k, g, gc, beta, mkk, h, dh, do, vn, dy, dqk, dkk, dqs, dks, dgs, dq, dk, dg, dbeta,
+                          scale, T, NT, NBT,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                          PREC: tl.constexpr, STORED_MKK: tl.constexpr,
+                          PREC: tl.constexpr, STORED_MKK: tl.constexpr, GC: tl.constexpr,
                           SCORES_DONE: tl.constexpr):
     """Split backward, part 2, one program per (chunk, batch*head, key block): the key-dependent
     reductions over V (dO S^T, Vn dS^T, dY S^T, Σ S dS), then `_bwd_key_side` with part 1's dO Vn^T
@@ -311,7 +330,7 @@ def _kda_bwd_kside_kernel(q, k, g, beta, mkk, h, dh, do, vn, dy, dqk, dkk, dqs, 
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     _bwd_key_side(q, k, g, mkk, dq, dk, dg, dbeta, b_dqg, b_dkd, b_dx, b_dgam, b_daqk, b_dakk, b_dbeta, b_beta,
                   scale, i_b, i_h, i_hv, i_n, i_k, i_k, T, NT, NBT, H, HV, K, BT, BC, BK, PREC, STORED_MKK,
-                  dqs, dks, dgs, SCORES_DONE)
+                  dqs, dks, dgs, SCORES_DONE, gc, GC)
 
 
 @triton.jit
@@ -326,9 +345,10 @@ def _dm_blocks(dqk, dkk, p_blk, i_row, j_col, b_beta_rows, scale):
 
 
 @triton.jit
-def _kda_bwd_scores_subchunk_kernel(q, k, g, beta, dqk, dkk, dqs, dks, dgs, scale, T, NT,
+def _kda_bwd_scores_subchunk_kernel(q, k, g, gc, beta, dqk, dkk, dqs, dks, dgs, scale, T, NT,
                                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                                    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+                                    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                                    GC: tl.constexpr):
     """The intra-chunk score gradients of the per-chunk backward, one program per (chunk, sub-chunk b,
     batch*value-head, key block), [BC, BK] tiles: for the rows of b
       as queries (key sub-chunks c <= b, anchor Γ at b's first row):
@@ -337,7 +357,8 @@ def _kda_bwd_scores_subchunk_kernel(q, k, g, beta, dqk, dkk, dqs, dks, dgs, scal
         dk_c = Σ_a e^(Γ_a0 - Γ_b) ⊙ (dMq[a, b]^T (Q_a e_q^a) + dMk[a, b]^T (K_a e_q^a))
     stored as dqs = dq_r, dks = dk_r + dk_c, dgs = q ⊙ dq_r + k ⊙ (dk_r - dk_c) (dΓ before its reverse
     cumsum), which `_kda_bwd_kside_kernel` (SCORES_DONE) adds — the same sums `_bwd_key_side`'s
-    sub-chunk loop forms over masked [BT, BK] tiles."""
+    sub-chunk loop forms over masked [BT, BK] tiles. GC: Γ read from the forward's stored Γ (`gc`) instead
+    of prefix sums and cumsums of g."""
     i_nb, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NC: tl.constexpr = BT // BC
     i_n, b = i_nb // NC, i_nb % NC
@@ -345,14 +366,18 @@ def _kda_bwd_scores_subchunk_kernel(q, k, g, beta, dqk, dkk, dqs, dks, dgs, scal
     i_h = i_hv // (HV // H)
     o_c = tl.arange(0, BC)
     base = (i_bh * NT * BT + i_n * BT).to(tl.int64)
-    # Γ of sub-chunk b's rows (prefix from the earlier sub-chunks) and its anchor
-    b_pre = tl.zeros([BK], dtype=tl.float32)
-    for c in tl.static_range(NC):
-        if c < b:
-            _, _, b_gc = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, c, i_k, T, H, HV, K, BT, BC, BK)
-            b_pre += tl.sum(b_gc, 0)
+    o_kk = i_k * BK + tl.arange(0, BK)
+    # Γ of sub-chunk b's rows (prefix from the earlier sub-chunks, or stored) and its anchor
     b_qb, b_kb, b_gb = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, b, i_k, T, H, HV, K, BT, BC, BK)
-    b_Gb = b_pre[None, :] + tl.cumsum(b_gb, 0)
+    if GC:
+        b_Gb = tl.load(gc + (base + b * BC + o_c)[:, None] * K + o_kk[None, :], mask=(o_kk < K)[None, :], other=0.)
+    else:
+        b_pre = tl.zeros([BK], dtype=tl.float32)
+        for c in tl.static_range(NC):
+            if c < b:
+                _, _, b_gc = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, c, i_k, T, H, HV, K, BT, BC, BK)
+                b_pre += tl.sum(b_gc, 0)
+        b_Gb = b_pre[None, :] + tl.cumsum(b_gb, 0)
     b_anc_b = tl.sum(tl.where(o_c[:, None] == 0, b_Gb, 0.), 0)
     i_rb = b * BC + o_c
     m_b = (i_n * BT + i_rb) < T
@@ -364,8 +389,12 @@ def _kda_bwd_scores_subchunk_kernel(q, k, g, beta, dqk, dkk, dqs, dks, dgs, scal
     b_run = tl.zeros([BK], dtype=tl.float32)
     for c in tl.static_range(NC):
         b_qc, b_kc, b_gc = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, c, i_k, T, H, HV, K, BT, BC, BK)
-        b_Gc = b_run[None, :] + tl.cumsum(b_gc, 0)
-        b_run += tl.sum(b_gc, 0)
+        if GC:
+            b_Gc = tl.load(gc + (base + c * BC + o_c)[:, None] * K + o_kk[None, :], mask=(o_kk < K)[None, :],
+                           other=0.)
+        else:
+            b_Gc = b_run[None, :] + tl.cumsum(b_gc, 0)
+            b_run += tl.sum(b_gc, 0)
         i_rc = c * BC + o_c
         if c <= b:
             # rows of b as queries against the keys of sub-chunk c
@@ -418,15 +447,18 @@ def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, 
 def kda_bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale: float, chunk_size: int,
                   BK: int | None = None, BV: int | None = None, num_warps: int = 8, precision: str = "tf32",
                   split: bool = False, subchunk: bool = False, subchunk_warps: int = 4,
-                  grad_dtype: torch.dtype = torch.float32):
+                  grad_dtype: torch.dtype = torch.float32, gc: torch.Tensor | None = None,
+                  dg_dtype: torch.dtype = torch.float32):
     """Launch the per-chunk gradient kernel(s). Returns dq, dk [B, T, HV, K] fp32 (per value head),
     dv [B, T, HV, V] (v.dtype), dg [B, T, HV, K] fp32, dbeta [B, T, HV] fp32. `split`: two launches
     (`_kda_bwd_vside_kernel` once per chunk, then `_kda_bwd_kside_kernel` per key block) instead of
     one kernel that redoes the key-independent V reductions in every key block. `mkk`: the forward's
     stored Mkk or None. `subchunk` (with `split` and a stored `mkk`): the intra-chunk score gradients
     come from `_kda_bwd_scores_subchunk_kernel` (`subchunk_warps` warps) between the two launches.
-    `grad_dtype`: the dtype dq, dk, dg are stored in (accumulation stays fp32): the inputs' dtype when
-    no GVA group sum follows, which saves a conversion pass over each."""
+    `grad_dtype`: the dtype dq, dk are stored in (accumulation stays fp32): the inputs' dtype when no GVA
+    group sum follows, which saves a conversion pass over each; `dg_dtype` likewise for dg (g's dtype:
+    dg is per value head, and an fp32 g keeps an fp32 dg). `gc`: the forward's stored Γ
+    ([B*HV, NT*BT, K] fp32), read by the split backward's kernels instead of cumsums of g."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
@@ -440,7 +472,7 @@ def kda_bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale: float, c
     dev = q.device
     dq = torch.empty(B, T, HV, K, device=dev, dtype=grad_dtype)
     dk = torch.empty_like(dq)
-    dg = torch.empty_like(dq)
+    dg = torch.empty(B, T, HV, K, device=dev, dtype=dg_dtype)
     dv = torch.empty_like(v)
     if split:
         dbeta = torch.empty(NK + 1, B, T, HV, device=dev, dtype=torch.float32)
@@ -458,14 +490,15 @@ def kda_bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale: float, c
             BKS = min(BK, 32)
             dqs, dks, dgs = (torch.empty(B, T, HV, K, device=dev, dtype=torch.float32) for _ in range(3))
             _kda_bwd_scores_subchunk_kernel[(NT * (BT // BC), B * HV, triton.cdiv(K, BKS))](
-                q, k, g, beta, dqk, dkk, dqs, dks, dgs, scale, T, NT, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BKS,
-                PREC=precision, num_warps=subchunk_warps, num_stages=1)
+                q, k, g, dq if gc is None else gc, beta, dqk, dkk, dqs, dks, dgs, scale, T, NT, H=H, HV=HV, K=K,
+                BT=BT, BC=BC, BK=BKS, PREC=precision, GC=gc is not None, num_warps=subchunk_warps, num_stages=1)
         else:
             dqs = dks = dgs = dq   # unused
         _kda_bwd_kside_kernel[(NT, B * HV, NK)](
-            q, k, g, beta, tm if mkk is None else mkk, h, dh, do, vn, dy, dqk, dkk, dqs, dks, dgs, dq, dk, dg, dbeta,
+            q, k, g, dq if gc is None else gc, beta, tm if mkk is None else mkk, h, dh, do, vn, dy, dqk, dkk, dqs, dks, dgs, dq, dk, dg, dbeta,
             scale, T, NT, B * T, H=H, HV=HV, K=K, V=V, BT=BT, BC=min(16, BT), BK=BK, BV=BV, PREC=precision,
-            STORED_MKK=mkk is not None, SCORES_DONE=scores_done, num_warps=num_warps, num_stages=1)
+            STORED_MKK=mkk is not None, SCORES_DONE=scores_done, GC=gc is not None, num_warps=num_warps,
+            num_stages=1)
         return dq, dk, dv, dg, dbeta.sum(0)
     dbeta = torch.empty(NK, B, T, HV, device=dev, dtype=torch.float32)
     _kda_bwd_intra_kernel[(NT, B * HV, NK)](

@@ -1,10 +1,13 @@
 """Forward stages of the Triton chunked KDA (SPEC §2.2; derivation in README.md).
 
-Two launches by default:
-  1. `_kda_fwd_intra_kernel`, one program per (chunk, batch*value-head): Γ = cumsum g, the anchored
-     intra-chunk scores Aqk and Akk, Tm = (I + Akk)^-1 by fp32 forward substitution, W and U.
-     Alternatives (chunk.TUNING): `_kda_fwd_intra_kblock_kernel` walks the key dim in column
-     blocks, in one launch or three (scores, in-place solve, W/U).
+Four launches by default (chunk.TUNING fwd_scores "sub"):
+  1a. `_kda_fwd_gamma_kernel`, per (chunk, batch*value-head, 64 key columns): Γ = chunk-local cumsum g
+     into an fp32 buffer, and the gated operands Q e^Γ, K e^(γ-Γ), e^γ;
+  1b. `_kda_fwd_scores_sub_kernel`, per (chunk x 16-row query sub-chunk, batch*value-head): the anchored
+     intra-chunk score blocks of Aqk and Akk from that Γ;
+  1c. `_kda_fwd_intra_kblock_kernel` PART 4: Tm = (I + Akk)^-1 by fp32 forward substitution, W and U.
+     Alternatives: `_kda_fwd_scores_pairs_kernel` for 1a-1b ("pairs"), or `_kda_fwd_intra_kernel` /
+     `_kda_fwd_intra_kblock_kernel` doing all of stage 1 per chunk ("chunk"), in one launch or three.
   2. `_kda_fwd_state_kernel`, one program per (value block, batch*value-head), sequential over
      chunks: Vn = U - W S, O = scale (Q e^Γ) S + Aqk Vn, S <- e^γ S + (K e^(γ-Γ))^T Vn.
 Intermediates live in a [B*HV, NT*BT, ...] layout padded to whole chunks (padded rows are zeros).
@@ -250,7 +253,7 @@ def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk, scal
     m_k = o_k < K
     b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, 0, T, H, HV, K, BT, BK)
     # buffers are [B*HV, NT*BT, X]; rows past T hold zeros computed from masked loads
-    base = (i_bh * NT * BT + i_n * BT).to(tl.int64)
+    base = i_bh.to(tl.int64) * NT * BT + i_n * BT
     p_rk = (base + o_t)[:, None] * K + o_k[None, :]
     # Γ goes through the qg buffer so that each query sub-chunk reads back exactly its own rows
     tl.store(qg + p_rk, b_G, mask=m_k[None, :])
@@ -310,7 +313,7 @@ def _kda_fwd_scores_pairs_kernel(q, k, g, beta, qg, kd, eg, aqk, tm, mkk, scale,
     NC: tl.constexpr = BT // BC
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
-    base = (i_bh * NT * BT + i_n * BT).to(tl.int64)
+    base = i_bh.to(tl.int64) * NT * BT + i_n * BT
     o_c = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -388,7 +391,7 @@ def _kda_fwd_gamma_kernel(q, k, g, gc, qg, kd, eg, scale, T, NT, H: tl.constexpr
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK)
-    base = (i_bh * NT * BT + i_n * BT).to(tl.int64)
+    base = i_bh.to(tl.int64) * NT * BT + i_n * BT
     p_rk = (base + o_t)[:, None] * K + o_k[None, :]
     b_gam = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), 0)
     tl.store(gc + p_rk, b_G, mask=m_k[None, :])
@@ -414,12 +417,12 @@ def _kda_fwd_scores_sub_kernel(q, k, gc, beta, aqk, tm, mkk, scale, T, NT, H: tl
     o_c = tl.arange(0, BC)
     i_row = a * BC + o_c
     m_i = (i_n * BT + i_row) < T
-    base = (i_bh * NT * BT + i_n * BT).to(tl.int64)
+    base = i_bh.to(tl.int64) * NT * BT + i_n * BT
     b_beta = tl.load(beta + (i_b * T + i_n * BT + i_row).to(tl.int64) * HV + i_hv, mask=m_i, other=0.)
     b_beta = b_beta.to(tl.float32)
     # scalar bases and block pointers (64-bit pointer tiles cost two registers per element)
-    q_h = q + (i_b * T * H + i_h).to(tl.int64) * K
-    k_h = k + (i_b * T * H + i_h).to(tl.int64) * K
+    q_h = q + (i_b.to(tl.int64) * T * H + i_h) * K
+    k_h = k + (i_b.to(tl.int64) * T * H + i_h) * K
     gc_n = gc + base * K
     t_a = i_n * BT + a * BC
     p_row = (base + i_row)[:, None] * BT
@@ -478,7 +481,7 @@ def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mk
     i_h = i_hv // (HV // H)
     o_t = tl.arange(0, BT)
     m_t = (i_n * BT + o_t) < T
-    base = (i_bh * NT * BT + i_n * BT).to(tl.int64)
+    base = i_bh.to(tl.int64) * NT * BT + i_n * BT
     p_tt = (base + o_t)[:, None] * BT + o_t[None, :]
     if PART != 2:
         b_beta = tl.load(beta + (i_b * T + i_n * BT + o_t).to(tl.int64) * HV + i_hv, mask=m_t, other=0.)
@@ -608,6 +611,7 @@ class Intra(NamedTuple):
     tm: torch.Tensor     # (I + Akk)^-1
     mkk: torch.Tensor | None   # raw Mkk (strictly lower, no β) when stored: the backward's dβ term without
                                # recomputing scores (chunk.TUNING bwd_stored_mkk)
+    gc: torch.Tensor | None = None   # Γ, fp32, from the "sub" stage 1 (the caller may drop it)
 
 
 def torch_allows_tf32() -> bool:
@@ -689,7 +693,7 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
             q, k, g, gc, qg, kd, eg, scale, T, NT, H=H, HV=HV, K=K, BT=BT, BK=BKg, num_warps=4, num_stages=1)
         _kda_fwd_scores_sub_kernel[(NT * (BT // BC), B * HV)](
             q, k, gc, beta, aqk, tm, mkk_arg, scale, T, NT, H=H, HV=HV, K=K, BT=BT, BC=BC,
-            BK=min(BK, sub_key_block), PREC=precision, STORE_MKK=store_mkk, num_warps=sub_warps, num_stages=1)
+            BK=min(BK, sub_key_block or BK), PREC=precision, STORE_MKK=store_mkk, num_warps=sub_warps, num_stages=1)
     elif pairs:
         _kda_fwd_scores_pairs_kernel[(NT, B * HV)](
             q, k, g, beta, qg, kd, eg, aqk, tm, mkk_arg, scale, T, NT, H=H, HV=HV, K=K, BT=BT, BC=min(16, BT),
@@ -709,7 +713,7 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     else:
         _kda_fwd_intra_kernel[(NT, B * HV)](
             *args, H=H, HV=HV, K=K, V=V, BT=BT, BC=min(16, BT), BK=BK, BV=BV, PREC=precision, **opts)
-    return Intra(w, u, qg, kd, eg, aqk, tm, mkk)
+    return Intra(w, u, qg, kd, eg, aqk, tm, mkk, gc if sub else None)
 
 
 def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_state, out_dtype,
