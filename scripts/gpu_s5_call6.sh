@@ -4,4 +4,4 @@
 #   run(command="bash scripts/gpu_s5_call6.sh", timeout_s=100)
 set -uo pipefail
 source scripts/gpu_env.sh
-timeout 95 python3 scripts/kda_sweep.py base store_states sgamma sgamma_store 2>&1 | tee "$OUT/sweep.txt" | tail -5
+timeout 88 python3 scripts/kda_sweep.py base sgamma store_states 2>&1 | tee "$OUT/sweep.txt" | tail -5
