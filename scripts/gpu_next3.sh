@@ -20,7 +20,7 @@ for t in ({}, {"dot16_bwd": True}, {"dot16_bwd": "narrow"}):
     print(t, {n: round(rel_rms(o[n], ref[n]), 5) for n in ref}, flush=True)
 PY
 timeout 150 python3 scripts/kda_sweep.py base d16_bwd_only d16n_bwd 2>&1 | tee "$OUT/sweep_dot16.txt" | tail -4
-# where the device time goes, per kernel, with the defaults and with the untimed stage-1 pairs
+# where the device time goes, per kernel, with the defaults and with the stage-1 pairs
 timeout 60 python3 scripts/kda_kernel_times.py 2>&1 | head -16 | tee "$OUT/kernel_times.txt"
-timeout 60 python3 scripts/kda_kernel_times.py --tuning '{"fwd_intra_pairs": true}' 2>&1 | head -16 \
+timeout 60 python3 scripts/kda_kernel_times.py --tuning '{"fwd_scores": "pairs"}' 2>&1 | head -16 \
   | tee -a "$OUT/kernel_times.txt"

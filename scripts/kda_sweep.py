@@ -125,6 +125,10 @@ VARIANTS = {
                    "bwd_intra_warps": 4, "bwd_intra_BK": 32, "bwd_intra_BV": 32},
     # session 5, untimed: the backward reads the forward's stored Γ (no cumsums of g in its split kernels)
     "sgamma": {"bwd_stored_gamma": True},
+    # session 5, untimed: the forward in chunk ranges, stage 1 on a side stream overlapping the scan
+    "seg2": {"fwd_segments": 2},
+    "seg4": {"fwd_segments": 4},
+    "seg8": {"fwd_segments": 8},
     "sgamma_store": {"bwd_stored_gamma": True, "fwd_store_states": True},
     # chunk 32: [32, 32] score tiles, twice the sequential scan steps (chunk_size is chunk_kda's argument)
     "c32": {"chunk_size": 32},

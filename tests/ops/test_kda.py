@@ -187,6 +187,11 @@ TUNING_CASES = [
                  id="fwd-sub-split-tail-BK16"),
     pytest.param({"fwd_scores": "pairs", "fwd_intra_split": True}, 2, 1, 1, 1, 16, 16, 64, id="fwd-pairs-split-tail-T1"),
     pytest.param({"fwd_scores": "sub", "bwd_subchunk": False}, 1, 50, 1, 2, 72, 24, 64, id="fwd-sub-unsplit-bwd-K72"),
+    # the forward in chunk ranges (on CPU one after another; the carry between ranges is what is tested)
+    pytest.param({"fwd_segments": 3}, 2, 200, 1, 2, 40, 24, 64, id="fwd-segments3-T200-G2"),
+    pytest.param({"fwd_segments": 2}, 1, 1, 1, 1, 24, 16, 64, id="fwd-segments2-T1"),
+    pytest.param({"fwd_segments": 4, "fwd_store_states": True, "bwd_stored_gamma": True}, 1, 90, 2, 1, 40, 24, 16,
+                 id="fwd-segments4-C16-store-states"),
     pytest.param({"bwd_stored_gamma": True}, 2, 70, 1, 2, 96, 40, 64, id="bwd-stored-gamma-K96-G2-T70"),
     pytest.param({"bwd_stored_gamma": True}, 1, 1, 1, 1, 24, 16, 16, id="bwd-stored-gamma-T1-C16"),
     pytest.param({"bwd_stored_gamma": True, "bwd_subchunk": False, "bwd_split": True}, 1, 45, 2, 1, 40, 24, 32,
@@ -280,7 +285,8 @@ def test_check_tuning_rejects_bad_entries():
                      ({"bwd_intra_BK": 24}, "power of two"), ({"fwd_intra_warps": 3}, "power of two"),
                      ({"dot16_bwd": "wide"}, "False, True or 'narrow'"),
                      ({"fwd_scores": "tiles"}, "must be one of"),
-                     ({"bwd_stored_gamma": True, "fwd_scores": "pairs"}, "Γ buffer")):
+                     ({"bwd_stored_gamma": True, "fwd_scores": "pairs"}, "Γ buffer"),
+                     ({"fwd_segments": 1}, "int >= 2"), ({"fwd_segments": 2, "fwd_scores": "chunk"}, "needs")):
         with pytest.raises(ValueError, match=msg):
             check_tuning(bad)
 
@@ -523,6 +529,28 @@ def test_chunk_kda_fp32_gpu_is_fp32_accurate():
     out = run_with_grads(chunk_kda, *inputs)
     for name in ref:
         assert_close(name, out[name], ref[name], tol=1e-4)
+
+
+@pytest.mark.gpu
+@gpu
+def test_chunk_kda_segmented_forward_gpu_is_exact():
+    """TUNING fwd_segments: stage 1 on a side stream, the scan per chunk range on the current stream
+    after that range's event. Same kernels, the state carried through fp32 buffers: the outputs and the
+    gradients must equal the unsegmented run exactly (a missing stream wait shows as a mismatch)."""
+    from k3cli.ops.kda import chunk as chunk_mod
+    from k3cli.ops.kda import chunk_kda
+    inputs = make_inputs(1, 4000, 4, 2, 128, 128, dtype=torch.bfloat16, device="cuda")
+    base = run_with_grads(chunk_kda, *inputs)
+    saved = dict(chunk_mod.TUNING)
+    try:
+        for n in (2, 5):
+            chunk_mod.TUNING["fwd_segments"] = n
+            out = run_with_grads(chunk_kda, *inputs)
+            for name in base:
+                assert torch.equal(out[name], base[name]), f"fwd_segments={n}: {name} differs"
+    finally:
+        chunk_mod.TUNING.clear()
+        chunk_mod.TUNING.update(saved)
 
 
 @pytest.mark.gpu

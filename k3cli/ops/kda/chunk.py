@@ -48,6 +48,11 @@ _CHUNK_SIZES = (16, 32, 64)
 #   (H200, session 4). "narrow": the same except the anchored score products and their gradients, which
 #   stay TF32 (in bf16 the likeliest source of that dg error; identical to True for fp16, whose range
 #   forces it there anyway). Not yet timed or checked on a GPU.
+# fwd_segments: 0, or n >= 2: the forward in n chunk ranges, stage 1 of all ranges on a side CUDA stream
+#   and the state scan of range i on the current stream as soon as stage 1 of range i is done, so the
+#   scan (B*HV*V/BV programs, few when B*HV is small) overlaps the parallel stage 1 of later ranges.
+#   Aimed at long sequences in small batches (B1 T16384 H16: stage 1 ~0.74 ms, the scan ~0.88 ms of
+#   1.62). Not yet timed on a GPU. On CPU the ranges run one after another.
 # bwd_stored_gamma: keep fwd_scores "sub"'s Γ buffer ([B*HV, T, K] fp32, about q and k's size in bf16) for
 #   the backward, whose split kernels then read Γ instead of forming cumsums of g. Not yet timed on a GPU.
 # fwd_store_states: when a gradient is needed, the forward scan also stores S_n and Vn (memory: one
@@ -74,8 +79,8 @@ TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None,
           "fwd_intra_sub_BK": 64, "fwd_tail_warps": 2, "fwd_tail_BK": 32,
           "bwd_stored_mkk": False, "bwd_subchunk": True, "bwd_subchunk_warps": 1, "dot16_bwd": False,
           "fwd_store_states": False, "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None,
-          "bwd_intra_warps": 4, "bwd_stored_gamma": False, "inter_dtype": "auto", "gated_dtype": "auto",
-          "states_dtype": "fp32"}
+          "bwd_intra_warps": 4, "bwd_stored_gamma": False, "fwd_segments": 0, "inter_dtype": "auto",
+          "gated_dtype": "auto", "states_dtype": "fp32"}
 _DTYPE_CHOICES = ("auto", "fp32", "input")
 _FWD_SCORES = ("sub", "pairs", "chunk")
 _AUTO_INPUT_MIN_K = 65
@@ -98,6 +103,11 @@ def check_tuning(tuning: dict) -> None:
     if tuning.get("bwd_stored_gamma") and tuning.get("fwd_scores", "sub") != "sub":
         raise ValueError("chunk_kda TUNING: bwd_stored_gamma keeps the Γ buffer of fwd_scores 'sub'; "
                          "the other stage-1 plans do not store one")
+    nseg = tuning.get("fwd_segments", 0)
+    if not isinstance(nseg, int) or isinstance(nseg, bool) or nseg < 0 or nseg == 1:
+        raise ValueError(f"chunk_kda TUNING: fwd_segments={nseg!r} must be 0 (off) or an int >= 2")
+    if nseg and tuning.get("fwd_scores", "sub") != "sub":
+        raise ValueError("chunk_kda TUNING: fwd_segments needs fwd_scores 'sub'")
     if tuning.get("dot16_bwd", False) not in (False, True, "narrow"):
         raise ValueError(f"chunk_kda TUNING: dot16_bwd={tuning['dot16_bwd']!r} must be False, True or 'narrow'")
     for name in ("fwd_intra_warps", "bwd_intra_warps", "bwd_subchunk_warps", "fwd_intra_pairs_warps",
@@ -122,8 +132,47 @@ def _tuned_dtype(name: str, dtype: torch.dtype, K: int) -> torch.dtype:
     return torch.float32 if choice == "fp32" else dtype
 
 
+def segment_ranges(NT: int, n: int) -> list[tuple[int, int]] | None:
+    """TUNING fwd_segments: `n` nearly equal chunk ranges covering [0, NT), or None when off or NT < 2."""
+    n = min(n, NT)
+    if n < 2:
+        return None
+    cuts = [NT * i // n for i in range(n + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+class _Overlap:
+    """Stream hooks of the segmented forward: stage 1 of each chunk range on a side stream, an event
+    after each, the scan of a range on the current stream after that range's event. No-ops off CUDA."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.main = torch.cuda.current_stream(device)
+            self.side = torch.cuda.Stream(device=device)
+            self.side.wait_stream(self.main)   # the inputs and buffers were made on the main stream
+            self.events = {}
+
+    def stage1(self, n0, n1, what):
+        if not self.cuda:
+            return
+        if what == "start":
+            torch.cuda.set_stream(self.side)
+        else:
+            self.events[n0] = self.side.record_event()
+            torch.cuda.set_stream(self.main)
+
+    def scan(self, n0, n1, what):
+        if self.cuda:
+            self.main.wait_event(self.events[n0])
+
+    def join(self):
+        if self.cuda:
+            self.main.wait_stream(self.side)
+
+
 # The stages as chunk_kda runs them (TUNING applied); bench_stages times these same calls.
-def fwd_intra(q, k, v, g, beta, scale, C, prec) -> Intra:
+def fwd_intra(q, k, v, g, beta, scale, C, prec, segments=None, on_segment=None) -> Intra:
     check_tuning(TUNING)
     K = q.shape[-1]
     return kda_fwd_intra(q, k, v, g, beta, scale, C, _tuned_dtype("inter_dtype", v.dtype, K),
@@ -134,7 +183,7 @@ def fwd_intra(q, k, v, g, beta, scale, C, prec) -> Intra:
                          pairs=TUNING["fwd_scores"] == "pairs", pairs_warps=TUNING["fwd_intra_pairs_warps"],
                          sub=TUNING["fwd_scores"] == "sub", sub_warps=TUNING["fwd_intra_sub_warps"],
                          sub_key_block=TUNING["fwd_intra_sub_BK"], tail_warps=TUNING["fwd_tail_warps"],
-                         tail_key_block=TUNING["fwd_tail_BK"])
+                         tail_key_block=TUNING["fwd_tail_BK"], segments=segments, on_segment=on_segment)
 
 
 def recompute_states(it: Intra, h0, B, T, HV, C, v_dtype, prec):
@@ -167,14 +216,18 @@ class ChunkKDAFunction(torch.autograd.Function):
         h0 = None if initial_state is None else initial_state.contiguous()
         B, T, HV = v.shape[:3]
         prec = dot_precision(v.dtype)
-        it = fwd_intra(q, k, v, g, beta, scale, chunk_size, prec)
+        segs = segment_ranges(-(-T // chunk_size), TUNING["fwd_segments"])
+        ov = _Overlap(q.device) if segs else None
+        it = fwd_intra(q, k, v, g, beta, scale, chunk_size, prec, segments=segs, on_segment=ov and ov.stage1)
         # TUNING fwd_store_states: keep the chunk states S_n and Vn for the backward (memory for one scan)
         keep = TUNING["fwd_store_states"] and any(ctx.needs_input_grad[:6])
         if not (TUNING["bwd_stored_gamma"] and any(ctx.needs_input_grad[:6])):
             it = it._replace(gc=None)   # free Γ after the forward
         sd = _tuned_dtype("states_dtype", v.dtype, q.shape[-1])
         o, ht, h, vn = kda_fwd_state(it, B, T, HV, chunk_size, h0, v.dtype, output_final_state, store_h=keep,
-                                     h_dtype=sd, precision=prec)
+                                     h_dtype=sd, precision=prec, segments=segs, on_segment=ov and ov.scan)
+        if ov is not None:
+            ov.join()
         ctx.save_for_backward(q, k, v, g, beta, h0, *it, h, vn)
         ctx.scale, ctx.chunk_size, ctx.prec = scale, chunk_size, prec
         return o, ht

@@ -379,12 +379,12 @@ def _qk_rows(x, i_b, i_h, o_t, o_k, T, H: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
-def _kda_fwd_gamma_kernel(q, k, g, gc, qg, kd, eg, scale, T, NT, H: tl.constexpr, HV: tl.constexpr,
+def _kda_fwd_gamma_kernel(q, k, g, gc, qg, kd, eg, scale, T, NT, N0, H: tl.constexpr, HV: tl.constexpr,
                           K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
     """Stage 1a (chunk.TUNING fwd_scores "sub"), one program per (chunk, batch*value-head, BK key columns):
     Γ = chunk-local cumsum of g into the fp32 `gc` buffer, and the state scans' gated operands
-    scale·Q e^Γ, K e^(γ-Γ), e^γ."""
-    i_n, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    scale·Q e^Γ, K e^(γ-Γ), e^γ. Chunks from N0 on (a segment of the sequence: chunk.TUNING fwd_segments)."""
+    i_n, i_bh, i_k = tl.program_id(0) + N0, tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     o_t = tl.arange(0, BT)
@@ -401,7 +401,7 @@ def _kda_fwd_gamma_kernel(q, k, g, gc, qg, kd, eg, scale, T, NT, H: tl.constexpr
 
 
 @triton.jit
-def _kda_fwd_scores_sub_kernel(q, k, gc, beta, aqk, tm, mkk, scale, T, NT, H: tl.constexpr, HV: tl.constexpr,
+def _kda_fwd_scores_sub_kernel(q, k, gc, beta, aqk, tm, mkk, scale, T, NT, N0, H: tl.constexpr, HV: tl.constexpr,
                                K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                                PREC: tl.constexpr, STORE_MKK: tl.constexpr):
     """Stage 1b (chunk.TUNING fwd_scores "sub"), one program per (chunk x query sub-chunk a, batch*value-head):
@@ -411,7 +411,7 @@ def _kda_fwd_scores_sub_kernel(q, k, gc, beta, aqk, tm, mkk, scale, T, NT, H: tl
     tm, raw Akk to mkk with STORE_MKK, and zeros in the blocks c > a."""
     i_na, i_bh = tl.program_id(0), tl.program_id(1)
     NC: tl.constexpr = BT // BC
-    i_n, a = i_na // NC, i_na % NC
+    i_n, a = i_na // NC + N0, i_na % NC
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     o_c = tl.arange(0, BC)
@@ -468,15 +468,16 @@ def _kda_fwd_scores_sub_kernel(q, k, gc, beta, aqk, tm, mkk, scale, T, NT, H: tl
 def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk, scale, T, NT,
                                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                  BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                 PREC: tl.constexpr, PART: tl.constexpr, STORE_MKK: tl.constexpr):
+                                 PREC: tl.constexpr, PART: tl.constexpr, STORE_MKK: tl.constexpr, N0=0):
     """Stage 1 with the key dimension walked in BK-column blocks: the same outputs as
     `_kda_fwd_intra_kernel`, but no program holds more than [BT, BK] of q, k, Γ at a time (at K = 128
     the whole-K kernel sat at 255 registers, 1 block per SM and spilled; ncu, notes/session2_gpu.md).
     Scores accumulate over key blocks (they are sums over key dims); Γ is re-derived per block.
     PART 0 does everything; 1, 2, 3 are the scores (+ gated operands), the solve of the Tm buffer in
     place, and W, U — three launches in that order give the same result with smaller programs. PART 4 is
-    the solve then W, U, after `_kda_fwd_scores_pairs_kernel` (chunk.TUNING fwd_scores "pairs")."""
-    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    the solve then W, U, after `_kda_fwd_scores_pairs_kernel` (chunk.TUNING fwd_scores "pairs") or the
+    sub-chunk scores; N0: the first chunk (a segment of the sequence, chunk.TUNING fwd_segments)."""
+    i_n, i_bh = tl.program_id(0) + N0, tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     o_t = tl.arange(0, BT)
@@ -577,7 +578,7 @@ def _scan_start(s0, i_bh, i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexp
     prune_configs_by={"early_config_prune": prune_state_configs},
 )
 @triton.jit
-def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, T, NT, NBH,
+def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, T, NT, NBH, N0, N1,
                           HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_O: tl.constexpr,
@@ -585,15 +586,16 @@ def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, T, NT, NBH,
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     b_s, p_state, m_kv = _scan_start(h0, i_bh, i_v, K, V, BK, BV, USE_H0)
+    # chunks [N0, N1): the whole sequence, or one segment of it (chunk.TUNING fwd_segments)
     if INTERPRET:
         # the interpreter cannot take a runtime bound in range() with numpy >= 2.4
-        i_n = 0
-        while i_n < NT:
+        i_n = N0
+        while i_n < N1:
             b_s = _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i_v, i_n, T, NT,
                                       HV, K, V, BT, BK, BV, STORE_O, STORE_H, PREC)
             i_n += 1
     else:
-        for i_n in range(NT):
+        for i_n in range(N0, N1):
             b_s = _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i_v, i_n, T, NT,
                                       HV, K, V, BT, BK, BV, STORE_O, STORE_H, PREC)
     if STORE_HT:
@@ -646,7 +648,8 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
                   key_block: int | None = None, maxnreg: int | None = None, split: bool = False,
                   store_mkk: bool = False, pairs: bool = False, pairs_warps: int = 4, sub: bool = False,
                   sub_warps: int = 1, sub_key_block: int = 64, tail_warps: int = 2,
-                  tail_key_block: int | None = 32) -> Intra:
+                  tail_key_block: int | None = 32, segments: list[tuple[int, int]] | None = None,
+                  on_segment=None) -> Intra:
     """Launch stage 1 (one program per chunk and batch*value-head). W, U are stored in `inter_dtype`,
     Q e^Γ and K e^(γ-Γ) in `gated_dtype`; everything else fp32. `precision`: see dot_precision.
     `key_block` (16, 32, 64): walk the key dim in blocks of that many columns when K is wider
@@ -660,7 +663,10 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     then the solve and W, U as one launch of the key-blocked kernel (PART 4).
     `sub`: Γ into an fp32 buffer with the gated operands (`_kda_fwd_gamma_kernel`), the scores per
     (chunk, 16-row query sub-chunk) from it (`_kda_fwd_scores_sub_kernel`, `sub_warps` warps, key blocks of
-    `sub_key_block` columns), then the solve and W, U (PART 4): small programs, many per SM."""
+    `sub_key_block` columns), then the solve and W, U (PART 4): small programs, many per SM.
+    `segments` (with `sub`): launch stage 1 one chunk range [n0, n1) after another, calling
+    `on_segment(n0, n1, "start" | "done")` around each (chunk_kda's segmented forward switches CUDA
+    streams and records events there)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
@@ -684,17 +690,20 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     mkk_arg = tm if mkk is None else mkk   # any fp32 buffer when STORE_MKK is off (never written)
     args = (q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk_arg, scale, T, NT)
     opts["STORE_MKK"] = store_mkk
+    gc = torch.empty(B * HV, NT * BT, K, device=dev, dtype=torch.float32) if sub else None
+    it = Intra(w, u, qg, kd, eg, aqk, tm, mkk, gc)
     if sub:
-        BC = min(16, BT)
-        gc = torch.empty(B * HV, NT * BT, K, device=dev, dtype=torch.float32)
-        # 64 key columns at 4 warps: 0.145 ms against 0.190 with 32 (H200, B8 T2048 H16 K128, session 5)
-        BKg = min(BK, 64)
-        _kda_fwd_gamma_kernel[(NT, B * HV, triton.cdiv(K, BKg))](
-            q, k, g, gc, qg, kd, eg, scale, T, NT, H=H, HV=HV, K=K, BT=BT, BK=BKg, num_warps=4, num_stages=1)
-        _kda_fwd_scores_sub_kernel[(NT * (BT // BC), B * HV)](
-            q, k, gc, beta, aqk, tm, mkk_arg, scale, T, NT, H=H, HV=HV, K=K, BT=BT, BC=BC,
-            BK=min(BK, sub_key_block or BK), PREC=precision, STORE_MKK=store_mkk, num_warps=sub_warps, num_stages=1)
-    elif pairs:
+        for n0, n1 in segments or [(0, NT)]:
+            if on_segment is not None:
+                on_segment(n0, n1, "start")
+            launch_intra_sub(it, q, k, v, g, beta, scale, BT, n0, n1, precision, split, sub_warps, sub_key_block,
+                             tail_warps, tail_key_block, maxnreg)
+            if on_segment is not None:
+                on_segment(n0, n1, "done")
+        return it
+    if segments is not None:
+        raise ValueError("kda_fwd_intra: segments need the sub-chunk stage 1 (sub=True)")
+    if pairs:
         _kda_fwd_scores_pairs_kernel[(NT, B * HV)](
             q, k, g, beta, qg, kd, eg, aqk, tm, mkk_arg, scale, T, NT, H=H, HV=HV, K=K, BT=BT, BC=min(16, BT),
             BK=BK, PREC=precision, STORE_MKK=store_mkk, num_warps=pairs_warps, num_stages=1)
@@ -713,14 +722,47 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     else:
         _kda_fwd_intra_kernel[(NT, B * HV)](
             *args, H=H, HV=HV, K=K, V=V, BT=BT, BC=min(16, BT), BK=BK, BV=BV, PREC=precision, **opts)
-    return Intra(w, u, qg, kd, eg, aqk, tm, mkk, gc if sub else None)
+    return it
+
+
+def launch_intra_sub(it: Intra, q, k, v, g, beta, scale: float, BT: int, n0: int, n1: int, precision: str,
+                     split: bool = False, sub_warps: int = 1, sub_key_block: int | None = 64, tail_warps: int = 2,
+                     tail_key_block: int | None = 32, maxnreg: int | None = None) -> None:
+    """The sub-chunk stage 1 (Γ + gated operands, scores, then the solve and W, U) for chunks [n0, n1)
+    into the buffers of `it` (which must hold a Γ buffer)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    NT = it.eg.shape[1]
+    n = n1 - n0
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(64, max(16, triton.next_power_of_2(V)))
+    BC = min(16, BT)
+    store_mkk = it.mkk is not None
+    mkk_arg = it.tm if it.mkk is None else it.mkk
+    # 64 key columns at 4 warps: 0.145 ms against 0.190 with 32 (H200, B8 T2048 H16 K128, session 5)
+    BKg = min(BK, 64)
+    _kda_fwd_gamma_kernel[(n, B * HV, triton.cdiv(K, BKg))](
+        q, k, g, it.gc, it.qg, it.kd, it.eg, scale, T, NT, n0, H=H, HV=HV, K=K, BT=BT, BK=BKg, num_warps=4,
+        num_stages=1)
+    _kda_fwd_scores_sub_kernel[(n * (BT // BC), B * HV)](
+        q, k, it.gc, beta, it.aqk, it.tm, mkk_arg, scale, T, NT, n0, H=H, HV=HV, K=K, BT=BT, BC=BC,
+        BK=min(BK, sub_key_block or BK), PREC=precision, STORE_MKK=store_mkk, num_warps=sub_warps, num_stages=1)
+    tail = {"num_warps": tail_warps, "num_stages": 1, **({} if maxnreg is None else {"maxnreg": maxnreg})}
+    for part in (2, 3) if split else (4,):
+        _kda_fwd_intra_kblock_kernel[(n, B * HV)](
+            q, k, v, g, beta, it.w, it.u, it.qg, it.kd, it.eg, it.aqk, it.tm, mkk_arg, scale, T, NT,
+            H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=min(BK, tail_key_block or BK), BV=BV, PREC=precision, PART=part,
+            STORE_MKK=store_mkk, N0=n0, **tail)
 
 
 def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_state, out_dtype,
                   output_final_state: bool, store_o: bool = True, store_h: bool = False,
-                  h_dtype: torch.dtype = torch.float32, precision: str = "tf32"):
+                  h_dtype: torch.dtype = torch.float32, precision: str = "tf32", segments=None, on_segment=None):
     """Launch stage 2. Returns (o [B,T,HV,V] or None, final state or None, h [B*HV,NT,K,V] or None,
-    Vn [B*HV,Tp,V] fp32 or None)."""
+    Vn [B*HV,Tp,V] fp32 or None). `segments`: scan chunk range [n0, n1) after range, each starting from
+    the previous one's end state (two fp32 carry buffers, alternating, so that the autotuner's repeated
+    launches of one range read an unchanged start state), calling `on_segment(n0, n1, "start")` before
+    each launch."""
     K, V = it.w.shape[-1], it.u.shape[-1]
     BT = chunk_size
     NT = triton.cdiv(T, BT)
@@ -730,9 +772,19 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
     ht = torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     h = torch.empty(B * HV, NT, K, V, device=dev, dtype=h_dtype) if store_h else None
     vn = torch.empty(B * HV, NT * BT, V, device=dev, dtype=torch.float32) if store_h else None
-    _kda_fwd_state_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), B * HV)](
-        it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, initial_state, ht, h, vn, T, NT,
-        triton.next_power_of_2(B * HV), HV=HV, K=K, V=V, BT=BT, BK=BK,
-        USE_H0=initial_state is not None, STORE_HT=output_final_state, STORE_O=store_o, STORE_H=store_h,
-        INTERPRET=interpreting(it.w), PREC=precision)
+    segments = segments or [(0, NT)]
+    carry = [None, None] if len(segments) == 1 else \
+        [torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) for _ in range(2)]
+    s_in = initial_state
+    for i, (n0, n1) in enumerate(segments):
+        last = i == len(segments) - 1
+        s_out = ht if last else carry[i % 2]
+        if on_segment is not None:
+            on_segment(n0, n1, "start")
+        _kda_fwd_state_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), B * HV)](
+            it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, s_in, s_out, h, vn, T, NT,
+            triton.next_power_of_2(B * HV), n0, n1, HV=HV, K=K, V=V, BT=BT, BK=BK,
+            USE_H0=s_in is not None, STORE_HT=s_out is not None, STORE_O=store_o, STORE_H=store_h,
+            INTERPRET=interpreting(it.w), PREC=precision)
+        s_in = s_out
     return o, ht, h, vn
