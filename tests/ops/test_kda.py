@@ -189,7 +189,8 @@ TUNING_CASES = [
     pytest.param({"fwd_scores": "sub", "bwd_subchunk": False}, 1, 50, 1, 2, 72, 24, 64, id="fwd-sub-unsplit-bwd-K72"),
     # the forward in chunk ranges (on CPU one after another; the carry between ranges is what is tested)
     pytest.param({"fwd_segments": 3}, 2, 200, 1, 2, 40, 24, 64, id="fwd-segments3-T200-G2"),
-    pytest.param({"fwd_segments": 2}, 1, 1, 1, 1, 24, 16, 64, id="fwd-segments2-T1"),
+    pytest.param({"fwd_segments": 2}, 1, 65, 1, 1, 24, 16, 64, id="fwd-segments2-T65-last-chunk-one-token"),
+    pytest.param({"fwd_segments": 2}, 1, 1, 1, 1, 24, 16, 64, id="fwd-segments2-T1-one-chunk-unsegmented"),
     pytest.param({"fwd_segments": 4, "fwd_store_states": True, "bwd_stored_gamma": True}, 1, 90, 2, 1, 40, 24, 16,
                  id="fwd-segments4-C16-store-states"),
     pytest.param({"bwd_stored_gamma": True}, 2, 70, 1, 2, 96, 40, 64, id="bwd-stored-gamma-K96-G2-T70"),
@@ -286,7 +287,8 @@ def test_check_tuning_rejects_bad_entries():
                      ({"dot16_bwd": "wide"}, "False, True or 'narrow'"),
                      ({"fwd_scores": "tiles"}, "must be one of"),
                      ({"bwd_stored_gamma": True, "fwd_scores": "pairs"}, "Γ buffer"),
-                     ({"fwd_segments": 1}, "int >= 2"), ({"fwd_segments": 2, "fwd_scores": "chunk"}, "needs")):
+                     ({"fwd_segments": 1}, "int >= 2"), ({"fwd_segments": 2, "fwd_scores": "chunk"}, "needs"),
+                     ({"bwd_stored_gamma": True, "bwd_subchunk": False}, "split backward only")):
         with pytest.raises(ValueError, match=msg):
             check_tuning(bad)
 

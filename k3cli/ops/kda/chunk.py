@@ -25,7 +25,7 @@ _CHUNK_SIZES = (16, 32, 64)
 #     the solve and W, U (the "tail": fwd_tail_warps, fwd_tail_BK; fwd_intra_split: as two launches).
 #     Why (H200, bf16, session 5, notes/session5_gpu.md): small programs at 1-2 warps, many per SM; at
 #     B8 T2048 H16 K=V=128 the forward went from 1.684 to 1.083 ms, B1 T16384 from 2.219 to 1.625.
-#     Memory: the Γ buffer, [B*HV, T, K] fp32, lives during the forward only.
+#     Memory: the Γ buffer, [B*HV, T, K] fp32, lives during the forward only (unless bwd_stored_gamma).
 #   "pairs": one program per (chunk, head) forms each 16 x 16 block pair once in whole-K [16, K] tiles,
 #     Γ from running sub-chunk sums, plus the gated operands (fwd_intra_pairs_warps), then the same tail:
 #     1.127 ms at the shape above (1 warp).
@@ -51,13 +51,14 @@ _CHUNK_SIZES = (16, 32, 64)
 # fwd_segments: 0, or n >= 2: the forward in n chunk ranges, stage 1 of all ranges on a side CUDA stream
 #   and the state scan of range i on the current stream as soon as stage 1 of range i is done, so the
 #   scan (B*HV*V/BV programs, few when B*HV is small) overlaps the parallel stage 1 of later ranges.
-#   Aimed at long sequences in small batches (B1 T16384 H16: stage 1 ~0.74 ms, the scan ~0.88 ms of
-#   1.62). Not yet timed on a GPU. On CPU the ranges run one after another.
+#   Aimed at long sequences in small batches: B1 T16384 H16's forward took 1.62 ms against 1.08 at
+#   B8 T2048 H16, whose stage 1 has as many (chunk, head) programs; the difference is the scan's (H200,
+#   session 5). Not yet timed on a GPU. On CPU the ranges run one after another.
 # bwd_stored_gamma: keep fwd_scores "sub"'s Γ buffer ([B*HV, T, K] fp32, about q and k's size in bf16) for
 #   the backward, whose split kernels then read Γ instead of forming cumsums of g. Not yet timed on a GPU.
 # fwd_store_states: when a gradient is needed, the forward scan also stores S_n and Vn (memory: one
 #   [B*HV, NT, K, V] states buffer and one [B*HV, T, V] fp32 buffer per call, about as much as q, k, v, g
-#   themselves at K = V = 128) and the backward skips its re-scan: 0.29 ms of 5.7 at B8 T2048 H16 K128.
+#   themselves at K = V = 128) and the backward skips its re-scan (session 4: 0.29 ms of 5.7 at B8 T2048 H16 K128).
 #   Off by default for that memory.
 # bwd_split: per-chunk backward as two launches (V side once, key side per key block; kda_bwd_intra).
 # bwd_intra_BK / _BV: its key / value blocks (None = the launcher's choice).
@@ -103,6 +104,9 @@ def check_tuning(tuning: dict) -> None:
     if tuning.get("bwd_stored_gamma") and tuning.get("fwd_scores", "sub") != "sub":
         raise ValueError("chunk_kda TUNING: bwd_stored_gamma keeps the Γ buffer of fwd_scores 'sub'; "
                          "the other stage-1 plans do not store one")
+    if tuning.get("bwd_stored_gamma") and not (tuning.get("bwd_split", False) or tuning.get("bwd_subchunk", True)):
+        raise ValueError("chunk_kda TUNING: bwd_stored_gamma is read by the split backward only "
+                         "(bwd_subchunk or bwd_split)")
     nseg = tuning.get("fwd_segments", 0)
     if not isinstance(nseg, int) or isinstance(nseg, bool) or nseg < 0 or nseg == 1:
         raise ValueError(f"chunk_kda TUNING: fwd_segments={nseg!r} must be 0 (off) or an int >= 2")
@@ -168,6 +172,7 @@ class _Overlap:
 
     def join(self):
         if self.cuda:
+            torch.cuda.set_stream(self.main)
             self.main.wait_stream(self.side)
 
 
@@ -218,16 +223,19 @@ class ChunkKDAFunction(torch.autograd.Function):
         prec = dot_precision(v.dtype)
         segs = segment_ranges(-(-T // chunk_size), TUNING["fwd_segments"])
         ov = _Overlap(q.device) if segs else None
-        it = fwd_intra(q, k, v, g, beta, scale, chunk_size, prec, segments=segs, on_segment=ov and ov.stage1)
         # TUNING fwd_store_states: keep the chunk states S_n and Vn for the backward (memory for one scan)
         keep = TUNING["fwd_store_states"] and any(ctx.needs_input_grad[:6])
-        if not (TUNING["bwd_stored_gamma"] and any(ctx.needs_input_grad[:6])):
-            it = it._replace(gc=None)   # free Γ after the forward
         sd = _tuned_dtype("states_dtype", v.dtype, q.shape[-1])
-        o, ht, h, vn = kda_fwd_state(it, B, T, HV, chunk_size, h0, v.dtype, output_final_state, store_h=keep,
-                                     h_dtype=sd, precision=prec, segments=segs, on_segment=ov and ov.scan)
-        if ov is not None:
-            ov.join()
+        try:
+            it = fwd_intra(q, k, v, g, beta, scale, chunk_size, prec, segments=segs, on_segment=ov and ov.stage1)
+            o, ht, h, vn = kda_fwd_state(it, B, T, HV, chunk_size, h0, v.dtype, output_final_state, store_h=keep,
+                                         h_dtype=sd, precision=prec, segments=segs, on_segment=ov and ov.scan)
+        finally:
+            if ov is not None:
+                ov.join()   # the current stream again, after all of stage 1 (also when a launch raised)
+        # free Γ now, not earlier: with fwd_segments the side stream may still have been reading it
+        if not (TUNING["bwd_stored_gamma"] and any(ctx.needs_input_grad[:6])):
+            it = it._replace(gc=None)
         ctx.save_for_backward(q, k, v, g, beta, h0, *it, h, vn)
         ctx.scale, ctx.chunk_size, ctx.prec = scale, chunk_size, prec
         return o, ht
