@@ -267,6 +267,17 @@ def test_chunk_kda_tuning_alternatives_match_recurrent(tuning, B, T, H, G, K, V,
 
 
 @needs_triton
+def test_chunk_kda_no_grad_forward_matches():
+    # without autograd the forward skips the backward-only Mkk store; the outputs must not change
+    from k3cli.ops.kda import chunk_kda
+    x = make_inputs(1, 70, 1, 2, 24, 16, dtype=torch.float32, device=DEVICE)
+    with torch.no_grad():
+        o0, h0 = chunk_kda(*x[:5], initial_state=x[5], output_final_state=True)
+    out = run_with_grads(chunk_kda, *x)
+    assert torch.equal(o0, out["o"]) and torch.equal(h0, out["ht"])
+
+
+@needs_triton
 def test_chunk_kda_dg_keeps_g_precision():
     # half q, k, v with an fp32 g (what the model's fused gate produces): dg is accumulated and stored in
     # fp32, not rounded through the half dtype on the way (a regression of session 5's direct stores)

@@ -177,14 +177,15 @@ class _Overlap:
 
 
 # The stages as chunk_kda runs them (TUNING applied); bench_stages times these same calls.
-def fwd_intra(q, k, v, g, beta, scale, C, prec, segments=None, on_segment=None) -> Intra:
+def fwd_intra(q, k, v, g, beta, scale, C, prec, segments=None, on_segment=None, need_grad=True) -> Intra:
+    """Stage 1 as chunk_kda runs it; without `need_grad` the raw Mkk (read by the backward only) is not stored."""
     check_tuning(TUNING)
     K = q.shape[-1]
     return kda_fwd_intra(q, k, v, g, beta, scale, C, _tuned_dtype("inter_dtype", v.dtype, K),
                          _tuned_dtype("gated_dtype", v.dtype, K),
                          num_warps=TUNING["fwd_intra_warps"], precision=prec, key_block=TUNING["fwd_intra_BK"],
                          maxnreg=TUNING["fwd_intra_maxnreg"], split=TUNING["fwd_intra_split"],
-                         store_mkk=TUNING["bwd_stored_mkk"] or TUNING["bwd_subchunk"],
+                         store_mkk=need_grad and (TUNING["bwd_stored_mkk"] or TUNING["bwd_subchunk"]),
                          pairs=TUNING["fwd_scores"] == "pairs", pairs_warps=TUNING["fwd_intra_pairs_warps"],
                          sub=TUNING["fwd_scores"] == "sub", sub_warps=TUNING["fwd_intra_sub_warps"],
                          sub_key_block=TUNING["fwd_intra_sub_BK"], tail_warps=TUNING["fwd_tail_warps"],
@@ -227,7 +228,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         keep = TUNING["fwd_store_states"] and any(ctx.needs_input_grad[:6])
         sd = _tuned_dtype("states_dtype", v.dtype, q.shape[-1])
         try:
-            it = fwd_intra(q, k, v, g, beta, scale, chunk_size, prec, segments=segs, on_segment=ov and ov.stage1)
+            it = fwd_intra(q, k, v, g, beta, scale, chunk_size, prec, segments=segs, on_segment=ov and ov.stage1,
+                           need_grad=any(ctx.needs_input_grad[:6]))
             o, ht, h, vn = kda_fwd_state(it, B, T, HV, chunk_size, h0, v.dtype, output_final_state, store_h=keep,
                                          h_dtype=sd, precision=prec, segments=segs, on_segment=ov and ov.scan)
         finally:
