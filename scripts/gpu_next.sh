@@ -3,6 +3,7 @@
 #   run(command="bash scripts/gpu_next.sh", timeout_s=420)
 # Session 5 left three things untimed on a GPU (all opt-in, interpreter-tested):
 #   fwd_segments (stage 1 on a side stream overlapping the scan: aimed at B1 T16384, forward 0.85x fla),
+#   bwd_overlap_scans (the backward's re-scan concurrent with the reverse scan: aimed at B1 T16384),
 #   bwd_stored_gamma (the backward reads the forward's Γ), and the defaults after the dg-dtype fix.
 # 1. the GPU tier's new segmented-forward exactness test and causality (stream order on a real GPU);
 # 2. the sweep: defaults against those options, both K = 128 shapes.
@@ -10,5 +11,5 @@ set -uo pipefail
 source scripts/gpu_env.sh
 timeout 120 python3 -m pytest -q -m gpu tests/ops/test_kda.py -k "segmented or causality" -p no:cacheprovider 2>&1 \
   | grep -E "passed|failed|Error|assert" | tee "$OUT/gpu_tier_seg.txt"
-timeout 270 python3 scripts/kda_sweep.py base seg2 seg4 seg8 sgamma store_states sgamma_store 2>&1 \
+timeout 270 python3 scripts/kda_sweep.py base seg2 seg4 seg8 ovl seg4_ovl sgamma store_states 2>&1 \
   | tee "$OUT/sweep.txt" | tail -8

@@ -129,6 +129,9 @@ VARIANTS = {
     "seg2": {"fwd_segments": 2},
     "seg4": {"fwd_segments": 4},
     "seg8": {"fwd_segments": 8},
+    # session 5, untimed: the backward's re-scan on a side stream, concurrent with the reverse scan
+    "ovl": {"bwd_overlap_scans": True},
+    "seg4_ovl": {"fwd_segments": 4, "bwd_overlap_scans": True},
     "sgamma_store": {"bwd_stored_gamma": True, "fwd_store_states": True},
     # chunk 32: [32, 32] score tiles, twice the sequential scan steps (chunk_size is chunk_kda's argument)
     "c32": {"chunk_size": 32},

@@ -193,6 +193,7 @@ TUNING_CASES = [
     pytest.param({"fwd_segments": 2}, 1, 1, 1, 1, 24, 16, 64, id="fwd-segments2-T1-one-chunk-unsegmented"),
     pytest.param({"fwd_segments": 4, "fwd_store_states": True, "bwd_stored_gamma": True}, 1, 90, 2, 1, 40, 24, 16,
                  id="fwd-segments4-C16-store-states"),
+    pytest.param({"bwd_overlap_scans": True}, 1, 70, 1, 2, 40, 24, 64, id="bwd-overlap-scans-cpu-path"),
     pytest.param({"bwd_stored_gamma": True}, 2, 70, 1, 2, 96, 40, 64, id="bwd-stored-gamma-K96-G2-T70"),
     pytest.param({"bwd_stored_gamma": True}, 1, 1, 1, 1, 24, 16, 16, id="bwd-stored-gamma-T1-C16"),
     pytest.param({"bwd_stored_gamma": True, "bwd_subchunk": False, "bwd_split": True}, 1, 45, 2, 1, 40, 24, 32,
@@ -549,7 +550,8 @@ def test_chunk_kda_fp32_gpu_is_fp32_accurate():
 def test_chunk_kda_segmented_forward_gpu_is_exact():
     """TUNING fwd_segments: stage 1 on a side stream, the scan per chunk range on the current stream
     after that range's event. Same kernels, the state carried through fp32 buffers: the outputs and the
-    gradients must equal the unsegmented run exactly (a missing stream wait shows as a mismatch)."""
+    gradients must equal the unsegmented run exactly (a missing stream wait shows as a mismatch). Then
+    TUNING bwd_overlap_scans (the backward's re-scan on a side stream) likewise."""
     from k3cli.ops.kda import chunk as chunk_mod
     from k3cli.ops.kda import chunk_kda
     inputs = make_inputs(1, 4000, 4, 2, 128, 128, dtype=torch.bfloat16, device="cuda")
@@ -561,6 +563,12 @@ def test_chunk_kda_segmented_forward_gpu_is_exact():
             out = run_with_grads(chunk_kda, *inputs)
             for name in base:
                 assert torch.equal(out[name], base[name]), f"fwd_segments={n}: {name} differs"
+        # the backward's re-scan on a side stream, concurrent with the reverse scan: same kernels, same values
+        chunk_mod.TUNING["fwd_segments"] = 0
+        chunk_mod.TUNING["bwd_overlap_scans"] = True
+        out = run_with_grads(chunk_kda, *inputs)
+        for name in base:
+            assert torch.equal(out[name], base[name]), f"bwd_overlap_scans: {name} differs"
     finally:
         chunk_mod.TUNING.clear()
         chunk_mod.TUNING.update(saved)

@@ -54,6 +54,10 @@ _CHUNK_SIZES = (16, 32, 64)
 #   Aimed at long sequences in small batches: B1 T16384 H16's forward took 1.62 ms against 1.08 at
 #   B8 T2048 H16, whose stage 1 has as many (chunk, head) programs; the difference is the scan's (H200,
 #   session 5). Not yet timed on a GPU. On CPU the ranges run one after another.
+# bwd_overlap_scans: the backward's forward re-scan (S_n, Vn) on a side CUDA stream, concurrent with the
+#   reverse scan (dS_n, dVn), which does not read it; both are sequential over chunks and, with few
+#   B*HV, leave most SMs idle. Aimed at B1 T16384 (forward+backward level with fla's there). Not yet
+#   timed on a GPU; a no-op with fwd_store_states (no re-scan) and on CPU.
 # bwd_stored_gamma: keep fwd_scores "sub"'s Γ buffer ([B*HV, T, K] fp32, about q and k's size in bf16) for
 #   the backward, whose split kernels then read Γ instead of forming cumsums of g. Not yet timed on a GPU.
 # fwd_store_states: when a gradient is needed, the forward scan also stores S_n and Vn (memory: one
@@ -80,7 +84,8 @@ TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None,
           "fwd_intra_sub_BK": 64, "fwd_tail_warps": 2, "fwd_tail_BK": 32,
           "bwd_stored_mkk": False, "bwd_subchunk": True, "bwd_subchunk_warps": 1, "dot16_bwd": False,
           "fwd_store_states": False, "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None,
-          "bwd_intra_warps": 4, "bwd_stored_gamma": False, "fwd_segments": 0, "inter_dtype": "auto",
+          "bwd_intra_warps": 4, "bwd_stored_gamma": False, "fwd_segments": 0, "bwd_overlap_scans": False,
+          "inter_dtype": "auto",
           "gated_dtype": "auto", "states_dtype": "fp32"}
 _DTYPE_CHOICES = ("auto", "fp32", "input")
 _FWD_SCORES = ("sub", "pairs", "chunk")
@@ -249,11 +254,24 @@ class ChunkKDAFunction(torch.autograd.Function):
         scale, C, prec = ctx.scale, ctx.chunk_size, ctx.prec
         B, T, H, K = q.shape
         HV = v.shape[2]
-        if h is None:
-            h, vn = recompute_states(it, h0, B, T, HV, C, v.dtype, prec)
         do = do.contiguous()
         dht = None if dht is None else dht.contiguous().float()
+        main = side = None
+        if h is None and TUNING["bwd_overlap_scans"] and q.is_cuda:
+            # the re-scan (S_n, Vn) and the reverse scan (dS_n, dVn) do not read each other's outputs: run the
+            # re-scan on a side stream so the two sequential kernels share the GPU
+            main = torch.cuda.current_stream(q.device)
+            side = torch.cuda.Stream(device=q.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                h, vn = recompute_states(it, h0, B, T, HV, C, v.dtype, prec)
+            h.record_stream(main)    # made on the side stream, read on the main one
+            vn.record_stream(main)
+        elif h is None:
+            h, vn = recompute_states(it, h0, B, T, HV, C, v.dtype, prec)
         dh, dvn, dh0 = bwd_state(it, do, dht, B, T, HV, C, h0 is not None, v.dtype, prec)
+        if side is not None:
+            main.wait_stream(side)
         dq, dk, dv, dg, dbeta = bwd_intra(q, k, v, g, beta, it.tm, it.mkk, h, dh, do, vn, dvn, scale, C, prec,
                                           gc=it.gc)
         if HV != H:
