@@ -31,8 +31,8 @@ _CHUNK_SIZES = (16, 32, 64)
 #     1.127 ms at the shape above (1 warp).
 #   "chunk": session 4's default, one program per (chunk, head) for everything (fwd_intra_warps,
 #     fwd_intra_BK: None = whole K; fwd_intra_split: three launches; fwd_intra_maxnreg: register cap).
-# bwd_stored_mkk: stage 1 also stores the raw Mkk, and the per-chunk backward reads it for dβ instead of
-#   recomputing the intra-chunk scores in every key block.
+# bwd_stored_mkk: stage 1 also stores the raw Mkk (when a gradient is needed), and the per-chunk backward
+#   reads it for dβ instead of recomputing the intra-chunk scores in every key block.
 # bwd_subchunk (default): the split backward with stored Mkk, whose intra-chunk score gradients come
 #   from a launch per (chunk, 16-row sub-chunk, 32-column key block) instead of masked [BT, BK] tiles in
 #   the key-side kernel (implies bwd_split and bwd_stored_mkk; bwd_subchunk_warps: that launch's warps).
@@ -150,6 +150,19 @@ def segment_ranges(NT: int, n: int) -> list[tuple[int, int]] | None:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device):
+    """One side CUDA stream per device, reused by every call: the caching allocator keeps blocks per
+    allocating stream, so a new stream per call (torch hands out 32 round-robin) could pin up to 32 copies
+    of what was allocated on it."""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[key]
+
+
 class _Overlap:
     """Stream hooks of the segmented forward: stage 1 of each chunk range on a side stream, an event
     after each, the scan of a range on the current stream after that range's event. No-ops off CUDA."""
@@ -158,7 +171,7 @@ class _Overlap:
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.main = torch.cuda.current_stream(device)
-            self.side = torch.cuda.Stream(device=device)
+            self.side = _side_stream(device)
             self.side.wait_stream(self.main)   # the inputs and buffers were made on the main stream
             self.events = {}
 
@@ -261,7 +274,7 @@ class ChunkKDAFunction(torch.autograd.Function):
             # the re-scan (S_n, Vn) and the reverse scan (dS_n, dVn) do not read each other's outputs: run the
             # re-scan on a side stream so the two sequential kernels share the GPU
             main = torch.cuda.current_stream(q.device)
-            side = torch.cuda.Stream(device=q.device)
+            side = _side_stream(q.device)
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 h, vn = recompute_states(it, h0, B, T, HV, C, v.dtype, prec)
