@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The next session's first device call (~6 min; each step time-boxed, printing as it goes):
-#   run(command="bash scripts/gpu_next.sh", timeout_s=420)
+# The next session's first device call (~7 min; each step time-boxed, printing as it goes):
+#   run(command="bash scripts/gpu_next.sh", timeout_s=480)
 # Session 5 left three things untimed on a GPU (all opt-in, interpreter-tested):
 #   fwd_segments (stage 1 on a side stream overlapping the scan: aimed at B1 T16384, forward 0.85x fla),
 #   bwd_overlap_scans (the backward's re-scan concurrent with the reverse scan: aimed at B1 T16384),
@@ -11,5 +11,5 @@ set -uo pipefail
 source scripts/gpu_env.sh
 timeout 120 python3 -m pytest -q -m gpu tests/ops/test_kda.py -k "segmented or causality" -p no:cacheprovider 2>&1 \
   | grep -E "passed|failed|Error|assert" | tee "$OUT/gpu_tier_seg.txt"
-timeout 270 python3 scripts/kda_sweep.py base seg2 seg4 seg8 ovl seg4_ovl sgamma store_states 2>&1 \
+timeout 330 python3 scripts/kda_sweep.py base seg2 seg4 seg8 ovl seg4_ovl sgamma store_states bsub_bk16 bsub_bk64_w2 2>&1 \
   | tee "$OUT/sweep.txt" | tail -8

@@ -132,6 +132,10 @@ VARIANTS = {
     # session 5, untimed: the backward's re-scan on a side stream, concurrent with the reverse scan
     "ovl": {"bwd_overlap_scans": True},
     "seg4_ovl": {"fwd_segments": 4, "bwd_overlap_scans": True},
+    # session 5, untimed: the score-gradient launch over 16 / 64 key columns (ptxas K128: 1 warp 232 / 255
+    # registers + 472 B stack; 2 warps 166 / 254, no spill) against the default 32
+    "bsub_bk16": {"bwd_subchunk_BK": 16},
+    "bsub_bk64_w2": {"bwd_subchunk_BK": 64, "bwd_subchunk_warps": 2},
     "sgamma_store": {"bwd_stored_gamma": True, "fwd_store_states": True},
     # chunk 32: [32, 32] score tiles, twice the sequential scan steps (chunk_size is chunk_kda's argument)
     "c32": {"chunk_size": 32},

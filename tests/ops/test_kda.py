@@ -206,6 +206,8 @@ TUNING_CASES = [
     pytest.param({"bwd_stored_mkk": True, "fwd_scores": "chunk", "fwd_intra_BK": 32, "bwd_subchunk": False}, 1, 45, 1, 2, 64, 16, 64, id="bwd-stored-mkk-kblock"),
     pytest.param({"bwd_subchunk": True}, 2, 70, 1, 2, 96, 40, 64, id="bwd-subchunk-K96-G2-T70"),
     pytest.param({"bwd_subchunk": True}, 1, 1, 1, 1, 16, 16, 64, id="bwd-subchunk-T1"),
+    pytest.param({"bwd_subchunk_BK": 64}, 1, 50, 1, 2, 96, 24, 64, id="bwd-subchunk-BK64-K96"),
+    pytest.param({"bwd_subchunk_BK": 16}, 1, 37, 1, 1, 40, 16, 32, id="bwd-subchunk-BK16-K40-C32"),
     pytest.param({"bwd_subchunk": True}, 1, 37, 1, 1, 24, 16, 16, id="bwd-subchunk-C16-one-subchunk"),
     pytest.param({"bwd_subchunk": True, "bwd_intra_BK": 16, "bwd_intra_BV": 16}, 1, 33, 1, 1, 8, 8, 32,
                  id="bwd-subchunk-BK16-K8"),

@@ -35,7 +35,8 @@ _CHUNK_SIZES = (16, 32, 64)
 #   reads it for dβ instead of recomputing the intra-chunk scores in every key block.
 # bwd_subchunk (default): the split backward with stored Mkk, whose intra-chunk score gradients come
 #   from a launch per (chunk, 16-row sub-chunk, 32-column key block) instead of masked [BT, BK] tiles in
-#   the key-side kernel (implies bwd_split and bwd_stored_mkk; bwd_subchunk_warps: that launch's warps).
+#   the key-side kernel (implies bwd_split and bwd_stored_mkk; bwd_subchunk_warps / _BK: that launch's
+#   warps and key columns; only 32 is timed).
 #   Why (H200, bf16, fwd / fwd+bwd ms, notes/session4_gpu.md): B8 T2048 H16 K=V=128 from 1.662 / 6.680
 #   (session 3's defaults) to 1.682 / 5.713 with 2 warps, B1 T16384 from 2.199 / 8.469 to 2.214 / 7.558;
 #   relative RMS errors against the fp32 reference unchanged to 4 digits. Session 5: 1 warp (fwd+bwd
@@ -82,7 +83,7 @@ _CHUNK_SIZES = (16, 32, 64)
 TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None, "fwd_intra_split": False,
           "fwd_scores": "sub", "fwd_intra_pairs_warps": 4, "fwd_intra_sub_warps": 1,
           "fwd_intra_sub_BK": 64, "fwd_tail_warps": 2, "fwd_tail_BK": 32,
-          "bwd_stored_mkk": False, "bwd_subchunk": True, "bwd_subchunk_warps": 1, "dot16_bwd": False,
+          "bwd_stored_mkk": False, "bwd_subchunk": True, "bwd_subchunk_warps": 1, "bwd_subchunk_BK": 32, "dot16_bwd": False,
           "fwd_store_states": False, "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None,
           "bwd_intra_warps": 4, "bwd_stored_gamma": False, "fwd_segments": 0, "bwd_overlap_scans": False,
           "inter_dtype": "auto",
@@ -100,7 +101,7 @@ def check_tuning(tuning: dict) -> None:
     for name in ("inter_dtype", "gated_dtype", "states_dtype"):
         if tuning.get(name, "fp32") not in _DTYPE_CHOICES:
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]!r} must be one of {_DTYPE_CHOICES}")
-    for name in ("fwd_intra_BK", "bwd_intra_BK", "bwd_intra_BV", "fwd_intra_sub_BK", "fwd_tail_BK"):
+    for name in ("fwd_intra_BK", "bwd_intra_BK", "bwd_intra_BV", "fwd_intra_sub_BK", "fwd_tail_BK", "bwd_subchunk_BK"):
         b = tuning.get(name)
         if b is not None and (b < 16 or b & (b - 1)):
             raise ValueError(f"chunk_kda TUNING: {name}={b} must be None or a power of two >= 16")
@@ -230,7 +231,8 @@ def bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale, C, prec, gc=
                          BV=TUNING["bwd_intra_BV"], num_warps=TUNING["bwd_intra_warps"],
                          precision=_stage_prec("dot16_bwd", prec, v.dtype),
                          split=TUNING["bwd_split"] or TUNING["bwd_subchunk"], subchunk=TUNING["bwd_subchunk"],
-                         subchunk_warps=TUNING["bwd_subchunk_warps"], grad_dtype=gd, gc=gc, dg_dtype=g.dtype)
+                         subchunk_warps=TUNING["bwd_subchunk_warps"], grad_dtype=gd, gc=gc, dg_dtype=g.dtype,
+                         subchunk_key_block=TUNING["bwd_subchunk_BK"])
 
 
 class ChunkKDAFunction(torch.autograd.Function):

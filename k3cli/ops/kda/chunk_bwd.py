@@ -448,13 +448,14 @@ def kda_bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale: float, c
                   BK: int | None = None, BV: int | None = None, num_warps: int = 8, precision: str = "tf32",
                   split: bool = False, subchunk: bool = False, subchunk_warps: int = 4,
                   grad_dtype: torch.dtype = torch.float32, gc: torch.Tensor | None = None,
-                  dg_dtype: torch.dtype = torch.float32):
+                  dg_dtype: torch.dtype = torch.float32, subchunk_key_block: int = 32):
     """Launch the per-chunk gradient kernel(s). Returns dq, dk [B, T, HV, K] fp32 (per value head),
     dv [B, T, HV, V] (v.dtype), dg [B, T, HV, K] fp32, dbeta [B, T, HV] fp32. `split`: two launches
     (`_kda_bwd_vside_kernel` once per chunk, then `_kda_bwd_kside_kernel` per key block) instead of
     one kernel that redoes the key-independent V reductions in every key block. `mkk`: the forward's
     stored Mkk or None. `subchunk` (with `split` and a stored `mkk`): the intra-chunk score gradients
-    come from `_kda_bwd_scores_subchunk_kernel` (`subchunk_warps` warps) between the two launches.
+    come from `_kda_bwd_scores_subchunk_kernel` (`subchunk_warps` warps, key blocks of
+    `subchunk_key_block` columns) between the two launches.
     `grad_dtype`: the dtype dq, dk are stored in (accumulation stays fp32): the inputs' dtype when no GVA
     group sum follows, which saves a conversion pass over each; `dg_dtype` likewise for dg (g's dtype:
     dg is per value head, and an fp32 g keeps an fp32 dg). `gc`: the forward's stored Γ
@@ -487,7 +488,7 @@ def kda_bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale: float, c
         if scores_done:
             # the score gradients per (chunk, 16-row sub-chunk, key block) in [16, BKS] tiles
             BC = min(16, BT)
-            BKS = min(BK, 32)
+            BKS = min(max(16, triton.next_power_of_2(K)), subchunk_key_block)
             dqs, dks, dgs = (torch.empty(B, T, HV, K, device=dev, dtype=torch.float32) for _ in range(3))
             _kda_bwd_scores_subchunk_kernel[(NT * (BT // BC), B * HV, triton.cdiv(K, BKS))](
                 q, k, g, dq if gc is None else gc, beta, dqk, dkk, dqs, dks, dgs, scale, T, NT, H=H, HV=HV, K=K,
