@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The next session's first device call (~7 min; each step time-boxed, printing as it goes):
 #   run(command="bash scripts/gpu_next.sh", timeout_s=480)
-# Session 5 left three things untimed on a GPU (all opt-in, interpreter-tested):
+# Session 5 left these untimed on a GPU (all opt-in, interpreter-tested):
 #   fwd_segments (stage 1 on a side stream overlapping the scan: aimed at B1 T16384, forward 0.85x fla),
 #   bwd_overlap_scans (the backward's re-scan concurrent with the reverse scan: aimed at B1 T16384),
-#   bwd_stored_gamma (the backward reads the forward's Γ), and the defaults after the dg-dtype fix.
+#   bwd_stored_gamma (the backward reads the forward's Γ), bwd_subchunk_BK 16 / 64, and the defaults after
+#   the dg-dtype fix.
 # 1. the GPU tier's new segmented-forward exactness test and causality (stream order on a real GPU);
 # 2. the sweep: defaults against those options, both K = 128 shapes.
 set -uo pipefail
