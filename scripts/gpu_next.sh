@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The next session's first device call (~7 min; each step time-boxed, printing as it goes):
-#   run(command="bash scripts/gpu_next.sh", timeout_s=480)
+# The next session's first device call (~8 min; each step time-boxed, printing as it goes):
+#   run(command="bash scripts/gpu_next.sh", timeout_s=560)
 # Session 5 left these untimed on a GPU (all opt-in, interpreter-tested):
 #   fwd_segments (stage 1 on a side stream overlapping the scan: aimed at B1 T16384, forward 0.85x fla),
 #   bwd_overlap_scans (the backward's re-scan concurrent with the reverse scan: aimed at B1 T16384),
@@ -14,3 +14,6 @@ timeout 120 python3 -m pytest -q -m gpu tests/ops/test_kda.py -k "segmented or c
   | grep -E "passed|failed|Error|assert" | tee "$OUT/gpu_tier_seg.txt"
 timeout 330 python3 scripts/kda_sweep.py base seg2 seg4 seg8 ovl seg4_ovl sgamma store_states bsub_bk16 bsub_bk64_w2 2>&1 \
   | tee "$OUT/sweep.txt" | tail -8
+# 3. a quick screen (B8 T2048 only) of smaller launch changes
+SWEEP_FIRST_SHAPE=1 timeout 60 python3 scripts/kda_sweep.py base tail_w1 tail_split bi_k32v64 2>&1 \
+  | tee "$OUT/sweep_quick.txt" | tail -5

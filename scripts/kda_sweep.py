@@ -136,6 +136,10 @@ VARIANTS = {
     # registers + 472 B stack; 2 warps 166 / 254, no spill) against the default 32
     "bsub_bk16": {"bwd_subchunk_BK": 16},
     "bsub_bk64_w2": {"bwd_subchunk_BK": 64, "bwd_subchunk_warps": 2},
+    # session 5, untimed: the stage-1 tail (solve + W, U) at 1 warp / as two launches, the key side BK32 BV64
+    "tail_w1": {"fwd_tail_warps": 1},
+    "tail_split": {"fwd_intra_split": True},
+    "bi_k32v64": {"bwd_intra_BK": 32, "bwd_intra_BV": 64},
     "sgamma_store": {"bwd_stored_gamma": True, "fwd_store_states": True},
     # chunk 32: [32, 32] score tiles, twice the sequential scan steps (chunk_size is chunk_kda's argument)
     "c32": {"chunk_size": 32},
