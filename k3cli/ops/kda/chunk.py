@@ -86,8 +86,7 @@ TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None,
           "bwd_stored_mkk": False, "bwd_subchunk": True, "bwd_subchunk_warps": 1, "bwd_subchunk_BK": 32, "dot16_bwd": False,
           "fwd_store_states": False, "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None,
           "bwd_intra_warps": 4, "bwd_stored_gamma": False, "fwd_segments": 0, "bwd_overlap_scans": False,
-          "inter_dtype": "auto",
-          "gated_dtype": "auto", "states_dtype": "fp32"}
+          "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32"}
 _DTYPE_CHOICES = ("auto", "fp32", "input")
 _FWD_SCORES = ("sub", "pairs", "chunk")
 _AUTO_INPUT_MIN_K = 65
@@ -244,19 +243,20 @@ class ChunkKDAFunction(torch.autograd.Function):
         prec = dot_precision(v.dtype)
         segs = segment_ranges(-(-T // chunk_size), TUNING["fwd_segments"])
         ov = _Overlap(q.device) if segs else None
+        need_grad = any(ctx.needs_input_grad[:6])
         # TUNING fwd_store_states: keep the chunk states S_n and Vn for the backward (memory for one scan)
-        keep = TUNING["fwd_store_states"] and any(ctx.needs_input_grad[:6])
+        keep = TUNING["fwd_store_states"] and need_grad
         sd = _tuned_dtype("states_dtype", v.dtype, q.shape[-1])
         try:
             it = fwd_intra(q, k, v, g, beta, scale, chunk_size, prec, segments=segs, on_segment=ov and ov.stage1,
-                           need_grad=any(ctx.needs_input_grad[:6]))
+                           need_grad=need_grad)
             o, ht, h, vn = kda_fwd_state(it, B, T, HV, chunk_size, h0, v.dtype, output_final_state, store_h=keep,
                                          h_dtype=sd, precision=prec, segments=segs, on_segment=ov and ov.scan)
         finally:
             if ov is not None:
                 ov.join()   # the current stream again, after all of stage 1 (also when a launch raised)
         # free Γ now, not earlier: with fwd_segments the side stream may still have been reading it
-        if not (TUNING["bwd_stored_gamma"] and any(ctx.needs_input_grad[:6])):
+        if not (TUNING["bwd_stored_gamma"] and need_grad):
             it = it._replace(gc=None)
         ctx.save_for_backward(q, k, v, g, beta, h0, *it, h, vn)
         ctx.scale, ctx.chunk_size, ctx.prec = scale, chunk_size, prec

@@ -26,9 +26,9 @@ from k3cli.ops.kda.chunk_fwd import (
     _anchored_factors,
     _dot,
     _dot_wide,
+    _head_rows,
     _intra_scores,
     _load_chunk_qkg,
-    _qk_rows,
     _scan_start,
     _subchunk_rows,
     interpreting,
@@ -100,8 +100,8 @@ def _chunk_qkG(q, k, g, gc, i_b, i_h, i_hv, i_n, i_k, T, NT, H: tl.constexpr, HV
     if GC:
         o_t = tl.arange(0, BT)
         o_k = i_k * BK + tl.arange(0, BK)
-        b_q = _qk_rows(q, i_b, i_h, i_n * BT + o_t, o_k, T, H, K)
-        b_k = _qk_rows(k, i_b, i_h, i_n * BT + o_t, o_k, T, H, K)
+        b_q = _head_rows(q, i_b, i_h, i_n * BT + o_t, o_k, T, H, K)
+        b_k = _head_rows(k, i_b, i_h, i_n * BT + o_t, o_k, T, H, K)
         row = ((i_b * HV + i_hv) * NT * BT + i_n * BT + o_t).to(tl.int64)
         b_G = tl.load(gc + row[:, None] * K + o_k[None, :], mask=(o_k < K)[None, :], other=0.)
     else:

@@ -194,18 +194,22 @@ def _unit_lower_inverse(p, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
+def _head_rows(x, i_b, i_h, o_t, o_k, T, H: tl.constexpr, K: tl.constexpr):
+    """Token rows o_t, columns o_k of head i_h of sequence i_b of a [B, T, H, K] tensor, fp32, zeros past
+    T and K."""
+    m = (o_t < T)[:, None] & (o_k < K)[None, :]
+    row = (i_b * T + o_t).to(tl.int64) * (H * K) + i_h * K
+    return tl.load(x + row[:, None] + o_k[None, :], mask=m, other=0.).to(tl.float32)
+
+
+@triton.jit
 def _load_rows_qkg(q, k, g, i_b, i_h, i_hv, o_t, i_k, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                    BK: tl.constexpr):
     """Token rows o_t of sequence i_b, key columns [i_k*BK, (i_k+1)*BK): q, k fp32 (head i_h) and
     g fp32 (head i_hv); zeros past T and past K."""
     o_k = i_k * BK + tl.arange(0, BK)
-    m = (o_t < T)[:, None] & (o_k < K)[None, :]
-    row_qk = (i_b * T + o_t).to(tl.int64) * (H * K) + i_h * K
-    row_g = (i_b * T + o_t).to(tl.int64) * (HV * K) + i_hv * K
-    b_q = tl.load(q + row_qk[:, None] + o_k[None, :], mask=m, other=0.).to(tl.float32)
-    b_k = tl.load(k + row_qk[:, None] + o_k[None, :], mask=m, other=0.).to(tl.float32)
-    b_g = tl.load(g + row_g[:, None] + o_k[None, :], mask=m, other=0.).to(tl.float32)
-    return b_q, b_k, b_g
+    return (_head_rows(q, i_b, i_h, o_t, o_k, T, H, K), _head_rows(k, i_b, i_h, o_t, o_k, T, H, K),
+            _head_rows(g, i_b, i_hv, o_t, o_k, T, HV, K))
 
 
 @triton.jit
@@ -298,6 +302,18 @@ def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk, scal
 
 
 @triton.jit
+def _store_score_block(aqk, tm, mkk, p_blk, i_row, j_col, b_sq, b_sk, b_beta, scale, STORE_MKK: tl.constexpr):
+    """One BC x BC block (rows i_row, columns j_col) of stage 1's score buffers from the raw products
+    b_sq (q·k) and b_sk (k·k): scale·Aqk (j <= i) into aqk, β_i·Akk (j < i) into tm, raw Akk into mkk
+    with STORE_MKK. p_blk: the block's offsets in a [.., BT] row-major buffer."""
+    b_sk = tl.where(i_row[:, None] > j_col[None, :], b_sk, 0.)
+    tl.store(aqk + p_blk, tl.where(i_row[:, None] >= j_col[None, :], b_sq, 0.) * scale)
+    if STORE_MKK:
+        tl.store(mkk + p_blk, b_sk)
+    tl.store(tm + p_blk, b_sk * b_beta[:, None])
+
+
+@triton.jit
 def _kda_fwd_scores_pairs_kernel(q, k, g, beta, qg, kd, eg, aqk, tm, mkk, scale, T, NT,
                                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                                  BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
@@ -351,31 +367,17 @@ def _kda_fwd_scores_pairs_kernel(q, k, g, beta, qg, kd, eg, aqk, tm, mkk, scale,
             b_Gc = b_pre_c[None, :] + tl.cumsum(b_gc, 0)
             b_pre_c += tl.sum(b_gc, 0)
             b_kt = tl.trans(b_kc * tl.exp(b_anchor[None, :] - b_Gc))
-            b_sq = tl.where(i_row[:, None] >= j_col[None, :], _dot_wide(b_qa, b_kt, PREC), 0.)
-            b_sk = tl.where(i_row[:, None] > j_col[None, :], _dot_wide(b_ka, b_kt, PREC), 0.)
-            tl.store(aqk + p_row + j_col[None, :], b_sq * scale)
-            if STORE_MKK:
-                tl.store(mkk + p_row + j_col[None, :], b_sk)
-            tl.store(tm + p_row + j_col[None, :], b_sk * b_beta[:, None])
+            _store_score_block(aqk, tm, mkk, p_row + j_col[None, :], i_row, j_col, _dot_wide(b_qa, b_kt, PREC),
+                               _dot_wide(b_ka, b_kt, PREC), b_beta, scale, STORE_MKK)
             c += 1
         b_zero = tl.zeros([BC, BC], dtype=tl.float32)
         while c < NC:
             j_col = c * BC + o_c
-            tl.store(aqk + p_row + j_col[None, :], b_zero)
-            if STORE_MKK:
-                tl.store(mkk + p_row + j_col[None, :], b_zero)
-            tl.store(tm + p_row + j_col[None, :], b_zero)
+            _store_score_block(aqk, tm, mkk, p_row + j_col[None, :], i_row, j_col, b_zero, b_zero, b_beta, scale,
+                               STORE_MKK)
             c += 1
         b_pre_a += tl.sum(b_ga, 0)
         a += 1
-
-
-@triton.jit
-def _qk_rows(x, i_b, i_h, o_t, o_k, T, H: tl.constexpr, K: tl.constexpr):
-    """Token rows o_t, key columns o_k of head i_h of a [B, T, H, K] q or k, fp32, zeros past T and K."""
-    m = (o_t < T)[:, None] & (o_k < K)[None, :]
-    row = (i_b * T + o_t).to(tl.int64) * (H * K) + i_h * K
-    return tl.load(x + row[:, None] + o_k[None, :], mask=m, other=0.).to(tl.float32)
 
 
 @triton.jit
@@ -448,19 +450,13 @@ def _kda_fwd_scores_sub_kernel(q, k, gc, beta, aqk, tm, mkk, scale, T, NT, N0, H
             b_ka = tl.load(p_k, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
             b_sq += _dot_wide(b_qa * b_e, b_kt, PREC)
             b_sk += _dot_wide(b_ka * b_e, b_kt, PREC)
-        tl.store(aqk + p_row + j_col[None, :], tl.where(i_row[:, None] >= j_col[None, :], b_sq, 0.) * scale)
-        b_sk = tl.where(i_row[:, None] > j_col[None, :], b_sk, 0.)
-        if STORE_MKK:
-            tl.store(mkk + p_row + j_col[None, :], b_sk)
-        tl.store(tm + p_row + j_col[None, :], b_sk * b_beta[:, None])
+        _store_score_block(aqk, tm, mkk, p_row + j_col[None, :], i_row, j_col, b_sq, b_sk, b_beta, scale, STORE_MKK)
         c += 1
     b_zero = tl.zeros([BC, BC], dtype=tl.float32)
     while c < NC:
         j_col = c * BC + o_c
-        tl.store(aqk + p_row + j_col[None, :], b_zero)
-        if STORE_MKK:
-            tl.store(mkk + p_row + j_col[None, :], b_zero)
-        tl.store(tm + p_row + j_col[None, :], b_zero)
+        _store_score_block(aqk, tm, mkk, p_row + j_col[None, :], i_row, j_col, b_zero, b_zero, b_beta, scale,
+                           STORE_MKK)
         c += 1
 
 
@@ -707,13 +703,8 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
         _kda_fwd_scores_pairs_kernel[(NT, B * HV)](
             q, k, g, beta, qg, kd, eg, aqk, tm, mkk_arg, scale, T, NT, H=H, HV=HV, K=K, BT=BT, BC=min(16, BT),
             BK=BK, PREC=precision, STORE_MKK=store_mkk, num_warps=pairs_warps, num_stages=1)
-    if sub or pairs:
-        # after the scores: the solve then W, U, in one launch or (split) two
-        tail = dict(opts, num_warps=tail_warps)
-        for part in (2, 3) if split else (4,):
-            _kda_fwd_intra_kblock_kernel[(NT, B * HV)](
-                *args, H=H, HV=HV, K=K, V=V, BT=BT, BC=min(16, BT), BK=min(BK, tail_key_block or BK), BV=BV,
-                PREC=precision, PART=part, **tail)
+        launch_intra_tail(it, q, k, v, g, beta, scale, BT, 0, NT, precision, split, tail_warps, tail_key_block,
+                          maxnreg)
     elif (key_block is not None and key_block < BK) or gated_dtype != torch.float32 or split:
         BK = min(BK, key_block or BK)
         for part in (1, 2, 3) if split else (0,):
@@ -731,14 +722,13 @@ def launch_intra_sub(it: Intra, q, k, v, g, beta, scale: float, BT: int, n0: int
     """The sub-chunk stage 1 (Γ + gated operands, scores, then the solve and W, U) for chunks [n0, n1)
     into the buffers of `it` (which must hold a Γ buffer)."""
     B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
+    HV = v.shape[2]
     NT = it.eg.shape[1]
     n = n1 - n0
     BK = max(16, triton.next_power_of_2(K))
-    BV = min(64, max(16, triton.next_power_of_2(V)))
     BC = min(16, BT)
     store_mkk = it.mkk is not None
-    mkk_arg = it.tm if it.mkk is None else it.mkk
+    mkk_arg = it.tm if it.mkk is None else it.mkk   # any fp32 buffer when STORE_MKK is off (never written)
     # 64 key columns at 4 warps: 0.145 ms against 0.190 with 32 (H200, B8 T2048 H16 K128, session 5)
     BKg = min(BK, 64)
     _kda_fwd_gamma_kernel[(n, B * HV, triton.cdiv(K, BKg))](
@@ -747,12 +737,26 @@ def launch_intra_sub(it: Intra, q, k, v, g, beta, scale: float, BT: int, n0: int
     _kda_fwd_scores_sub_kernel[(n * (BT // BC), B * HV)](
         q, k, it.gc, beta, it.aqk, it.tm, mkk_arg, scale, T, NT, n0, H=H, HV=HV, K=K, BT=BT, BC=BC,
         BK=min(BK, sub_key_block or BK), PREC=precision, STORE_MKK=store_mkk, num_warps=sub_warps, num_stages=1)
+    launch_intra_tail(it, q, k, v, g, beta, scale, BT, n0, n1, precision, split, tail_warps, tail_key_block,
+                      maxnreg)
+
+
+def launch_intra_tail(it: Intra, q, k, v, g, beta, scale: float, BT: int, n0: int, n1: int, precision: str,
+                      split: bool = False, tail_warps: int = 2, tail_key_block: int | None = 32,
+                      maxnreg: int | None = None) -> None:
+    """After the "pairs" or "sub" scores: the solve of the Tm buffer, then W and U, for chunks [n0, n1), in
+    one launch (PART 4) or, with `split`, two (PART 2, 3) of `_kda_fwd_intra_kblock_kernel`."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(64, max(16, triton.next_power_of_2(V)))
+    mkk_arg = it.tm if it.mkk is None else it.mkk
     tail = {"num_warps": tail_warps, "num_stages": 1, **({} if maxnreg is None else {"maxnreg": maxnreg})}
     for part in (2, 3) if split else (4,):
-        _kda_fwd_intra_kblock_kernel[(n, B * HV)](
-            q, k, v, g, beta, it.w, it.u, it.qg, it.kd, it.eg, it.aqk, it.tm, mkk_arg, scale, T, NT,
-            H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=min(BK, tail_key_block or BK), BV=BV, PREC=precision, PART=part,
-            STORE_MKK=store_mkk, N0=n0, **tail)
+        _kda_fwd_intra_kblock_kernel[(n1 - n0, B * HV)](
+            q, k, v, g, beta, it.w, it.u, it.qg, it.kd, it.eg, it.aqk, it.tm, mkk_arg, scale, T, it.eg.shape[1],
+            H=H, HV=HV, K=K, V=V, BT=BT, BC=min(16, BT), BK=min(BK, tail_key_block or BK), BV=BV, PREC=precision,
+            PART=part, STORE_MKK=it.mkk is not None, N0=n0, **tail)
 
 
 def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_state, out_dtype,
