@@ -141,6 +141,12 @@ VARIANTS = {
     "tail_split": {"fwd_intra_split": True},
     "bi_k32v64": {"bwd_intra_BK": 32, "bwd_intra_BV": 64},
     "sgamma_store": {"bwd_stored_gamma": True, "fwd_store_states": True},
+    # session 6: O in its own parallel launch after a scan that only carries the state (and stores S_n, Vn,
+    # which the backward then reuses); with the states stored 2-byte; with the segmented forward
+    "osplit": {"fwd_output": "split"},
+    "osplit_s16": {"fwd_output": "split", "states_dtype": "input"},
+    "osplit_seg4": {"fwd_output": "split", "fwd_segments": 4},
+    "osplit_ovl": {"fwd_output": "split", "bwd_overlap_scans": True},
     # chunk 32: [32, 32] score tiles, twice the sequential scan steps (chunk_size is chunk_kda's argument)
     "c32": {"chunk_size": 32},
     "c32_kb16_w4": {"fwd_scores": "chunk", "chunk_size": 32, "fwd_intra_BK": 16, "fwd_intra_warps": 4},

@@ -81,6 +81,10 @@ def main() -> None:
                       dict(state, BV=bv, USE_H0=False, STORE_HT=False, STORE_O=True, STORE_H=False, INTERPRET=False)))
         cases.append((f"bwd_state BV{bv}", B._kda_bwd_state_kernel,
                       dict(state, BV=bv, USE_DHT=False, STORE_DH0=False, INTERPRET=False)))
+    for bv in (64, 32):
+        cases.append((f"fwd_state BV{bv} no O, store S", F._kda_fwd_state_kernel,
+                      dict(state, BV=bv, USE_H0=False, STORE_HT=False, STORE_O=False, STORE_H=True, INTERPRET=False)))
+        cases.append((f"fwd O BV{bv}", F._kda_fwd_o_kernel, dict(HV=16, K=K, V=V, BT=BT, BK=BKf, BV=bv, PREC=args.prec)))
     for bk, bv in ((64, 64), (32, 64), (32, 32)):
         bk, bv = min(bk, BKf), min(bv, BKf)
         for stored in (False, True):

@@ -194,6 +194,13 @@ TUNING_CASES = [
     pytest.param({"fwd_segments": 4, "fwd_store_states": True, "bwd_stored_gamma": True}, 1, 90, 2, 1, 40, 24, 16,
                  id="fwd-segments4-C16-store-states"),
     pytest.param({"bwd_overlap_scans": True}, 1, 70, 1, 2, 40, 24, 64, id="bwd-overlap-scans-cpu-path"),
+    # O from the stored states in its own launch, after a scan that only carries the state
+    pytest.param({"fwd_output": "split"}, 2, 70, 1, 2, 96, 40, 64, id="fwd-output-split-K96-G2-T70"),
+    pytest.param({"fwd_output": "split"}, 1, 1, 1, 1, 24, 16, 64, id="fwd-output-split-T1-K24"),
+    pytest.param({"fwd_output": "split"}, 1, 45, 2, 1, 40, 72, 32, id="fwd-output-split-C32-V72"),
+    pytest.param({"fwd_output": "split", "fwd_segments": 3}, 1, 90, 1, 1, 24, 16, 16, id="fwd-output-split-segments3-C16"),
+    pytest.param({"fwd_output": "split", "states_dtype": "input"}, 1, 45, 1, 1, 96, 32, 32,
+                 id="fwd-output-split-2byte-states-K96"),
     pytest.param({"bwd_stored_gamma": True}, 2, 70, 1, 2, 96, 40, 64, id="bwd-stored-gamma-K96-G2-T70"),
     pytest.param({"bwd_stored_gamma": True}, 1, 1, 1, 1, 24, 16, 16, id="bwd-stored-gamma-T1-C16"),
     pytest.param({"bwd_stored_gamma": True, "bwd_subchunk": False, "bwd_split": True}, 1, 45, 2, 1, 40, 24, 32,
@@ -270,9 +277,13 @@ def test_chunk_kda_tuning_alternatives_match_recurrent(tuning, B, T, H, G, K, V,
 
 
 @needs_triton
-def test_chunk_kda_no_grad_forward_matches():
-    # without autograd the forward skips the backward-only Mkk store; the outputs must not change
+@pytest.mark.parametrize("fwd_output", ["scan", "split"])
+def test_chunk_kda_no_grad_forward_matches(fwd_output, monkeypatch):
+    # without autograd the forward skips the backward-only Mkk store (and, split, drops S_n, Vn after O);
+    # the outputs must not change
+    from k3cli.ops.kda import chunk as chunk_mod
     from k3cli.ops.kda import chunk_kda
+    monkeypatch.setitem(chunk_mod.TUNING, "fwd_output", fwd_output)
     x = make_inputs(1, 70, 1, 2, 24, 16, dtype=torch.float32, device=DEVICE)
     with torch.no_grad():
         o0, h0 = chunk_kda(*x[:5], initial_state=x[5], output_final_state=True)

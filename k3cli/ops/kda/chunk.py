@@ -13,7 +13,7 @@ import torch
 from k3cli.layers.norm import l2norm
 from k3cli.ops.kda.checks import check_kda_inputs
 from k3cli.ops.kda.chunk_bwd import kda_bwd_intra, kda_bwd_state
-from k3cli.ops.kda.chunk_fwd import Intra, dot_precision, kda_fwd_intra, kda_fwd_state
+from k3cli.ops.kda.chunk_fwd import Intra, dot_precision, kda_fwd_intra, kda_fwd_o, kda_fwd_state
 
 _CHUNK_SIZES = (16, 32, 64)
 
@@ -65,6 +65,11 @@ _CHUNK_SIZES = (16, 32, 64)
 #   [B*HV, NT, K, V] states buffer and one [B*HV, T, V] fp32 buffer per call, about as much as q, k, v, g
 #   themselves at K = V = 128) and the backward skips its re-scan (session 4: 0.29 ms of 5.7 at B8 T2048 H16 K128).
 #   Off by default for that memory.
+# fwd_output: "scan" (default): the state scan also forms O, chunk after chunk; "split": the scan only
+#   carries the state and stores S_n, Vn (as fwd_store_states), and a parallel launch per (chunk, head,
+#   value block) forms O from them (chunk_fwd._kda_fwd_o_kernel). Shortens the sequential scan's step (its
+#   Q e^Γ load, two products and the O store leave it), which bounds the forward when B*HV is small, for
+#   one more launch and the S_n store; with a gradient the backward reuses S_n, Vn (no re-scan). Not yet timed.
 # bwd_split: per-chunk backward as two launches (V side once, key side per key block; kda_bwd_intra).
 # bwd_intra_BK / _BV: its key / value blocks (None = the launcher's choice).
 # "*_dtype" entries: "fp32", "input" (the dtype of q/k/v: bf16 halves that buffer's traffic), or
@@ -86,6 +91,7 @@ TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None,
           "bwd_stored_mkk": False, "bwd_subchunk": True, "bwd_subchunk_warps": 1, "bwd_subchunk_BK": 32, "dot16_bwd": False,
           "fwd_store_states": False, "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None,
           "bwd_intra_warps": 4, "bwd_stored_gamma": False, "fwd_segments": 0, "bwd_overlap_scans": False,
+          "fwd_output": "scan",
           "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32"}
 _DTYPE_CHOICES = ("auto", "fp32", "input")
 _FWD_SCORES = ("sub", "pairs", "chunk")
@@ -117,6 +123,8 @@ def check_tuning(tuning: dict) -> None:
         raise ValueError(f"chunk_kda TUNING: fwd_segments={nseg!r} must be 0 (off) or an int >= 2")
     if nseg and tuning.get("fwd_scores", "sub") != "sub":
         raise ValueError("chunk_kda TUNING: fwd_segments needs fwd_scores 'sub'")
+    if tuning.get("fwd_output", "scan") not in ("scan", "split"):
+        raise ValueError(f"chunk_kda TUNING: fwd_output={tuning['fwd_output']!r} must be 'scan' or 'split'")
     if tuning.get("dot16_bwd", False) not in (False, True, "narrow"):
         raise ValueError(f"chunk_kda TUNING: dot16_bwd={tuning['dot16_bwd']!r} must be False, True or 'narrow'")
     for name in ("fwd_intra_warps", "bwd_intra_warps", "bwd_subchunk_warps", "fwd_intra_pairs_warps",
@@ -246,15 +254,21 @@ class ChunkKDAFunction(torch.autograd.Function):
         need_grad = any(ctx.needs_input_grad[:6])
         # TUNING fwd_store_states: keep the chunk states S_n and Vn for the backward (memory for one scan)
         keep = TUNING["fwd_store_states"] and need_grad
+        split_o = TUNING["fwd_output"] == "split"   # the scan stores S_n, Vn and O comes from them after
         sd = _tuned_dtype("states_dtype", v.dtype, q.shape[-1])
         try:
             it = fwd_intra(q, k, v, g, beta, scale, chunk_size, prec, segments=segs, on_segment=ov and ov.stage1,
                            need_grad=need_grad)
-            o, ht, h, vn = kda_fwd_state(it, B, T, HV, chunk_size, h0, v.dtype, output_final_state, store_h=keep,
-                                         h_dtype=sd, precision=prec, segments=segs, on_segment=ov and ov.scan)
+            o, ht, h, vn = kda_fwd_state(it, B, T, HV, chunk_size, h0, v.dtype, output_final_state,
+                                         store_o=not split_o, store_h=keep or split_o, h_dtype=sd, precision=prec,
+                                         segments=segs, on_segment=ov and ov.scan)
         finally:
             if ov is not None:
                 ov.join()   # the current stream again, after all of stage 1 (also when a launch raised)
+        if split_o:
+            o = kda_fwd_o(it, h, vn, B, T, HV, chunk_size, v.dtype, precision=prec)
+            if not need_grad:
+                h = vn = None
         # free Γ now, not earlier: with fwd_segments the side stream may still have been reading it
         if not (TUNING["bwd_stored_gamma"] and need_grad):
             it = it._replace(gc=None)

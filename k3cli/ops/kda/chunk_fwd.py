@@ -598,6 +598,53 @@ def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, T, NT, NBH, N
         tl.store(ht + p_state, b_s, mask=m_kv)
 
 
+# the output launch of TUNING fwd_output "split": one program per (value block, chunk, batch*head), so
+# parallel over chunks; the autotuner picks the value block and warps
+O_CONFIGS = [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
+             for bv, nw, ns in ((64, 4, 2), (32, 4, 2), (64, 8, 2), (32, 2, 2), (128, 8, 2), (64, 4, 1))]
+
+
+def prune_o_configs(configs, named_args, **kwargs):
+    """Clamp BV to the padded value width and drop the duplicates that leaves."""
+    V = named_args.get("V", kwargs.get("V"))
+    cap = max(16, triton.next_power_of_2(V))
+    out, seen = [], set()
+    for c in configs:
+        key = (min(c.kwargs["BV"], cap), c.num_warps, c.num_stages)
+        if key not in seen:
+            seen.add(key)
+            out.append(triton.Config({"BV": key[0]}, num_warps=key[1], num_stages=key[2]))
+    return out
+
+
+@triton.autotune(
+    configs=pick_configs(O_CONFIGS),
+    key=["BK", "BT", "V", "PREC"],
+    prune_configs_by={"early_config_prune": prune_o_configs},
+)
+@triton.jit
+def _kda_fwd_o_kernel(qg, aqk, h, vn, o, T, NT, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """O of chunk i_n from the stored chunk-start state S_n and pseudo-values Vn: the scan's output
+    term (Q e^Γ) S_n + Aqk Vn, here outside the sequential scan (TUNING fwd_output "split")."""
+    i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    row = (i_bh * NT * BT + i_n * BT + o_t).to(tl.int64)
+    b_qg = tl.load(qg + row[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.).to(tl.float32)
+    p_h = h + (i_bh * NT + i_n).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+    b_s = tl.load(p_h, mask=m_k[:, None] & m_v[None, :], other=0.).to(tl.float32)
+    b_a = tl.load(aqk + row[:, None] * BT + o_t[None, :])
+    b_vn = tl.load(vn + row[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.)
+    b_o = _dot(b_qg, b_s, PREC) + _dot(b_a, b_vn, PREC)
+    m_t = (i_n * BT + o_t) < T
+    p_o = o + (i_b * T + i_n * BT + o_t).to(tl.int64)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+
+
 class Intra(NamedTuple):
     """Stage-1 buffers, all [B*HV, NT*BT, X] (eg: [B*HV, NT, K]); W, U in `inter_dtype`, qg, kd in `gated_dtype`, the rest fp32."""
     w: torch.Tensor      # Tm diag(β) (K ⊙ e^Γ)
@@ -792,3 +839,15 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
             INTERPRET=interpreting(it.w), PREC=precision)
         s_in = s_out
     return o, ht, h, vn
+
+
+def kda_fwd_o(it: Intra, h: torch.Tensor, vn: torch.Tensor, B: int, T: int, HV: int, chunk_size: int,
+              out_dtype, precision: str = "tf32") -> torch.Tensor:
+    """O [B, T, HV, V] from stage 1's Q e^Γ, Aqk and the scan's stored S_n, Vn (TUNING fwd_output "split")."""
+    K, V = it.w.shape[-1], it.u.shape[-1]
+    NT = triton.cdiv(T, chunk_size)
+    o = torch.empty(B, T, HV, V, device=it.w.device, dtype=out_dtype)
+    _kda_fwd_o_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), NT, B * HV)](
+        it.qg, it.aqk, h, vn, o, T, NT, HV=HV, K=K, V=V, BT=chunk_size, BK=max(16, triton.next_power_of_2(K)),
+        PREC=precision)
+    return o
