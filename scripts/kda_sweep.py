@@ -143,6 +143,13 @@ VARIANTS = {
     "sgamma_store": {"bwd_stored_gamma": True, "fwd_store_states": True},
     # session 6: O in its own parallel launch after a scan that only carries the state (and stores S_n, Vn,
     # which the backward then reuses); with the states stored 2-byte; with the segmented forward
+    # session 6: the parallel scan (runs of chunks from start states computed by the run summaries)
+    "par2": {"fwd_scan_parallel": 2},
+    "par4": {"fwd_scan_parallel": 4},
+    "par8": {"fwd_scan_parallel": 8},
+    "par16": {"fwd_scan_parallel": 16},
+    "par8_store": {"fwd_scan_parallel": 8, "fwd_store_states": True},
+    "par4_store": {"fwd_scan_parallel": 4, "fwd_store_states": True},
     "osplit": {"fwd_output": "split"},
     "osplit_s16": {"fwd_output": "split", "states_dtype": "input"},
     "osplit_seg4": {"fwd_output": "split", "fwd_segments": 4},

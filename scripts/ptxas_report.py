@@ -24,7 +24,8 @@ from k3cli.ops.kda import chunk_fwd as F
 
 INPUTS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*bf16", "beta": "*bf16", "do": "*bf16", "dv": "*bf16",
           "o": "*bf16"}
-SCALARS = {"scale": "fp32", "T": "i32", "NT": "i32", "NBT": "i32", "NBH": "i32", "N0": "i32", "N1": "i32"}
+SCALARS = {"scale": "fp32", "T": "i32", "NT": "i32", "NBT": "i32", "NBH": "i32", "N0": "i32", "N1": "i32", "L": "i32",
+           "SEG_STRIDE": "i32", "SEG_STRIDE_M": "i32", "SEG_STRIDE_E": "i32"}
 
 
 def compile_report(fn, const: dict, num_warps: int, maxnreg: int | None = None) -> tuple[int, int]:
@@ -84,6 +85,8 @@ def main() -> None:
     for bv in (64, 32):
         cases.append((f"fwd_state BV{bv} no O, store S", F._kda_fwd_state_kernel,
                       dict(state, BV=bv, USE_H0=False, STORE_HT=False, STORE_O=False, STORE_H=True, INTERPRET=False)))
+        cases.append((f"fwd run summary BV{bv}", F._kda_fwd_seg_summary_kernel,
+                      dict(K=K, V=V, BT=BT, BK=BKf, BV=bv, INTERPRET=False, PREC=args.prec)))
         cases.append((f"fwd O BV{bv}", F._kda_fwd_o_kernel, dict(HV=16, K=K, V=V, BT=BT, BK=BKf, BV=bv, PREC=args.prec)))
     for bk, bv in ((64, 64), (32, 64), (32, 32)):
         bk, bv = min(bk, BKf), min(bv, BKf)

@@ -27,14 +27,15 @@ def assert_close(name: str, x: torch.Tensor, ref: torch.Tensor, tol: float | Non
     assert err <= tol, f"{name}: relative RMS error {err:.3g} > {tol}"
 
 
-def make_inputs(B, T, H, G, K, V, dtype=torch.float32, device="cpu", seed=0, h0=True):
-    """L2-normalised q/k, gate in (-5, 0) as the lower-bound gate produces, beta in (0, 1)."""
+def make_inputs(B, T, H, G, K, V, dtype=torch.float32, device="cpu", seed=0, h0=True, gate_scale=5.0):
+    """L2-normalised q/k, gate in (-gate_scale, 0) (-5: as the lower-bound gate produces; the state then
+    forgets within a chunk, a small scale keeps it for the whole sequence), beta in (0, 1)."""
     gen = torch.Generator().manual_seed(seed)
     HV = H * G
     q = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
     k = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
     v = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64)
-    g = -5.0 * torch.sigmoid(torch.randn(B, T, HV, K, generator=gen, dtype=torch.float64) - 1.0)
+    g = -gate_scale * torch.sigmoid(torch.randn(B, T, HV, K, generator=gen, dtype=torch.float64) - 1.0)
     beta = torch.sigmoid(torch.randn(B, T, HV, generator=gen, dtype=torch.float64))
     s0 = torch.randn(B, HV, K, V, generator=gen, dtype=torch.float64) if h0 else None
     low = [x.to(device=device, dtype=dtype) for x in (q, k, v)]
@@ -194,6 +195,16 @@ TUNING_CASES = [
     pytest.param({"fwd_segments": 4, "fwd_store_states": True, "bwd_stored_gamma": True}, 1, 90, 2, 1, 40, 24, 16,
                  id="fwd-segments4-C16-store-states"),
     pytest.param({"bwd_overlap_scans": True}, 1, 70, 1, 2, 40, 24, 64, id="bwd-overlap-scans-cpu-path"),
+    # the parallel scan: runs of chunks from start states computed by the run summaries (M, E)
+    pytest.param({"fwd_scan_parallel": 3}, 2, 200, 1, 2, 40, 24, 64, id="scan-parallel3-T200-G2"),
+    pytest.param({"fwd_scan_parallel": 4}, 1, 130, 1, 1, 24, 72, 32, id="scan-parallel4-C32-V72-last-run-short"),
+    pytest.param({"fwd_scan_parallel": 8}, 1, 90, 2, 1, 40, 16, 16, id="scan-parallel8-C16-K40-H2"),
+    pytest.param({"fwd_scan_parallel": 2}, 1, 1, 1, 1, 24, 16, 64, id="scan-parallel2-T1-one-chunk"),
+    pytest.param({"fwd_scan_parallel": 16}, 1, 65, 1, 1, 24, 16, 64, id="scan-parallel16-more-runs-than-chunks"),
+    pytest.param({"fwd_scan_parallel": 4, "fwd_output": "split"}, 1, 150, 1, 2, 96, 40, 32,
+                 id="scan-parallel4-output-split-K96-G2"),
+    pytest.param({"fwd_scan_parallel": 4, "fwd_store_states": True, "states_dtype": "input"}, 1, 100, 1, 1, 32, 32, 16,
+                 id="scan-parallel4-store-states-2byte"),
     # O from the stored states in its own launch, after a scan that only carries the state
     pytest.param({"fwd_output": "split"}, 2, 70, 1, 2, 96, 40, 64, id="fwd-output-split-K96-G2-T70"),
     pytest.param({"fwd_output": "split"}, 1, 1, 1, 1, 24, 16, 64, id="fwd-output-split-T1-K24"),
@@ -274,6 +285,39 @@ def test_chunk_kda_tuning_alternatives_match_recurrent(tuning, B, T, H, G, K, V,
     if "dot16_bwd" in tuning:
         # the 16-bit operands were used: they move the gradients, not the forward
         assert not torch.equal(out["dq"], base["dq"]) and torch.equal(out["o"], base["o"])
+
+
+# The default inputs' gate forgets the state within a chunk, so a wrong carry between chunks shows only near
+# chunk boundaries; with a slow gate the initial state and every chunk's state reach the end of the sequence.
+# The parallel scan's run maps (M) are non-trivial only then.
+LONG_MEMORY_CASES = [
+    pytest.param({}, 1, 200, 1, 2, 40, 24, 64, id="default-T200-G2"),
+    pytest.param({"fwd_scan_parallel": 3}, 2, 200, 1, 2, 40, 24, 64, id="scan-parallel3-T200-G2"),
+    pytest.param({"fwd_scan_parallel": 4}, 1, 130, 1, 1, 24, 72, 32, id="scan-parallel4-C32-V72"),
+    pytest.param({"fwd_scan_parallel": 8}, 1, 150, 2, 1, 40, 16, 16, id="scan-parallel8-C16-H2"),
+    pytest.param({"fwd_scan_parallel": 4, "fwd_output": "split"}, 1, 150, 1, 2, 96, 40, 32, id="scan-parallel4-split-K96"),
+    pytest.param({"fwd_segments": 3}, 1, 200, 1, 1, 24, 16, 64, id="fwd-segments3"),
+    pytest.param({"fwd_output": "split"}, 1, 130, 1, 1, 24, 16, 32, id="fwd-output-split"),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("tuning,B,T,H,G,K,V,C", LONG_MEMORY_CASES)
+def test_chunk_kda_long_memory_matches_recurrent(tuning, B, T, H, G, K, V, C, monkeypatch):
+    from k3cli.ops.kda import chunk as chunk_mod
+    from k3cli.ops.kda import chunk_kda
+    chunk_mod.check_tuning(tuning)
+    for name, val in tuning.items():
+        monkeypatch.setitem(chunk_mod.TUNING, name, val)
+    inputs = make_inputs(B, T, H, G, K, V, dtype=torch.float32, device=DEVICE, h0=True, gate_scale=0.01)
+    ref = run_with_grads(naive_recurrent_kda, *inputs)
+    # the inputs are what this test is about: the initial state must still move the last 64 outputs by
+    # over 5 % (relative RMS; 9-74 % for these cases), 5000 times the tolerance below
+    o_no_h0, _ = naive_recurrent_kda(*inputs[:5], initial_state=None, output_final_state=True)
+    assert rel_rms(o_no_h0[:, -64:], ref["o"][:, -64:]) > 0.05
+    out = run_with_grads(chunk_kda, *inputs, chunk_size=C)
+    for name in ref:
+        assert_close(name, out[name], ref[name], tol=1e-5)
 
 
 @needs_triton

@@ -65,6 +65,13 @@ _CHUNK_SIZES = (16, 32, 64)
 #   [B*HV, NT, K, V] states buffer and one [B*HV, T, V] fp32 buffer per call, about as much as q, k, v, g
 #   themselves at K = V = 128) and the backward skips its re-scan (session 4: 0.29 ms of 5.7 at B8 T2048 H16 K128).
 #   Off by default for that memory.
+# fwd_scan_parallel: 0 (off), or n >= 2: the forward scan (and the backward's re-scan) as n runs of chunks
+#   scanned at once. The scan step is affine in the state, S' = (diag(e^γ) - K_d^T W) S + K_d^T U, so each
+#   run's map S_end = M S_start + E comes first from a parallel launch (E: the run scanned from 0; the
+#   columns of M: from unit vectors with U = 0, chunk_fwd._kda_fwd_seg_summary_kernel), then the start
+#   states in n - 1 small fp32 products, then all runs' scans at once (n times the programs). About 2-3x
+#   the scan's arithmetic, for n times the parallelism: aimed at few long sequences (B*HV*V/BV programs
+#   far below the SM count). Not with fwd_segments. Not yet timed.
 # fwd_output: "scan" (default): the state scan also forms O, chunk after chunk; "split": the scan only
 #   carries the state and stores S_n, Vn (as fwd_store_states), and a parallel launch per (chunk, head,
 #   value block) forms O from them (chunk_fwd._kda_fwd_o_kernel). Shortens the sequential scan's step (its
@@ -91,7 +98,7 @@ TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None,
           "bwd_stored_mkk": False, "bwd_subchunk": True, "bwd_subchunk_warps": 1, "bwd_subchunk_BK": 32, "dot16_bwd": False,
           "fwd_store_states": False, "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None,
           "bwd_intra_warps": 4, "bwd_stored_gamma": False, "fwd_segments": 0, "bwd_overlap_scans": False,
-          "fwd_output": "scan",
+          "fwd_output": "scan", "fwd_scan_parallel": 0,
           "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32"}
 _DTYPE_CHOICES = ("auto", "fp32", "input")
 _FWD_SCORES = ("sub", "pairs", "chunk")
@@ -121,6 +128,11 @@ def check_tuning(tuning: dict) -> None:
     nseg = tuning.get("fwd_segments", 0)
     if not isinstance(nseg, int) or isinstance(nseg, bool) or nseg < 0 or nseg == 1:
         raise ValueError(f"chunk_kda TUNING: fwd_segments={nseg!r} must be 0 (off) or an int >= 2")
+    npar = tuning.get("fwd_scan_parallel", 0)
+    if not isinstance(npar, int) or isinstance(npar, bool) or npar < 0 or npar == 1:
+        raise ValueError(f"chunk_kda TUNING: fwd_scan_parallel={npar!r} must be 0 (off) or an int >= 2")
+    if npar and nseg:
+        raise ValueError("chunk_kda TUNING: fwd_scan_parallel and fwd_segments do not combine")
     if nseg and tuning.get("fwd_scores", "sub") != "sub":
         raise ValueError("chunk_kda TUNING: fwd_segments needs fwd_scores 'sub'")
     if tuning.get("fwd_output", "scan") not in ("scan", "split"):
@@ -222,7 +234,7 @@ def recompute_states(it: Intra, h0, B, T, HV, C, v_dtype, prec):
     """The chunk start states S_n and pseudo-values Vn for the backward (recomputed, not stored)."""
     sd = _tuned_dtype("states_dtype", v_dtype, it.w.shape[-1])
     _, _, h, vn = kda_fwd_state(it, B, T, HV, C, h0, v_dtype, False, store_o=False, store_h=True, h_dtype=sd,
-                                precision=prec)
+                                precision=prec, parallel=TUNING["fwd_scan_parallel"])
     return h, vn
 
 
@@ -261,7 +273,8 @@ class ChunkKDAFunction(torch.autograd.Function):
                            need_grad=need_grad)
             o, ht, h, vn = kda_fwd_state(it, B, T, HV, chunk_size, h0, v.dtype, output_final_state,
                                          store_o=not split_o, store_h=keep or split_o, h_dtype=sd, precision=prec,
-                                         segments=segs, on_segment=ov and ov.scan)
+                                         segments=segs, on_segment=ov and ov.scan,
+                                         parallel=TUNING["fwd_scan_parallel"])
         finally:
             if ov is not None:
                 ov.join()   # the current stream again, after all of stage 1 (also when a launch raised)

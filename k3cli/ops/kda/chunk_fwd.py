@@ -574,28 +574,99 @@ def _scan_start(s0, i_bh, i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexp
     prune_configs_by={"early_config_prune": prune_state_configs},
 )
 @triton.jit
-def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, T, NT, NBH, N0, N1,
+def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, T, NT, NBH, N0, N1, L, SEG_STRIDE,
                           HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_O: tl.constexpr,
                           STORE_H: tl.constexpr, INTERPRET: tl.constexpr, PREC: tl.constexpr):
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    """The state scan over chunks [N0, N1), cut into runs of L chunks, one per program_id(2) (the
+    parallel scan of chunk.TUNING fwd_scan_parallel; one run covering all when it is off). Run i_p starts
+    from h0's block i_p (SEG_STRIDE elements apart: the start states that `_kda_fwd_seg_summary_kernel`
+    and `combine_segments` computed); the last run stores the final state to ht."""
+    i_v, i_bh, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
+    if USE_H0:
+        h0 += i_p.to(tl.int64) * SEG_STRIDE
     b_s, p_state, m_kv = _scan_start(h0, i_bh, i_v, K, V, BK, BV, USE_H0)
-    # chunks [N0, N1): the whole sequence, or one segment of it (chunk.TUNING fwd_segments)
+    n0 = N0 + i_p * L
+    n1 = tl.minimum(n0 + L, N1)
     if INTERPRET:
         # the interpreter cannot take a runtime bound in range() with numpy >= 2.4
-        i_n = N0
-        while i_n < N1:
+        i_n = n0
+        while i_n < n1:
             b_s = _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i_v, i_n, T, NT,
                                       HV, K, V, BT, BK, BV, STORE_O, STORE_H, PREC)
             i_n += 1
     else:
-        for i_n in range(N0, N1):
+        for i_n in range(n0, n1):
             b_s = _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i_v, i_n, T, NT,
                                       HV, K, V, BT, BK, BV, STORE_O, STORE_H, PREC)
     if STORE_HT:
-        tl.store(ht + p_state, b_s, mask=m_kv)
+        if n1 == N1:
+            tl.store(ht + p_state, b_s, mask=m_kv)
+
+
+@triton.jit
+def _carry_step(kd, eg, w, u, b_s, i_bh, i_n, o_c, m_u, NT, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                BK: tl.constexpr, PREC: tl.constexpr):
+    """One chunk of a scan that only carries the state: S' = diag(e^γ) S + K_d^T (U - W S), U's columns o_c
+    (zeros where m_u is off)."""
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    row = (i_bh * NT * BT + i_n * BT + o_t).to(tl.int64)
+    p_rk = row[:, None] * K + o_k[None, :]
+    b_w = tl.load(w + p_rk, mask=m_k[None, :], other=0.).to(tl.float32)
+    b_u = tl.load(u + row[:, None] * V + o_c[None, :], mask=m_u[None, :], other=0.).to(tl.float32)
+    b_vn = b_u - _dot(b_w, b_s, PREC)
+    b_kd = tl.load(kd + p_rk, mask=m_k[None, :], other=0.).to(tl.float32)
+    b_eg = tl.load(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, mask=m_k, other=0.)
+    return b_s * b_eg[:, None] + _dot(tl.trans(b_kd), b_vn, PREC)
+
+
+@triton.autotune(
+    configs=pick_configs(STATE_CONFIGS),
+    key=["BK", "BT", "NBH", "V", "PREC"],
+    prune_configs_by={"early_config_prune": prune_state_configs},
+)
+@triton.jit
+def _kda_fwd_seg_summary_kernel(kd, eg, w, u, m, e, NT, NBH, L, SEG_STRIDE_M, SEG_STRIDE_E,
+                                K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                                BV: tl.constexpr, INTERPRET: tl.constexpr, PREC: tl.constexpr):
+    """Phase 1 of the parallel scan (chunk.TUNING fwd_scan_parallel): for run i_p (chunks [i_p*L, (i_p+1)*L)),
+    the affine map the run applies to its start state, S_end = M S_start + E. The scan step is affine,
+    S' = diag(e^γ) S + K_d^T (U - W S), so E is the run scanned from S = 0, and column j of M the run
+    scanned from the unit vector e_j with U = 0. Program i_c < cdiv(V, BV) scans E's columns
+    [i_c*BV, ...), the others M's; m [runs, B*HV, K, K], e [runs, B*HV, K, V], fp32."""
+    i_c, i_bh, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NV = (V + BV - 1) // BV
+    is_m = i_c >= NV
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    if is_m:
+        o_c = (i_c - NV) * BV + tl.arange(0, BV)
+        b_s = tl.where(o_k[:, None] == o_c[None, :], 1., 0.)
+        m_c = o_c < K
+    else:
+        o_c = i_c * BV + tl.arange(0, BV)
+        b_s = tl.zeros([BK, BV], dtype=tl.float32)
+        m_c = o_c < V
+    m_u = m_c & (i_c < NV)   # M's columns scan with U = 0: a load with no lane on
+    n0 = i_p * L
+    n1 = tl.minimum(n0 + L, NT)
+    if INTERPRET:
+        i_n = n0
+        while i_n < n1:
+            b_s = _carry_step(kd, eg, w, u, b_s, i_bh, i_n, o_c, m_u, NT, K, V, BT, BK, PREC)
+            i_n += 1
+    else:
+        for i_n in range(n0, n1):
+            b_s = _carry_step(kd, eg, w, u, b_s, i_bh, i_n, o_c, m_u, NT, K, V, BT, BK, PREC)
+    if is_m:
+        p_out = m + i_p.to(tl.int64) * SEG_STRIDE_M + i_bh.to(tl.int64) * K * K + o_k[:, None] * K + o_c[None, :]
+    else:
+        p_out = e + i_p.to(tl.int64) * SEG_STRIDE_E + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_c[None, :]
+    tl.store(p_out, b_s, mask=m_k[:, None] & m_c[None, :])
 
 
 # the output launch of TUNING fwd_output "split": one program per (value block, chunk, batch*head), so
@@ -806,14 +877,49 @@ def launch_intra_tail(it: Intra, q, k, v, g, beta, scale: float, BT: int, n0: in
             PART=part, STORE_MKK=it.mkk is not None, N0=n0, **tail)
 
 
+def parallel_runs(NT: int, n: int) -> tuple[int, int]:
+    """TUNING fwd_scan_parallel: (runs, chunks per run) for n requested runs of an NT-chunk scan, no run
+    empty; (1, NT) when off."""
+    if n < 2 or NT < 2:
+        return 1, NT
+    L = triton.cdiv(NT, min(n, NT))
+    return triton.cdiv(NT, L), L
+
+
+def scan_run_starts(it: Intra, B: int, HV: int, chunk_size: int, initial_state, runs: int, L: int,
+                    precision: str = "tf32") -> torch.Tensor:
+    """Phases 1 and 2 of the parallel scan: each run's affine map S_end = M S_start + E in parallel
+    (`_kda_fwd_seg_summary_kernel`), then the start state of every run, S_0 = the initial state (or 0),
+    S_(p+1) = M_p S_p + E_p in fp32 (torch baddbmm, runs - 1 small batched products). [runs, B*HV, K, V]."""
+    K, V = it.w.shape[-1], it.u.shape[-1]
+    NT = it.eg.shape[1]
+    NBH = B * HV
+    dev = it.w.device
+    m = torch.empty(runs - 1, NBH, K, K, device=dev, dtype=torch.float32)
+    e = torch.empty(runs - 1, NBH, K, V, device=dev, dtype=torch.float32)
+    _kda_fwd_seg_summary_kernel[lambda meta: (triton.cdiv(V, meta["BV"]) + triton.cdiv(K, meta["BV"]), NBH, runs - 1)](
+        it.kd, it.eg, it.w, it.u, m, e, NT, triton.next_power_of_2(NBH * (runs - 1)), L, NBH * K * K, NBH * K * V,
+        K=K, V=V, BT=chunk_size, BK=max(16, triton.next_power_of_2(K)), INTERPRET=interpreting(it.w), PREC=precision)
+    starts = torch.empty(runs, NBH, K, V, device=dev, dtype=torch.float32)
+    if initial_state is None:
+        starts[0].zero_()
+    else:
+        starts[0].copy_(initial_state.reshape(NBH, K, V))
+    for p in range(1, runs):
+        torch.baddbmm(e[p - 1], m[p - 1], starts[p - 1], out=starts[p])
+    return starts
+
+
 def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_state, out_dtype,
                   output_final_state: bool, store_o: bool = True, store_h: bool = False,
-                  h_dtype: torch.dtype = torch.float32, precision: str = "tf32", segments=None, on_segment=None):
+                  h_dtype: torch.dtype = torch.float32, precision: str = "tf32", segments=None, on_segment=None,
+                  parallel: int = 0):
     """Launch stage 2. Returns (o [B,T,HV,V] or None, final state or None, h [B*HV,NT,K,V] or None,
     Vn [B*HV,Tp,V] fp32 or None). `segments`: scan chunk range [n0, n1) after range, each starting from
     the previous one's end state (two fp32 carry buffers, alternating, so that the autotuner's repeated
     launches of one range read an unchanged start state), calling `on_segment(n0, n1, "start")` before
-    each launch."""
+    each launch. `parallel` (>= 2; not with `segments`): the parallel scan, that many runs of chunks
+    scanned at once from start states computed first (`scan_run_starts`)."""
     K, V = it.w.shape[-1], it.u.shape[-1]
     BT = chunk_size
     NT = triton.cdiv(T, BT)
@@ -823,6 +929,17 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
     ht = torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     h = torch.empty(B * HV, NT, K, V, device=dev, dtype=h_dtype) if store_h else None
     vn = torch.empty(B * HV, NT * BT, V, device=dev, dtype=torch.float32) if store_h else None
+    runs, L = parallel_runs(NT, parallel)
+    if runs > 1:
+        if segments:
+            raise ValueError("kda_fwd_state: parallel runs and sequential segments do not combine")
+        starts = scan_run_starts(it, B, HV, BT, initial_state, runs, L, precision)
+        _kda_fwd_state_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), B * HV, runs)](
+            it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, starts, ht, h, vn, T, NT,
+            triton.next_power_of_2(B * HV * runs), 0, NT, L, B * HV * K * V, HV=HV, K=K, V=V, BT=BT, BK=BK,
+            USE_H0=True, STORE_HT=ht is not None, STORE_O=store_o, STORE_H=store_h,
+            INTERPRET=interpreting(it.w), PREC=precision)
+        return o, ht, h, vn
     segments = segments or [(0, NT)]
     carry = [None, None] if len(segments) == 1 else \
         [torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) for _ in range(2)]
@@ -832,9 +949,9 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
         s_out = ht if last else carry[i % 2]
         if on_segment is not None:
             on_segment(n0, n1, "start")
-        _kda_fwd_state_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), B * HV)](
+        _kda_fwd_state_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), B * HV, 1)](
             it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, s_in, s_out, h, vn, T, NT,
-            triton.next_power_of_2(B * HV), n0, n1, HV=HV, K=K, V=V, BT=BT, BK=BK,
+            triton.next_power_of_2(B * HV), n0, n1, n1 - n0, 0, HV=HV, K=K, V=V, BT=BT, BK=BK,
             USE_H0=s_in is not None, STORE_HT=s_out is not None, STORE_O=store_o, STORE_H=store_h,
             INTERPRET=interpreting(it.w), PREC=precision)
         s_in = s_out
