@@ -349,6 +349,16 @@ def test_chunk_kda_dg_keeps_g_precision():
     assert_close("dg", out["dg"], ref["dg"])
 
 
+def test_auto_segments_rule():
+    # TUNING fwd_segments "auto": 4 ranges only where measured to help (few scan programs, many chunks)
+    from k3cli.ops.kda.chunk import auto_segment_count, check_tuning
+    assert auto_segment_count(1, 16, 128, 256) == 4      # B1 T16384 H16 K=V=128: 32 programs
+    assert auto_segment_count(8, 16, 128, 32) == 0       # B8 T2048 H16: 256 programs
+    assert auto_segment_count(1, 16, 128, 16) == 0       # too few chunks
+    assert auto_segment_count(8, 8, 16, 32) == 0         # the toy shape: 64 programs
+    check_tuning({"fwd_segments": "auto"})
+
+
 def test_check_tuning_rejects_bad_entries():
     from k3cli.ops.kda.chunk import check_tuning
     for bad, msg in (({"fwd_intra_bk": 32}, "unknown keys"), ({"gated_dtype": "bf16"}, "must be one of"),
@@ -612,10 +622,12 @@ def test_chunk_kda_segmented_forward_gpu_is_exact():
     from k3cli.ops.kda import chunk as chunk_mod
     from k3cli.ops.kda import chunk_kda
     inputs = make_inputs(1, 4000, 4, 2, 128, 128, dtype=torch.bfloat16, device="cuda")
-    base = run_with_grads(chunk_kda, *inputs)
     saved = dict(chunk_mod.TUNING)
     try:
-        for n in (2, 5):
+        # the reference run: one range, the re-scan on the current stream ("auto" would pick 4 ranges here)
+        chunk_mod.TUNING.update(fwd_segments=0, bwd_overlap_scans=False)
+        base = run_with_grads(chunk_kda, *inputs)
+        for n in (2, 5, "auto"):
             chunk_mod.TUNING["fwd_segments"] = n
             out = run_with_grads(chunk_kda, *inputs)
             for name in base:
@@ -626,6 +638,12 @@ def test_chunk_kda_segmented_forward_gpu_is_exact():
         out = run_with_grads(chunk_kda, *inputs)
         for name in base:
             assert torch.equal(out[name], base[name]), f"bwd_overlap_scans: {name} differs"
+        # and the shipped defaults ("auto" ranges with the overlapped re-scan)
+        chunk_mod.TUNING.clear()
+        chunk_mod.TUNING.update(saved)
+        out = run_with_grads(chunk_kda, *inputs)
+        for name in base:
+            assert torch.equal(out[name], base[name]), f"shipped defaults: {name} differs"
     finally:
         chunk_mod.TUNING.clear()
         chunk_mod.TUNING.update(saved)

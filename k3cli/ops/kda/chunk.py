@@ -36,7 +36,8 @@ _CHUNK_SIZES = (16, 32, 64)
 # bwd_subchunk (default): the split backward with stored Mkk, whose intra-chunk score gradients come
 #   from a launch per (chunk, 16-row sub-chunk, 32-column key block) instead of masked [BT, BK] tiles in
 #   the key-side kernel (implies bwd_split and bwd_stored_mkk; bwd_subchunk_warps / _BK: that launch's
-#   warps and key columns; only 32 is timed).
+#   warps and key columns; session 6: 32 at 1 warp beat 16 (fwd+bwd 4.616 ms at B8 T2048 H16 K128 against
+#   4.091) and 64 at 2 warps (4.286)).
 #   Why (H200, bf16, fwd / fwd+bwd ms, notes/session4_gpu.md): B8 T2048 H16 K=V=128 from 1.662 / 6.680
 #   (session 3's defaults) to 1.682 / 5.713 with 2 warps, B1 T16384 from 2.199 / 8.469 to 2.214 / 7.558;
 #   relative RMS errors against the fp32 reference unchanged to 4 digits. Session 5: 1 warp (fwd+bwd
@@ -49,21 +50,23 @@ _CHUNK_SIZES = (16, 32, 64)
 #   (H200, session 4). "narrow": the same except the anchored score products and their gradients, which
 #   stay TF32 (in bf16 the likeliest source of that dg error; identical to True for fp16, whose range
 #   forces it there anyway). Not yet timed or checked on a GPU.
-# fwd_segments: 0, or n >= 2: the forward in n chunk ranges, stage 1 of all ranges on a side CUDA stream
-#   and the state scan of range i on the current stream as soon as stage 1 of range i is done, so the
-#   scan (B*HV*V/BV programs, few when B*HV is small) overlaps the parallel stage 1 of later ranges.
-#   Aimed at long sequences in small batches: B1 T16384 H16's forward took 1.62 ms against 1.08 at
-#   B8 T2048 H16, whose stage 1 has as many (chunk, head) programs; the difference is the scan's (H200,
-#   session 5). Not yet timed on a GPU. On CPU the ranges run one after another.
-# bwd_overlap_scans: the backward's forward re-scan (S_n, Vn) on a side CUDA stream, concurrent with the
-#   reverse scan (dS_n, dVn), which does not read it; both are sequential over chunks and, with few
-#   B*HV, leave most SMs idle. Aimed at B1 T16384 (forward+backward level with fla's there). Not yet
-#   timed on a GPU; a no-op with fwd_store_states (no re-scan) and on CPU.
+# fwd_segments: "auto" (default), 0, or n >= 2: the forward in n chunk ranges, stage 1 of all ranges on a side
+#   CUDA stream and the state scan of range i on the current stream as soon as stage 1 of range i is done,
+#   so the scan (B*HV*V/BV programs, few when B*HV is small) overlaps the parallel stage 1 of later ranges.
+#   Same kernels and values as unsegmented (GPU test: bit-equal). H200, bf16, session 6: B1 T16384 H16
+#   K=V=128 forward 1.634 -> 1.502 ms at 4 ranges, but B8 T2048 H16 1.083 -> 1.466; "auto" picks 4 ranges
+#   only for few scan programs and many chunks (auto_segments). On CPU the ranges run one after another.
+# bwd_overlap_scans (default on): the backward's forward re-scan (S_n, Vn) on a side CUDA stream, concurrent
+#   with the reverse scan (dS_n, dVn), which does not read it; both are sequential over chunks and, with few
+#   B*HV, leave most SMs idle. H200, bf16, session 6: forward+backward B1 T16384 H16 K128 5.962 -> 5.475 ms,
+#   B8 T2048 4.091 -> 4.082 (bit-equal outputs, GPU test). A no-op with fwd_store_states and on CPU.
 # bwd_stored_gamma: keep fwd_scores "sub"'s Γ buffer ([B*HV, T, K] fp32, about q and k's size in bf16) for
-#   the backward, whose split kernels then read Γ instead of forming cumsums of g. Not yet timed on a GPU.
+#   the backward, whose split kernels then read Γ instead of forming cumsums of g. H200, bf16, session 6:
+#   fwd+bwd 4.091 -> 4.159 ms at B8 T2048 H16 K128, 5.962 -> 6.037 at B1 T16384: slower, off.
 # fwd_store_states: when a gradient is needed, the forward scan also stores S_n and Vn (memory: one
 #   [B*HV, NT, K, V] states buffer and one [B*HV, T, V] fp32 buffer per call, about as much as q, k, v, g
-#   themselves at K = V = 128) and the backward skips its re-scan (session 4: 0.29 ms of 5.7 at B8 T2048 H16 K128).
+#   themselves at K = V = 128) and the backward skips its re-scan (session 4: 0.29 ms of 5.7 at B8 T2048 H16 K128;
+#   session 6: fwd+bwd 4.091 -> 3.909 ms there, B1 T16384 5.962 -> 5.344).
 #   Off by default for that memory.
 # fwd_scan_parallel: 0 (off), or n >= 2: the forward scan (and the backward's re-scan) as n runs of chunks
 #   scanned at once. The scan step is affine in the state, S' = (diag(e^γ) - K_d^T W) S + K_d^T U, so each
@@ -71,12 +74,16 @@ _CHUNK_SIZES = (16, 32, 64)
 #   columns of M: from unit vectors with U = 0, chunk_fwd._kda_fwd_seg_summary_kernel), then the start
 #   states in n - 1 small fp32 products, then all runs' scans at once (n times the programs). About 2-3x
 #   the scan's arithmetic, for n times the parallelism: aimed at few long sequences (B*HV*V/BV programs
-#   far below the SM count). Not with fwd_segments. Not yet timed.
+#   far below the SM count). Not with fwd_segments. H200, bf16, session 6 (forward / fwd+bwd ms): B1 T16384
+#   H16 K128 1.635 / 5.984 -> 1.494 / 5.857 at 4 runs (8: 1.524 / 5.860), B8 T2048 1.081 -> 1.468 at 4:
+#   no better than fwd_segments, with 2-3x the scan's arithmetic; off.
 # fwd_output: "scan" (default): the state scan also forms O, chunk after chunk; "split": the scan only
 #   carries the state and stores S_n, Vn (as fwd_store_states), and a parallel launch per (chunk, head,
 #   value block) forms O from them (chunk_fwd._kda_fwd_o_kernel). Shortens the sequential scan's step (its
 #   Q e^Γ load, two products and the O store leave it), which bounds the forward when B*HV is small, for
-#   one more launch and the S_n store; with a gradient the backward reuses S_n, Vn (no re-scan). Not yet timed.
+#   one more launch and the S_n store; with a gradient the backward reuses S_n, Vn (no re-scan). H200, bf16,
+#   session 6: forward B8 T2048 H16 K128 1.077 -> 1.226 ms, B1 T16384 1.637 -> 1.676 (fwd+bwd 4.093 -> 3.948,
+#   6.059 -> 5.386, what fwd_store_states gives too): the scan's step did not get shorter; off.
 # bwd_split: per-chunk backward as two launches (V side once, key side per key block; kda_bwd_intra).
 # bwd_intra_BK / _BV: its key / value blocks (None = the launcher's choice).
 # "*_dtype" entries: "fp32", "input" (the dtype of q/k/v: bf16 halves that buffer's traffic), or
@@ -97,7 +104,7 @@ TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None,
           "fwd_intra_sub_BK": 64, "fwd_tail_warps": 2, "fwd_tail_BK": 32,
           "bwd_stored_mkk": False, "bwd_subchunk": True, "bwd_subchunk_warps": 1, "bwd_subchunk_BK": 32, "dot16_bwd": False,
           "fwd_store_states": False, "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None,
-          "bwd_intra_warps": 4, "bwd_stored_gamma": False, "fwd_segments": 0, "bwd_overlap_scans": False,
+          "bwd_intra_warps": 4, "bwd_stored_gamma": False, "fwd_segments": "auto", "bwd_overlap_scans": True,
           "fwd_output": "scan", "fwd_scan_parallel": 0,
           "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32"}
 _DTYPE_CHOICES = ("auto", "fp32", "input")
@@ -126,8 +133,10 @@ def check_tuning(tuning: dict) -> None:
         raise ValueError("chunk_kda TUNING: bwd_stored_gamma is read by the split backward only "
                          "(bwd_subchunk or bwd_split)")
     nseg = tuning.get("fwd_segments", 0)
-    if not isinstance(nseg, int) or isinstance(nseg, bool) or nseg < 0 or nseg == 1:
-        raise ValueError(f"chunk_kda TUNING: fwd_segments={nseg!r} must be 0 (off) or an int >= 2")
+    if nseg == "auto":
+        nseg = 0   # resolved per call (auto_segments), never against the other options' constraints
+    elif not isinstance(nseg, int) or isinstance(nseg, bool) or nseg < 0 or nseg == 1:
+        raise ValueError(f"chunk_kda TUNING: fwd_segments={nseg!r} must be 'auto', 0 (off) or an int >= 2")
     npar = tuning.get("fwd_scan_parallel", 0)
     if not isinstance(npar, int) or isinstance(npar, bool) or npar < 0 or npar == 1:
         raise ValueError(f"chunk_kda TUNING: fwd_scan_parallel={npar!r} must be 0 (off) or an int >= 2")
@@ -159,6 +168,28 @@ def _tuned_dtype(name: str, dtype: torch.dtype, K: int) -> torch.dtype:
     if choice == "auto":
         choice = "input" if K >= _AUTO_INPUT_MIN_K else "fp32"
     return torch.float32 if choice == "fp32" else dtype
+
+
+# fwd_segments "auto": 4 ranges where the scan has few programs and many chunks. Measured (H200, bf16,
+# session 6, notes/session6_gpu.md): B1 T16384 H16 K=V=128 (32 programs at BV 64, 256 chunks) forward 1.634 ->
+# 1.502 ms with 4 ranges (2: 1.519, 8: 2.731); B8 T2048 H16 (256 programs) 1.083 -> 1.466, so off there.
+_AUTO_SEG_MAX_PROGRAMS = 32
+_AUTO_SEG_MIN_CHUNKS = 32
+
+
+def auto_segments(q: torch.Tensor, B: int, HV: int, V: int, NT: int) -> int:
+    """TUNING fwd_segments as this call runs it: "auto" resolved (4 or 0), else the set value."""
+    n = TUNING["fwd_segments"]
+    if n != "auto":
+        return n
+    usable = q.is_cuda and TUNING["fwd_scores"] == "sub" and not TUNING["fwd_scan_parallel"]
+    return auto_segment_count(B, HV, V, NT) if usable else 0
+
+
+def auto_segment_count(B: int, HV: int, V: int, NT: int) -> int:
+    """The "auto" rule: 4 ranges when the scan has at most 32 programs (B*HV*ceil(V/64)) and 32+ chunks."""
+    few = B * HV * -(-V // 64) <= _AUTO_SEG_MAX_PROGRAMS and NT >= _AUTO_SEG_MIN_CHUNKS
+    return 4 if few else 0
 
 
 def segment_ranges(NT: int, n: int) -> list[tuple[int, int]] | None:
@@ -261,7 +292,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         h0 = None if initial_state is None else initial_state.contiguous()
         B, T, HV = v.shape[:3]
         prec = dot_precision(v.dtype)
-        segs = segment_ranges(-(-T // chunk_size), TUNING["fwd_segments"])
+        NT = -(-T // chunk_size)
+        segs = segment_ranges(NT, auto_segments(q, B, HV, v.shape[-1], NT))
         ov = _Overlap(q.device) if segs else None
         need_grad = any(ctx.needs_input_grad[:6])
         # TUNING fwd_store_states: keep the chunk states S_n and Vn for the backward (memory for one scan)
