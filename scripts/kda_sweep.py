@@ -33,6 +33,9 @@ BASE = dict(chunk_mod.TUNING)
 # Results: notes/session{2,3,4}_gpu.md and notes/session*_sweep*.jsonl.
 VARIANTS = {
     "base": {},
+    # session 6 made fwd_segments "auto" (4 ranges for few scan programs and many chunks) and bwd_overlap_scans
+    # the defaults; this is the state before
+    "s5_defaults": {"fwd_segments": 0, "bwd_overlap_scans": False},
     "s4_defaults": {"fwd_scores": "chunk", "bwd_subchunk_warps": 2, "bwd_intra_warps": 8},
     "s3_defaults": {"fwd_scores": "chunk", "bwd_subchunk": False, "bwd_intra_warps": 8},
     # session 2, H200: whole-K stage 1 sits at 255 registers / 1 block per SM (ncu); key blocks cut that
