@@ -36,8 +36,10 @@ VARIANTS = {
     # session 6 made fwd_segments "auto" (4 ranges for few scan programs and many chunks) and bwd_overlap_scans
     # the defaults; this is the state before
     "s5_defaults": {"fwd_segments": 0, "bwd_overlap_scans": False},
-    "s4_defaults": {"fwd_scores": "chunk", "bwd_subchunk_warps": 2, "bwd_intra_warps": 8},
-    "s3_defaults": {"fwd_scores": "chunk", "bwd_subchunk": False, "bwd_intra_warps": 8},
+    "s4_defaults": {"fwd_scores": "chunk", "bwd_subchunk_warps": 2, "bwd_intra_warps": 8, "fwd_segments": 0,
+                    "bwd_overlap_scans": False},
+    "s3_defaults": {"fwd_scores": "chunk", "bwd_subchunk": False, "bwd_intra_warps": 8, "fwd_segments": 0,
+                    "bwd_overlap_scans": False},
     # session 2, H200: whole-K stage 1 sits at 255 registers / 1 block per SM (ncu); key blocks cut that
     "fi_kb32": {"fwd_scores": "chunk", "fwd_intra_BK": 32},
     "fi_kb64": {"fwd_scores": "chunk", "fwd_intra_BK": 64},
@@ -133,8 +135,8 @@ VARIANTS = {
     "seg4": {"fwd_segments": 4},
     "seg8": {"fwd_segments": 8},
     # session 5, untimed: the backward's re-scan on a side stream, concurrent with the reverse scan
-    "ovl": {"bwd_overlap_scans": True},
-    "seg4_ovl": {"fwd_segments": 4, "bwd_overlap_scans": True},
+    "no_ovl": {"bwd_overlap_scans": False},   # session 6 default: on
+    "seg4_no_ovl": {"fwd_segments": 4, "bwd_overlap_scans": False},
     # session 5, untimed: the score-gradient launch over 16 / 64 key columns (ptxas K128: 1 warp 232 / 255
     # registers + 472 B stack; 2 warps 166 / 254, no spill) against the default 32
     "bsub_bk16": {"bwd_subchunk_BK": 16},
@@ -156,7 +158,6 @@ VARIANTS = {
     "osplit": {"fwd_output": "split"},
     "osplit_s16": {"fwd_output": "split", "states_dtype": "input"},
     "osplit_seg4": {"fwd_output": "split", "fwd_segments": 4},
-    "osplit_ovl": {"fwd_output": "split", "bwd_overlap_scans": True},
     # chunk 32: [32, 32] score tiles, twice the sequential scan steps (chunk_size is chunk_kda's argument)
     "c32": {"chunk_size": 32},
     "c32_kb16_w4": {"fwd_scores": "chunk", "chunk_size": 32, "fwd_intra_BK": 16, "fwd_intra_warps": 4},

@@ -25,7 +25,7 @@ from k3cli.ops.kda import chunk_fwd as F
 INPUTS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*bf16", "beta": "*bf16", "do": "*bf16", "dv": "*bf16",
           "o": "*bf16"}
 SCALARS = {"scale": "fp32", "T": "i32", "NT": "i32", "NBT": "i32", "NBH": "i32", "N0": "i32", "N1": "i32", "L": "i32",
-           "SEG_STRIDE": "i32", "SEG_STRIDE_M": "i32", "SEG_STRIDE_E": "i32"}
+           "SEG_STRIDE": "i32", "SEG_STRIDE_M": "i32", "SEG_STRIDE_E": "i32", "NPROG": "i32"}
 
 
 def compile_report(fn, const: dict, num_warps: int, maxnreg: int | None = None) -> tuple[int, int]:

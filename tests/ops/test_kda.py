@@ -194,12 +194,12 @@ TUNING_CASES = [
     pytest.param({"fwd_segments": 2}, 1, 1, 1, 1, 24, 16, 64, id="fwd-segments2-T1-one-chunk-unsegmented"),
     pytest.param({"fwd_segments": 4, "fwd_store_states": True, "bwd_stored_gamma": True}, 1, 90, 2, 1, 40, 24, 16,
                  id="fwd-segments4-C16-store-states"),
-    pytest.param({"bwd_overlap_scans": True}, 1, 70, 1, 2, 40, 24, 64, id="bwd-overlap-scans-cpu-path"),
+    pytest.param({"bwd_overlap_scans": False}, 1, 70, 1, 2, 40, 24, 64, id="bwd-no-overlap-scans"),
     # the parallel scan: runs of chunks from start states computed by the run summaries (M, E)
     pytest.param({"fwd_scan_parallel": 3}, 2, 200, 1, 2, 40, 24, 64, id="scan-parallel3-T200-G2"),
     pytest.param({"fwd_scan_parallel": 4}, 1, 130, 1, 1, 24, 72, 32, id="scan-parallel4-C32-V72-last-run-short"),
     pytest.param({"fwd_scan_parallel": 8}, 1, 90, 2, 1, 40, 16, 16, id="scan-parallel8-C16-K40-H2"),
-    pytest.param({"fwd_scan_parallel": 2}, 1, 1, 1, 1, 24, 16, 64, id="scan-parallel2-T1-one-chunk"),
+    pytest.param({"fwd_scan_parallel": 2}, 1, 65, 1, 1, 24, 16, 64, id="scan-parallel2-T65-last-run-one-token"),
     pytest.param({"fwd_scan_parallel": 16}, 1, 65, 1, 1, 24, 16, 64, id="scan-parallel16-more-runs-than-chunks"),
     pytest.param({"fwd_scan_parallel": 4, "fwd_output": "split"}, 1, 150, 1, 2, 96, 40, 32,
                  id="scan-parallel4-output-split-K96-G2"),
@@ -359,6 +359,37 @@ def test_auto_segments_rule():
     check_tuning({"fwd_segments": "auto"})
 
 
+def test_auto_segments_gating(monkeypatch):
+    # "auto" applies the rule only on CUDA, with the sub-chunk stage 1 and without the parallel scan; a set
+    # value is returned as it is
+    from types import SimpleNamespace
+
+    from k3cli.ops.kda import chunk as chunk_mod
+    cuda, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
+    monkeypatch.setitem(chunk_mod.TUNING, "fwd_segments", "auto")
+    assert chunk_mod.auto_segments(cuda, 1, 16, 128, 256) == 4
+    assert chunk_mod.auto_segments(cpu, 1, 16, 128, 256) == 0
+    monkeypatch.setitem(chunk_mod.TUNING, "fwd_scores", "pairs")
+    assert chunk_mod.auto_segments(cuda, 1, 16, 128, 256) == 0
+    monkeypatch.setitem(chunk_mod.TUNING, "fwd_scores", "sub")
+    monkeypatch.setitem(chunk_mod.TUNING, "fwd_scan_parallel", 4)
+    assert chunk_mod.auto_segments(cuda, 1, 16, 128, 256) == 0
+    monkeypatch.setitem(chunk_mod.TUNING, "fwd_scan_parallel", 0)
+    monkeypatch.setitem(chunk_mod.TUNING, "fwd_segments", 3)
+    assert chunk_mod.auto_segments(cpu, 8, 16, 128, 32) == 3
+
+
+def test_chunk_kda_checks_tuning_before_reading_it(monkeypatch):
+    # a mistyped entry is one clear ValueError from the forward, not a TypeError from deep inside it
+    from k3cli.ops.kda import chunk as chunk_mod
+    from k3cli.ops.kda import chunk_kda
+    x = make_inputs(1, 8, 1, 1, 16, 16)
+    for bad in ("Auto", "4", 2.0):
+        monkeypatch.setitem(chunk_mod.TUNING, "fwd_segments", bad)
+        with pytest.raises(ValueError, match="fwd_segments"):
+            chunk_kda(*x[:5])
+
+
 def test_check_tuning_rejects_bad_entries():
     from k3cli.ops.kda.chunk import check_tuning
     for bad, msg in (({"fwd_intra_bk": 32}, "unknown keys"), ({"gated_dtype": "bf16"}, "must be one of"),
@@ -367,7 +398,10 @@ def test_check_tuning_rejects_bad_entries():
                      ({"fwd_scores": "tiles"}, "must be one of"),
                      ({"bwd_stored_gamma": True, "fwd_scores": "pairs"}, "Γ buffer"),
                      ({"fwd_segments": 1}, "int >= 2"), ({"fwd_segments": 2, "fwd_scores": "chunk"}, "needs"),
-                     ({"bwd_stored_gamma": True, "bwd_subchunk": False}, "split backward only")):
+                     ({"bwd_stored_gamma": True, "bwd_subchunk": False}, "split backward only"),
+                     ({"fwd_segments": "Auto"}, "'auto', 0"), ({"fwd_scan_parallel": 1}, "int >= 2"),
+                     ({"fwd_scan_parallel": True}, "int >= 2"), ({"fwd_output": "fused"}, "'scan' or 'split'"),
+                     ({"fwd_scan_parallel": 2, "fwd_segments": 2}, "do not combine")):
         with pytest.raises(ValueError, match=msg):
             check_tuning(bad)
 
@@ -614,6 +648,25 @@ def test_chunk_kda_fp32_gpu_is_fp32_accurate():
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("tuning", [{"fwd_scan_parallel": 8}, {"fwd_scan_parallel": 4, "fwd_output": "split"},
+                                    {"fwd_segments": 5}])
+def test_chunk_kda_long_memory_gpu(tuning, monkeypatch):
+    """The carried-state paths on a GPU, where runs / ranges execute concurrently (the interpreter runs
+    programs in order, so e.g. a final state written by a run other than the last would go unseen there):
+    fp32, a slow gate, against the fp32 recurrence at the GPU tier's fp32 tolerance."""
+    from k3cli.ops.kda import chunk as chunk_mod
+    from k3cli.ops.kda import chunk_kda
+    for name, val in tuning.items():
+        monkeypatch.setitem(chunk_mod.TUNING, name, val)
+    inputs = make_inputs(1, 1500, 2, 2, 64, 64, dtype=torch.float32, device="cuda", gate_scale=0.01)
+    ref = run_with_grads(naive_recurrent_kda, *inputs)
+    out = run_with_grads(chunk_kda, *inputs)
+    for name in ref:
+        assert_close(name, out[name], ref[name], tol=1e-4)
+
+
+@pytest.mark.gpu
+@gpu
 def test_chunk_kda_segmented_forward_gpu_is_exact():
     """TUNING fwd_segments: stage 1 on a side stream, the scan per chunk range on the current stream
     after that range's event. Same kernels, the state carried through fp32 buffers: the outputs and the
@@ -624,7 +677,8 @@ def test_chunk_kda_segmented_forward_gpu_is_exact():
     inputs = make_inputs(1, 4000, 4, 2, 128, 128, dtype=torch.bfloat16, device="cuda")
     saved = dict(chunk_mod.TUNING)
     try:
-        # the reference run: one range, the re-scan on the current stream ("auto" would pick 4 ranges here)
+        # the reference run: one range, the re-scan on the current stream ("auto" picks 4 ranges here)
+        assert chunk_mod.auto_segments(inputs[0], 1, 8, 128, 63) == 4
         chunk_mod.TUNING.update(fwd_segments=0, bwd_overlap_scans=False)
         base = run_with_grads(chunk_kda, *inputs)
         for n in (2, 5, "auto"):

@@ -206,8 +206,9 @@ def bench_kda(kernel: str = "chunk_kda", shapes: str | list[tuple[int, ...]] = "
 
 
 def bench_stages(shape, chunk_size: int = 64) -> dict:
-    """Per-launch medians (ms) of chunk_kda's stages at one (B, T, H, HV, K) shape, CUDA only, bf16;
-    the stages run exactly as chunk_kda runs them (chunk.TUNING and the dot precision applied)."""
+    """Per-launch medians (ms) of chunk_kda's stages at one (B, T, H, HV, K) shape, CUDA only, bf16, with
+    chunk.TUNING and the dot precision applied, except that the forward scan runs as one range with O in
+    the scan (fwd_segments and fwd_output "split" are chunk_kda's own orchestration, not timed here)."""
     import triton
 
     from k3cli.ops.kda import chunk as C_
@@ -224,7 +225,8 @@ def bench_stages(shape, chunk_size: int = 64) -> dict:
     bench = triton.testing.do_bench
     return {
         "fwd_intra": bench(lambda: C_.fwd_intra(q, k, v, g, b, sc, C, prec)),
-        "fwd_state": bench(lambda: kda_fwd_state(it, B, T, HV, C, None, v.dtype, False, precision=prec)),
+        "fwd_state": bench(lambda: kda_fwd_state(it, B, T, HV, C, None, v.dtype, False, precision=prec,
+                                                 parallel=C_.TUNING["fwd_scan_parallel"])),
         "fwd_state_recompute": bench(lambda: C_.recompute_states(it, None, B, T, HV, C, v.dtype, prec)),
         "bwd_state": bench(lambda: C_.bwd_state(it, do, None, B, T, HV, C, False, v.dtype, prec)),
         "bwd_intra": bench(lambda: C_.bwd_intra(q, k, v, g, b, it.tm, it.mkk, h, dh, do, vn, dvn, sc, C, prec)),

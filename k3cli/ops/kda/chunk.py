@@ -1,10 +1,13 @@
 """Triton chunked KDA: autograd wrapper and public entry point (kernels in chunk_fwd.py, chunk_bwd.py).
 
 Launches with the default TUNING: forward 4 (Γ with the gated operands, sub-chunk scores, solve + W, U,
-state scan); backward 5 (state re-scan, reverse state scan, and the per-chunk gradients as V side,
-intra-chunk score gradients, key side) plus, with GVA, the group sum of dq, dk in torch. The TUNING
+state scan), or on CUDA for few long sequences (fwd_segments "auto") those 4 per chunk range; backward 5
+(state re-scan, on a side stream concurrent with the reverse state scan, and the per-chunk gradients as
+V side, intra-chunk score gradients, key side) plus, with GVA, the group sum of dq, dk in torch. The TUNING
 alternatives change that count (one per-chunk backward launch without bwd_subchunk / bwd_split, no
-re-scan with fwd_store_states, other stage-1 plans with fwd_scores / fwd_intra_split).
+re-scan with fwd_store_states or fwd_output "split", one more O launch with the latter, a run-summary
+launch and small torch products with fwd_scan_parallel, other stage-1 plans with fwd_scores /
+fwd_intra_split).
 """
 from __future__ import annotations
 
@@ -59,7 +62,9 @@ _CHUNK_SIZES = (16, 32, 64)
 # bwd_overlap_scans (default on): the backward's forward re-scan (S_n, Vn) on a side CUDA stream, concurrent
 #   with the reverse scan (dS_n, dVn), which does not read it; both are sequential over chunks and, with few
 #   B*HV, leave most SMs idle. H200, bf16, session 6: forward+backward B1 T16384 H16 K128 5.962 -> 5.475 ms,
-#   B8 T2048 4.091 -> 4.082 (bit-equal outputs, GPU test). A no-op with fwd_store_states and on CPU.
+#   B8 T2048 4.091 -> 4.082 (bit-equal outputs, GPU test). A no-op with fwd_store_states and on CPU. Memory:
+#   the re-scan's S_n, Vn are allocated on the side stream, whose cached blocks only side-stream allocations
+#   reuse, so about one re-scan's S_n + Vn (~0.4 GB at B1 T16384 H16 K=V=128) stays reserved there.
 # bwd_stored_gamma: keep fwd_scores "sub"'s Γ buffer ([B*HV, T, K] fp32, about q and k's size in bf16) for
 #   the backward, whose split kernels then read Γ instead of forming cumsums of g. H200, bf16, session 6:
 #   fwd+bwd 4.091 -> 4.159 ms at B8 T2048 H16 K128, 5.962 -> 6.037 at B1 T16384: slower, off.
@@ -83,7 +88,8 @@ _CHUNK_SIZES = (16, 32, 64)
 #   Q e^Γ load, two products and the O store leave it), which bounds the forward when B*HV is small, for
 #   one more launch and the S_n store; with a gradient the backward reuses S_n, Vn (no re-scan). H200, bf16,
 #   session 6: forward B8 T2048 H16 K128 1.077 -> 1.226 ms, B1 T16384 1.637 -> 1.676 (fwd+bwd 4.093 -> 3.948,
-#   6.059 -> 5.386, what fwd_store_states gives too): the scan's step did not get shorter; off.
+#   6.059 -> 5.386, what fwd_store_states gives too): the scan's step did not get shorter; off. With
+#   states_dtype "input" O comes from the 2-byte S_n (o's error 2.775e-3 against 2.747e-3 at B2 T1000 K128).
 # bwd_split: per-chunk backward as two launches (V side once, key side per key block; kda_bwd_intra).
 # bwd_intra_BK / _BV: its key / value blocks (None = the launcher's choice).
 # "*_dtype" entries: "fp32", "input" (the dtype of q/k/v: bf16 halves that buffer's traffic), or
@@ -290,6 +296,7 @@ class ChunkKDAFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         h0 = None if initial_state is None else initial_state.contiguous()
+        check_tuning(TUNING)   # before any entry is read (fwd_intra checks again for the scripts' direct calls)
         B, T, HV = v.shape[:3]
         prec = dot_precision(v.dtype)
         NT = -(-T // chunk_size)

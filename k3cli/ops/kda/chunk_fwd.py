@@ -690,15 +690,15 @@ def prune_o_configs(configs, named_args, **kwargs):
 
 @triton.autotune(
     configs=pick_configs(O_CONFIGS),
-    key=["BK", "BT", "V", "PREC"],
+    key=["BK", "BT", "NPROG", "V", "PREC"],
     prune_configs_by={"early_config_prune": prune_o_configs},
 )
 @triton.jit
-def _kda_fwd_o_kernel(qg, aqk, h, vn, o, T, NT, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def _kda_fwd_o_kernel(qg, aqk, h, vn, o, T, NT, NPROG, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """O of chunk i_n from the stored chunk-start state S_n and pseudo-values Vn: the scan's output
     term (Q e^Γ) S_n + Aqk Vn, here outside the sequential scan (TUNING fwd_output "split")."""
-    i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
@@ -964,7 +964,8 @@ def kda_fwd_o(it: Intra, h: torch.Tensor, vn: torch.Tensor, B: int, T: int, HV: 
     K, V = it.w.shape[-1], it.u.shape[-1]
     NT = triton.cdiv(T, chunk_size)
     o = torch.empty(B, T, HV, V, device=it.w.device, dtype=out_dtype)
-    _kda_fwd_o_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), NT, B * HV)](
-        it.qg, it.aqk, h, vn, o, T, NT, HV=HV, K=K, V=V, BT=chunk_size, BK=max(16, triton.next_power_of_2(K)),
-        PREC=precision)
+    # chunks on grid axis 0 (axes 1, 2 stop at 65535)
+    _kda_fwd_o_kernel[lambda meta: (NT, triton.cdiv(V, meta["BV"]), B * HV)](
+        it.qg, it.aqk, h, vn, o, T, NT, triton.next_power_of_2(NT * B * HV), HV=HV, K=K, V=V, BT=chunk_size,
+        BK=max(16, triton.next_power_of_2(K)), PREC=precision)
     return o
