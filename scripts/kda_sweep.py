@@ -155,6 +155,9 @@ VARIANTS = {
     "par16": {"fwd_scan_parallel": 16},
     "par8_store": {"fwd_scan_parallel": 8, "fwd_store_states": True},
     "par4_store": {"fwd_scan_parallel": 4, "fwd_store_states": True},
+    # session 6, untimed: the forward scan with 16-bit dot operands (scan alone at B8, BV64 w8 s1: 0.433 -> 0.338 ms)
+    "scan16": {"dot16_scan": True},
+    "scan16_store": {"dot16_scan": True, "fwd_store_states": True},
     "osplit": {"fwd_output": "split"},
     "osplit_s16": {"fwd_output": "split", "states_dtype": "input"},
     "osplit_seg4": {"fwd_output": "split", "fwd_segments": 4},

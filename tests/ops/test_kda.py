@@ -240,6 +240,9 @@ TUNING_CASES = [
     pytest.param({"dot16_bwd": True}, 2, 70, 1, 2, 96, 40, 64, id="dot16-bwd-K96-G2"),
     pytest.param({"dot16_bwd": True, "bwd_subchunk": False}, 1, 45, 1, 1, 40, 24, 32, id="dot16-bwd-unsplit-C32"),
     pytest.param({"dot16_bwd": "narrow"}, 1, 37, 1, 2, 24, 16, 16, id="dot16-bwd-narrow-C16-G2"),
+    pytest.param({"dot16_scan": True}, 2, 70, 1, 2, 96, 40, 64, id="dot16-scan-K96-G2"),
+    pytest.param({"dot16_scan": True, "fwd_output": "split", "fwd_scan_parallel": 3}, 1, 150, 1, 1, 40, 24, 32,
+                 id="dot16-scan-split-parallel3-C32"),
     pytest.param({"gated_dtype": "input", "states_dtype": "input", "inter_dtype": "input"},
                  1, 70, 1, 1, 32, 32, 64, id="input-dtype-buffers"),
     # "auto" stores 2-byte buffers from K = 65 up: fp32 ones are the alternative there
@@ -258,7 +261,7 @@ def test_chunk_kda_tuning_alternatives_match_recurrent(tuning, B, T, H, G, K, V,
     # fp16 when a buffer dtype or 16-bit dot operands are the point of the case (the interpreter's bf16
     # is wrong, see README), compared with the same case without them as well; else fp32
     buffers = any(name.endswith("_dtype") for name in tuning)
-    lowp = buffers or "dot16_bwd" in tuning
+    lowp = buffers or "dot16_bwd" in tuning or "dot16_scan" in tuning
     dtype = torch.float16 if lowp else torch.float32
     inputs = make_inputs(B, T, H, G, K, V, dtype=dtype, device=DEVICE, h0=True)
     ref = run_with_grads(naive_recurrent_kda, *[x.float() for x in inputs])
@@ -274,7 +277,7 @@ def test_chunk_kda_tuning_alternatives_match_recurrent(tuning, B, T, H, G, K, V,
 
     out = run_under(tuning)
     # the same case without its buffer dtypes / 16-bit operands
-    base = run_under({n: v for n, v in tuning.items() if not n.endswith("_dtype") and n != "dot16_bwd"}) \
+    base = run_under({n: v for n, v in tuning.items() if not n.endswith("_dtype") and not n.startswith("dot16")}) \
         if lowp else None
     for name in ref:
         assert out[name].shape == ref[name].shape, name
@@ -282,9 +285,12 @@ def test_chunk_kda_tuning_alternatives_match_recurrent(tuning, B, T, H, G, K, V,
         if buffers:
             # what the buffer dtypes change: their rounding only (measured ≤ 3.4e-4)
             assert_close(name, out[name], base[name], tol=1e-3)
-    if "dot16_bwd" in tuning:
+    if "dot16_bwd" in tuning and "dot16_scan" not in tuning:
         # the 16-bit operands were used: they move the gradients, not the forward
         assert not torch.equal(out["dq"], base["dq"]) and torch.equal(out["o"], base["o"])
+    if "dot16_scan" in tuning:
+        # the scan's 16-bit operands were used: they move the output and the final state
+        assert not torch.equal(out["o"], base["o"]) and not torch.equal(out["ht"], base["ht"])
 
 
 # The default inputs' gate forgets the state within a chunk, so a wrong carry between chunks shows only near
@@ -401,7 +407,8 @@ def test_check_tuning_rejects_bad_entries():
                      ({"bwd_stored_gamma": True, "bwd_subchunk": False}, "split backward only"),
                      ({"fwd_segments": "Auto"}, "'auto', 0"), ({"fwd_scan_parallel": 1}, "int >= 2"),
                      ({"fwd_scan_parallel": True}, "int >= 2"), ({"fwd_output": "fused"}, "'scan' or 'split'"),
-                     ({"fwd_scan_parallel": 2, "fwd_segments": 2}, "do not combine")):
+                     ({"fwd_scan_parallel": 2, "fwd_segments": 2}, "do not combine"),
+                     ({"dot16_scan": "narrow"}, "False or True")):
         with pytest.raises(ValueError, match=msg):
             check_tuning(bad)
 

@@ -73,6 +73,14 @@ _CHUNK_SIZES = (16, 32, 64)
 #   themselves at K = V = 128) and the backward skips its re-scan (session 4: 0.29 ms of 5.7 at B8 T2048 H16 K128;
 #   session 6: fwd+bwd 4.091 -> 3.909 ms there, B1 T16384 5.962 -> 5.344).
 #   Off by default for that memory.
+# dot16_scan: the forward state scan (and the backward's re-scan, the split O launch, the parallel scan's
+#   summaries) multiply operands rounded to the input dtype (bf16 / fp16; the state itself stays fp32)
+#   instead of fp32 operands at TF32. H200, session 6, the scan alone at B8 T2048 H16 K=V=128, BV 64, 8
+#   warps, 1 stage: 0.433 -> 0.338 ms (scripts/kda_scan_configs.py); the same run hit an illegal memory
+#   access at BV 32 with 16-bit operands (also seen in session 4; Triton has open reports of wgmma illegal
+#   accesses with 32-wide tiles on Hopper), so the scan's autotuner keeps only BV 64 configs for them and V < 64
+#   keeps the TF32 products. Off: accuracy and speed in chunk_kda not yet checked on a GPU; interpreter-tested
+#   in fp16.
 # fwd_scan_parallel: 0 (off), or n >= 2: the forward scan (and the backward's re-scan) as n runs of chunks
 #   scanned at once. The scan step is affine in the state, S' = (diag(e^γ) - K_d^T W) S + K_d^T U, so each
 #   run's map S_end = M S_start + E comes first from a parallel launch (E: the run scanned from 0; the
@@ -111,7 +119,7 @@ TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None,
           "bwd_stored_mkk": False, "bwd_subchunk": True, "bwd_subchunk_warps": 1, "bwd_subchunk_BK": 32, "dot16_bwd": False,
           "fwd_store_states": False, "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None,
           "bwd_intra_warps": 4, "bwd_stored_gamma": False, "fwd_segments": "auto", "bwd_overlap_scans": True,
-          "fwd_output": "scan", "fwd_scan_parallel": 0,
+          "fwd_output": "scan", "fwd_scan_parallel": 0, "dot16_scan": False,
           "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32"}
 _DTYPE_CHOICES = ("auto", "fp32", "input")
 _FWD_SCORES = ("sub", "pairs", "chunk")
@@ -152,6 +160,8 @@ def check_tuning(tuning: dict) -> None:
         raise ValueError("chunk_kda TUNING: fwd_segments needs fwd_scores 'sub'")
     if tuning.get("fwd_output", "scan") not in ("scan", "split"):
         raise ValueError(f"chunk_kda TUNING: fwd_output={tuning['fwd_output']!r} must be 'scan' or 'split'")
+    if tuning.get("dot16_scan", False) not in (False, True):
+        raise ValueError(f"chunk_kda TUNING: dot16_scan={tuning['dot16_scan']!r} must be False or True")
     if tuning.get("dot16_bwd", False) not in (False, True, "narrow"):
         raise ValueError(f"chunk_kda TUNING: dot16_bwd={tuning['dot16_bwd']!r} must be False, True or 'narrow'")
     for name in ("fwd_intra_warps", "bwd_intra_warps", "bwd_subchunk_warps", "fwd_intra_pairs_warps",
@@ -299,6 +309,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         check_tuning(TUNING)   # before any entry is read (fwd_intra checks again for the scripts' direct calls)
         B, T, HV = v.shape[:3]
         prec = dot_precision(v.dtype)
+        # the forward scan's products (TUNING dot16_scan; its 16-bit operands run at 64-column value blocks only)
+        scan_prec = _stage_prec("dot16_scan", prec, v.dtype) if v.shape[-1] >= 64 or not v.is_cuda else prec
         NT = -(-T // chunk_size)
         segs = segment_ranges(NT, auto_segments(q, B, HV, v.shape[-1], NT))
         ov = _Overlap(q.device) if segs else None
@@ -311,21 +323,21 @@ class ChunkKDAFunction(torch.autograd.Function):
             it = fwd_intra(q, k, v, g, beta, scale, chunk_size, prec, segments=segs, on_segment=ov and ov.stage1,
                            need_grad=need_grad)
             o, ht, h, vn = kda_fwd_state(it, B, T, HV, chunk_size, h0, v.dtype, output_final_state,
-                                         store_o=not split_o, store_h=keep or split_o, h_dtype=sd, precision=prec,
+                                         store_o=not split_o, store_h=keep or split_o, h_dtype=sd, precision=scan_prec,
                                          segments=segs, on_segment=ov and ov.scan,
                                          parallel=TUNING["fwd_scan_parallel"])
         finally:
             if ov is not None:
                 ov.join()   # the current stream again, after all of stage 1 (also when a launch raised)
         if split_o:
-            o = kda_fwd_o(it, h, vn, B, T, HV, chunk_size, v.dtype, precision=prec)
+            o = kda_fwd_o(it, h, vn, B, T, HV, chunk_size, v.dtype, precision=scan_prec)
             if not need_grad:
                 h = vn = None
         # free Γ now, not earlier: with fwd_segments the side stream may still have been reading it
         if not (TUNING["bwd_stored_gamma"] and need_grad):
             it = it._replace(gc=None)
         ctx.save_for_backward(q, k, v, g, beta, h0, *it, h, vn)
-        ctx.scale, ctx.chunk_size, ctx.prec = scale, chunk_size, prec
+        ctx.scale, ctx.chunk_size, ctx.prec, ctx.scan_prec = scale, chunk_size, prec, scan_prec
         return o, ht
 
     @staticmethod
@@ -345,11 +357,11 @@ class ChunkKDAFunction(torch.autograd.Function):
             side = _side_stream(q.device)
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                h, vn = recompute_states(it, h0, B, T, HV, C, v.dtype, prec)
+                h, vn = recompute_states(it, h0, B, T, HV, C, v.dtype, ctx.scan_prec)
             h.record_stream(main)    # made on the side stream, read on the main one
             vn.record_stream(main)
         elif h is None:
-            h, vn = recompute_states(it, h0, B, T, HV, C, v.dtype, prec)
+            h, vn = recompute_states(it, h0, B, T, HV, C, v.dtype, ctx.scan_prec)
         dh, dvn, dh0 = bwd_state(it, do, dht, B, T, HV, C, h0 is not None, v.dtype, prec)
         if side is not None:
             main.wait_stream(side)

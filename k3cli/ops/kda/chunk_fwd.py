@@ -58,10 +58,14 @@ def prune_state_configs(configs, named_args, **kwargs):
         return named_args.get(name, kwargs.get(name))
     V, BK, BT = arg("V"), arg("BK"), arg("BT")
     cap = max(16, triton.next_power_of_2(V))
+    # 16-bit dot operands (chunk.TUNING dot16_scan) only at BV 64: at BV 32 they hit an illegal memory access
+    # on the H200 (sessions 4 and 6; Triton 3.6 wgmma with N = 32 tiles)
+    min_bv = 64 if arg("PREC") in ("bf16", "fp16") and not interpreting() else 16
     out, seen = [], set()
     for c in configs:
         key = (min(c.kwargs["BV"], cap), c.num_warps, c.num_stages)
-        if key in seen or (c.num_stages > 1 and c.num_stages * _stage_bytes(named_args, BT, BK, key[0]) > _SHARED_BYTES):
+        if key in seen or key[0] < min_bv or \
+                (c.num_stages > 1 and c.num_stages * _stage_bytes(named_args, BT, BK, key[0]) > _SHARED_BYTES):
             continue
         seen.add(key)
         out.append(triton.Config({"BV": key[0]}, num_warps=key[1], num_stages=key[2]))
@@ -676,13 +680,15 @@ O_CONFIGS = [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
 
 
 def prune_o_configs(configs, named_args, **kwargs):
-    """Clamp BV to the padded value width and drop the duplicates that leaves."""
+    """Clamp BV to the padded value width and drop the duplicates that leaves (and, as for the scans,
+    BV < 64 with 16-bit dot operands)."""
     V = named_args.get("V", kwargs.get("V"))
     cap = max(16, triton.next_power_of_2(V))
+    min_bv = 64 if kwargs.get("PREC", named_args.get("PREC")) in ("bf16", "fp16") and not interpreting() else 16
     out, seen = [], set()
     for c in configs:
         key = (min(c.kwargs["BV"], cap), c.num_warps, c.num_stages)
-        if key not in seen:
+        if key not in seen and key[0] >= min_bv:
             seen.add(key)
             out.append(triton.Config({"BV": key[0]}, num_warps=key[1], num_stages=key[2]))
     return out
