@@ -155,6 +155,12 @@ VARIANTS = {
     "par16": {"fwd_scan_parallel": 16},
     "par8_store": {"fwd_scan_parallel": 8, "fwd_store_states": True},
     "par4_store": {"fwd_scan_parallel": 4, "fwd_store_states": True},
+    # session 6, untimed: the stage-1 score launch per 16 x 16 block pair, with pipelined key-block loads
+    "pp": {"fwd_scores_per_pair": True},
+    "pp_s2": {"fwd_scores_per_pair": True, "fwd_scores_stages": 2},
+    "pp_s3": {"fwd_scores_per_pair": True, "fwd_scores_stages": 3},
+    "pp_w2_s2": {"fwd_scores_per_pair": True, "fwd_scores_stages": 2, "fwd_intra_sub_warps": 2},
+    "sub_s2": {"fwd_scores_stages": 2},
     # session 6, untimed: the forward scan with 16-bit dot operands (scan alone at B8, BV64 w8 s1: 0.433 -> 0.338 ms)
     "scan16": {"dot16_scan": True},
     "scan16_store": {"dot16_scan": True, "fwd_store_states": True},

@@ -68,6 +68,9 @@ def main() -> None:
     for bk in sorted({min(64, BKf), BKf}):
         cases.append((f"fwd scores sub BK{bk}", F._kda_fwd_scores_sub_kernel,
                       dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=bk, PREC=args.prec, STORE_MKK=True)))
+        cases.append((f"fwd scores per pair BK{bk}", F._kda_fwd_scores_sub_kernel,
+                      dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=bk, PREC=args.prec, STORE_MKK=True,
+                           PER_PAIR=True)))
     cases.append((f"fwd_intra solve + W,U BK{BKf}", F._kda_fwd_intra_kblock_kernel,
                   dict(base, BK=BKf, BV=min(64, BKf), PART=4, STORE_MKK=False)))
     for bk in (BKf, 32):

@@ -184,6 +184,12 @@ TUNING_CASES = [
     pytest.param({"fwd_scores": "sub"}, 1, 50, 2, 2, 40, 24, 32, id="fwd-sub-H2-G2-C32"),
     pytest.param({"fwd_scores": "sub", "fwd_intra_sub_BK": 16}, 1, 45, 2, 1, 40, 24, 32, id="fwd-sub-C32-K40-BK16"),
     pytest.param({"fwd_scores": "sub"}, 1, 37, 1, 1, 24, 16, 16, id="fwd-sub-C16-one-subchunk"),
+    pytest.param({"fwd_scores_per_pair": True}, 2, 70, 1, 2, 96, 40, 64, id="fwd-per-pair-K96-G2-T70"),
+    pytest.param({"fwd_scores_per_pair": True, "fwd_scores_stages": 3}, 1, 45, 2, 1, 40, 24, 32,
+                 id="fwd-per-pair-stages3-C32-K40"),
+    pytest.param({"fwd_scores_per_pair": True}, 1, 37, 1, 1, 24, 16, 16, id="fwd-per-pair-C16-one-subchunk"),
+    pytest.param({"fwd_scores_per_pair": True, "fwd_intra_sub_BK": 16}, 1, 1, 1, 1, 40, 16, 64,
+                 id="fwd-per-pair-T1-BK16"),
     pytest.param({"fwd_scores": "sub", "fwd_intra_split": True, "fwd_tail_BK": 16}, 1, 50, 1, 2, 40, 24, 64,
                  id="fwd-sub-split-tail-BK16"),
     pytest.param({"fwd_scores": "pairs", "fwd_intra_split": True}, 2, 1, 1, 1, 16, 16, 64, id="fwd-pairs-split-tail-T1"),
@@ -408,7 +414,8 @@ def test_check_tuning_rejects_bad_entries():
                      ({"fwd_segments": "Auto"}, "'auto', 0"), ({"fwd_scan_parallel": 1}, "int >= 2"),
                      ({"fwd_scan_parallel": True}, "int >= 2"), ({"fwd_output": "fused"}, "'scan' or 'split'"),
                      ({"fwd_scan_parallel": 2, "fwd_segments": 2}, "do not combine"),
-                     ({"dot16_scan": "narrow"}, "False or True")):
+                     ({"dot16_scan": "narrow"}, "False or True"), ({"fwd_scores_stages": 0}, "1, 2, 3 or 4"),
+                     ({"fwd_scores_per_pair": "yes"}, "False or True")):
         with pytest.raises(ValueError, match=msg):
             check_tuning(bad)
 

@@ -73,6 +73,11 @@ _CHUNK_SIZES = (16, 32, 64)
 #   themselves at K = V = 128) and the backward skips its re-scan (session 4: 0.29 ms of 5.7 at B8 T2048 H16 K128;
 #   session 6: fwd+bwd 4.091 -> 3.909 ms there, B1 T16384 5.962 -> 5.344).
 #   Off by default for that memory.
+# fwd_scores_per_pair, fwd_scores_stages: fwd_scores "sub"'s score launch with one program per 16 x 16 block
+#   pair (a, c), c <= a (10 per 64-token chunk, each one block) instead of per query sub-chunk (4, with 1 to 4
+#   blocks each), and its pipeline stages (1-4: the key-block loop's loads of the next block issued while
+#   this one multiplies). Aimed at the K = 128 forward (the score launch: 0.31 of 1.08 ms at B8 T2048 H16).
+#   Not yet timed on a GPU.
 # dot16_scan: the forward state scan (and the backward's re-scan, the split O launch, the parallel scan's
 #   summaries) multiply operands rounded to the input dtype (bf16 / fp16; the state itself stays fp32)
 #   instead of fp32 operands at TF32. H200, session 6, the scan alone at B8 T2048 H16 K=V=128, BV 64, 8
@@ -120,6 +125,7 @@ TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None,
           "fwd_store_states": False, "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None,
           "bwd_intra_warps": 4, "bwd_stored_gamma": False, "fwd_segments": "auto", "bwd_overlap_scans": True,
           "fwd_output": "scan", "fwd_scan_parallel": 0, "dot16_scan": False,
+          "fwd_scores_per_pair": False, "fwd_scores_stages": 1,
           "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32"}
 _DTYPE_CHOICES = ("auto", "fp32", "input")
 _FWD_SCORES = ("sub", "pairs", "chunk")
@@ -160,6 +166,10 @@ def check_tuning(tuning: dict) -> None:
         raise ValueError("chunk_kda TUNING: fwd_segments needs fwd_scores 'sub'")
     if tuning.get("fwd_output", "scan") not in ("scan", "split"):
         raise ValueError(f"chunk_kda TUNING: fwd_output={tuning['fwd_output']!r} must be 'scan' or 'split'")
+    if tuning.get("fwd_scores_stages", 1) not in (1, 2, 3, 4):
+        raise ValueError(f"chunk_kda TUNING: fwd_scores_stages={tuning['fwd_scores_stages']!r} must be 1, 2, 3 or 4")
+    if tuning.get("fwd_scores_per_pair", False) not in (False, True):
+        raise ValueError(f"chunk_kda TUNING: fwd_scores_per_pair={tuning['fwd_scores_per_pair']!r} must be False or True")
     if tuning.get("dot16_scan", False) not in (False, True):
         raise ValueError(f"chunk_kda TUNING: dot16_scan={tuning['dot16_scan']!r} must be False or True")
     if tuning.get("dot16_bwd", False) not in (False, True, "narrow"):
@@ -274,7 +284,8 @@ def fwd_intra(q, k, v, g, beta, scale, C, prec, segments=None, on_segment=None, 
                          pairs=TUNING["fwd_scores"] == "pairs", pairs_warps=TUNING["fwd_intra_pairs_warps"],
                          sub=TUNING["fwd_scores"] == "sub", sub_warps=TUNING["fwd_intra_sub_warps"],
                          sub_key_block=TUNING["fwd_intra_sub_BK"], tail_warps=TUNING["fwd_tail_warps"],
-                         tail_key_block=TUNING["fwd_tail_BK"], segments=segments, on_segment=on_segment)
+                         tail_key_block=TUNING["fwd_tail_BK"], segments=segments, on_segment=on_segment,
+                         sub_per_pair=TUNING["fwd_scores_per_pair"], sub_stages=TUNING["fwd_scores_stages"])
 
 
 def recompute_states(it: Intra, h0, B, T, HV, C, v_dtype, prec):

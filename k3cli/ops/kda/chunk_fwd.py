@@ -407,17 +407,55 @@ def _kda_fwd_gamma_kernel(q, k, g, gc, qg, kd, eg, scale, T, NT, N0, H: tl.const
 
 
 @triton.jit
+def _score_pair(q_h, k_h, gc_n, a, c, t_a, t_c, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """The raw BC x BC products of query sub-chunk a (token rows from t_a) with key sub-chunk c (from t_c)
+    of one chunk, over BK-column key blocks, from the stored Γ (`gc_n`: this chunk's [BT, K] rows),
+    anchored at Γ of sub-chunk a's first row A (as `_anchored_factors`):
+    q·k: Σ_d (q_id e^(Γ_id - A_d)) (k_jd e^(A_d - Γ_jd)), and the same with k_i for q_i."""
+    b_sq = tl.zeros([BC, BC], dtype=tl.float32)
+    b_sk = tl.zeros([BC, BC], dtype=tl.float32)
+    for i_k in range((K + BK - 1) // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_A = tl.load(gc_n + a * BC * K + o_k, mask=o_k < K, other=0.)
+        p_ga = tl.make_block_ptr(gc_n, (BT, K), (K, 1), (a * BC, i_k * BK), (BC, BK), (1, 0))
+        b_e = tl.exp(tl.load(p_ga, boundary_check=(1,), padding_option="zero") - b_A[None, :])
+        # the key side loaded transposed, [BK, BC]
+        p_kt = tl.make_block_ptr(k_h, (K, T), (1, H * K), (i_k * BK, t_c), (BK, BC), (0, 1))
+        p_gt = tl.make_block_ptr(gc_n, (K, BT), (1, K), (i_k * BK, c * BC), (BK, BC), (0, 1))
+        b_kt = tl.load(p_kt, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+        b_kt *= tl.exp(b_A[:, None] - tl.load(p_gt, boundary_check=(0,), padding_option="zero"))
+        p_q = tl.make_block_ptr(q_h, (T, K), (H * K, 1), (t_a, i_k * BK), (BC, BK), (1, 0))
+        p_k = tl.make_block_ptr(k_h, (T, K), (H * K, 1), (t_a, i_k * BK), (BC, BK), (1, 0))
+        b_qa = tl.load(p_q, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+        b_ka = tl.load(p_k, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+        b_sq += _dot_wide(b_qa * b_e, b_kt, PREC)
+        b_sk += _dot_wide(b_ka * b_e, b_kt, PREC)
+    return b_sq, b_sk
+
+
+@triton.jit
 def _kda_fwd_scores_sub_kernel(q, k, gc, beta, aqk, tm, mkk, scale, T, NT, N0, H: tl.constexpr, HV: tl.constexpr,
                                K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                               PREC: tl.constexpr, STORE_MKK: tl.constexpr):
+                               PREC: tl.constexpr, STORE_MKK: tl.constexpr, PER_PAIR: tl.constexpr = False):
     """Stage 1b (chunk.TUNING fwd_scores "sub"), one program per (chunk x query sub-chunk a, batch*value-head):
-    the BC x BC score blocks (a, c) of rows [a*BC, (a+1)*BC), c <= a, over BK-column key blocks, from the
-    stored Γ (`gc`), anchored at Γ of the sub-chunk's first row A (as `_anchored_factors`):
-    Σ_d (q_id e^(Γ_id - A_d)) (k_jd e^(A_d - Γ_jd)). Writes scale·Aqk (j <= i) to aqk, β_i Akk (j < i) to
-    tm, raw Akk to mkk with STORE_MKK, and zeros in the blocks c > a."""
-    i_na, i_bh = tl.program_id(0), tl.program_id(1)
+    the BC x BC score blocks (a, c) of rows [a*BC, (a+1)*BC), c <= a (`_score_pair`). Writes scale·Aqk
+    (j <= i) to aqk, β_i Akk (j < i) to tm, raw Akk to mkk with STORE_MKK, and zeros in the blocks c > a.
+    PER_PAIR (chunk.TUNING fwd_scores_per_pair): one program per (chunk x block pair (a, c), c <= a) instead,
+    NC(NC+1)/2 per chunk, each one block (the diagonal one also writes row a's zero blocks): the same
+    products, balanced programs, and a key-block loop the compiler may pipeline."""
+    i_np, i_bh = tl.program_id(0), tl.program_id(1)
     NC: tl.constexpr = BT // BC
-    i_n, a = i_na // NC + N0, i_na % NC
+    if PER_PAIR:
+        NP: tl.constexpr = NC * (NC + 1) // 2
+        i_n, p = i_np // NP + N0, i_np % NP
+        a = p * 0
+        for r in tl.static_range(1, NC):
+            a += (p >= r * (r + 1) // 2).to(tl.int32)
+        c_first = p - a * (a + 1) // 2
+    else:
+        i_n, a = i_np // NC + N0, i_np % NC
+        c_first = a * 0
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
     o_c = tl.arange(0, BC)
@@ -433,35 +471,20 @@ def _kda_fwd_scores_sub_kernel(q, k, gc, beta, aqk, tm, mkk, scale, T, NT, N0, H
     t_a = i_n * BT + a * BC
     p_row = (base + i_row)[:, None] * BT
     # runtime loops (not unrolled: unrolled, the compiler kept every pair's tiles live, 255 registers)
-    c = a * 0
-    while c <= a:
+    c = c_first
+    c_last = c_first if PER_PAIR else a
+    while c <= c_last:
         j_col = c * BC + o_c
-        b_sq = tl.zeros([BC, BC], dtype=tl.float32)
-        b_sk = tl.zeros([BC, BC], dtype=tl.float32)
-        for i_k in range((K + BK - 1) // BK):
-            o_k = i_k * BK + tl.arange(0, BK)
-            b_A = tl.load(gc_n + a * BC * K + o_k, mask=o_k < K, other=0.)
-            p_ga = tl.make_block_ptr(gc_n, (BT, K), (K, 1), (a * BC, i_k * BK), (BC, BK), (1, 0))
-            b_e = tl.exp(tl.load(p_ga, boundary_check=(1,), padding_option="zero") - b_A[None, :])
-            # the key side loaded transposed, [BK, BC]
-            p_kt = tl.make_block_ptr(k_h, (K, T), (1, H * K), (i_k * BK, i_n * BT + c * BC), (BK, BC), (0, 1))
-            p_gt = tl.make_block_ptr(gc_n, (K, BT), (1, K), (i_k * BK, c * BC), (BK, BC), (0, 1))
-            b_kt = tl.load(p_kt, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
-            b_kt *= tl.exp(b_A[:, None] - tl.load(p_gt, boundary_check=(0,), padding_option="zero"))
-            p_q = tl.make_block_ptr(q_h, (T, K), (H * K, 1), (t_a, i_k * BK), (BC, BK), (1, 0))
-            p_k = tl.make_block_ptr(k_h, (T, K), (H * K, 1), (t_a, i_k * BK), (BC, BK), (1, 0))
-            b_qa = tl.load(p_q, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
-            b_ka = tl.load(p_k, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
-            b_sq += _dot_wide(b_qa * b_e, b_kt, PREC)
-            b_sk += _dot_wide(b_ka * b_e, b_kt, PREC)
+        b_sq, b_sk = _score_pair(q_h, k_h, gc_n, a, c, t_a, i_n * BT + c * BC, T, H, K, BT, BC, BK, PREC)
         _store_score_block(aqk, tm, mkk, p_row + j_col[None, :], i_row, j_col, b_sq, b_sk, b_beta, scale, STORE_MKK)
         c += 1
-    b_zero = tl.zeros([BC, BC], dtype=tl.float32)
-    while c < NC:
-        j_col = c * BC + o_c
-        _store_score_block(aqk, tm, mkk, p_row + j_col[None, :], i_row, j_col, b_zero, b_zero, b_beta, scale,
-                           STORE_MKK)
-        c += 1
+    if c == a + 1:   # this program holds row a's diagonal block: it writes the zero blocks right of it
+        b_zero = tl.zeros([BC, BC], dtype=tl.float32)
+        while c < NC:
+            j_col = c * BC + o_c
+            _store_score_block(aqk, tm, mkk, p_row + j_col[None, :], i_row, j_col, b_zero, b_zero, b_beta, scale,
+                               STORE_MKK)
+            c += 1
 
 
 @triton.jit
@@ -769,7 +792,7 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
                   store_mkk: bool = False, pairs: bool = False, pairs_warps: int = 4, sub: bool = False,
                   sub_warps: int = 1, sub_key_block: int = 64, tail_warps: int = 2,
                   tail_key_block: int | None = 32, segments: list[tuple[int, int]] | None = None,
-                  on_segment=None) -> Intra:
+                  on_segment=None, sub_per_pair: bool = False, sub_stages: int = 1) -> Intra:
     """Launch stage 1 (one program per chunk and batch*value-head). W, U are stored in `inter_dtype`,
     Q e^Γ and K e^(γ-Γ) in `gated_dtype`; everything else fp32. `precision`: see dot_precision.
     `key_block` (16, 32, 64): walk the key dim in blocks of that many columns when K is wider
@@ -783,7 +806,8 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     then the solve and W, U as one launch of the key-blocked kernel (PART 4).
     `sub`: Γ into an fp32 buffer with the gated operands (`_kda_fwd_gamma_kernel`), the scores per
     (chunk, 16-row query sub-chunk) from it (`_kda_fwd_scores_sub_kernel`, `sub_warps` warps, key blocks of
-    `sub_key_block` columns), then the solve and W, U (PART 4): small programs, many per SM.
+    `sub_key_block` columns; `sub_per_pair`: per 16 x 16 block pair instead; `sub_stages`: its pipeline
+    stages), then the solve and W, U (PART 4): small programs, many per SM.
     `segments` (with `sub`): launch stage 1 one chunk range [n0, n1) after another, calling
     `on_segment(n0, n1, "start" | "done")` around each (chunk_kda's segmented forward switches CUDA
     streams and records events there)."""
@@ -817,7 +841,7 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
             if on_segment is not None:
                 on_segment(n0, n1, "start")
             launch_intra_sub(it, q, k, v, g, beta, scale, BT, n0, n1, precision, split, sub_warps, sub_key_block,
-                             tail_warps, tail_key_block, maxnreg)
+                             tail_warps, tail_key_block, maxnreg, per_pair=sub_per_pair, sub_stages=sub_stages)
             if on_segment is not None:
                 on_segment(n0, n1, "done")
         return it
@@ -842,9 +866,11 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
 
 def launch_intra_sub(it: Intra, q, k, v, g, beta, scale: float, BT: int, n0: int, n1: int, precision: str,
                      split: bool = False, sub_warps: int = 1, sub_key_block: int | None = 64, tail_warps: int = 2,
-                     tail_key_block: int | None = 32, maxnreg: int | None = None) -> None:
+                     tail_key_block: int | None = 32, maxnreg: int | None = None, per_pair: bool = False,
+                     sub_stages: int = 1) -> None:
     """The sub-chunk stage 1 (Γ + gated operands, scores, then the solve and W, U) for chunks [n0, n1)
-    into the buffers of `it` (which must hold a Γ buffer)."""
+    into the buffers of `it` (which must hold a Γ buffer). `per_pair`, `sub_stages`: the scores launch's
+    programs per block pair and its pipeline stages (chunk.TUNING fwd_scores_per_pair / _stages)."""
     B, T, H, K = q.shape
     HV = v.shape[2]
     NT = it.eg.shape[1]
@@ -858,9 +884,11 @@ def launch_intra_sub(it: Intra, q, k, v, g, beta, scale: float, BT: int, n0: int
     _kda_fwd_gamma_kernel[(n, B * HV, triton.cdiv(K, BKg))](
         q, k, g, it.gc, it.qg, it.kd, it.eg, scale, T, NT, n0, H=H, HV=HV, K=K, BT=BT, BK=BKg, num_warps=4,
         num_stages=1)
-    _kda_fwd_scores_sub_kernel[(n * (BT // BC), B * HV)](
+    NC = BT // BC
+    _kda_fwd_scores_sub_kernel[(n * (NC * (NC + 1) // 2 if per_pair else NC), B * HV)](
         q, k, it.gc, beta, it.aqk, it.tm, mkk_arg, scale, T, NT, n0, H=H, HV=HV, K=K, BT=BT, BC=BC,
-        BK=min(BK, sub_key_block or BK), PREC=precision, STORE_MKK=store_mkk, num_warps=sub_warps, num_stages=1)
+        BK=min(BK, sub_key_block or BK), PREC=precision, STORE_MKK=store_mkk, PER_PAIR=per_pair,
+        num_warps=sub_warps, num_stages=sub_stages)
     launch_intra_tail(it, q, k, v, g, beta, scale, BT, n0, n1, precision, split, tail_warps, tail_key_block,
                       maxnreg)
 
