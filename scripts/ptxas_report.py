@@ -9,6 +9,7 @@ ncu run: the K = 128 stage-1 and backward kernels sat there). A proxy for occupa
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import re
 import subprocess
@@ -30,6 +31,9 @@ SCALARS = {"scale": "fp32", "T": "i32", "NT": "i32", "NBT": "i32", "NBH": "i32",
 
 def compile_report(fn, const: dict, num_warps: int, maxnreg: int | None = None) -> tuple[int, int]:
     fn = fn.fn if isinstance(fn, Autotuner) else fn   # autotuned kernels wrap the JITFunction
+    # constexpr parameters left out take their defaults (unlisted, they would compile as pointer arguments)
+    const = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty},
+             **const}
     sig = {}
     for n in fn.arg_names:
         sig[n] = "constexpr" if n in const else SCALARS.get(n, INPUTS.get(n, "*fp32"))
@@ -67,7 +71,8 @@ def main() -> None:
         cases.append((f"fwd gamma BK{bk}", F._kda_fwd_gamma_kernel, dict(H=16, HV=16, K=K, BT=BT, BK=bk)))
     for bk in sorted({min(64, BKf), BKf}):
         cases.append((f"fwd scores sub BK{bk}", F._kda_fwd_scores_sub_kernel,
-                      dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=bk, PREC=args.prec, STORE_MKK=True)))
+                      dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=bk, PREC=args.prec, STORE_MKK=True,
+                           PER_PAIR=False)))
         cases.append((f"fwd scores per pair BK{bk}", F._kda_fwd_scores_sub_kernel,
                       dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=bk, PREC=args.prec, STORE_MKK=True,
                            PER_PAIR=True)))

@@ -246,9 +246,10 @@ TUNING_CASES = [
     pytest.param({"dot16_bwd": True}, 2, 70, 1, 2, 96, 40, 64, id="dot16-bwd-K96-G2"),
     pytest.param({"dot16_bwd": True, "bwd_subchunk": False}, 1, 45, 1, 1, 40, 24, 32, id="dot16-bwd-unsplit-C32"),
     pytest.param({"dot16_bwd": "narrow"}, 1, 37, 1, 2, 24, 16, 16, id="dot16-bwd-narrow-C16-G2"),
-    pytest.param({"dot16_scan": True}, 2, 70, 1, 2, 96, 40, 64, id="dot16-scan-K96-G2"),
-    pytest.param({"dot16_scan": True, "fwd_output": "split", "fwd_scan_parallel": 3}, 1, 150, 1, 1, 40, 24, 32,
-                 id="dot16-scan-split-parallel3-C32"),
+    # (V >= 64: on CUDA a narrower V keeps the TF32 products)
+    pytest.param({"dot16_scan": True}, 2, 70, 1, 2, 96, 64, 64, id="dot16-scan-K96-V64-G2"),
+    pytest.param({"dot16_scan": True, "fwd_output": "split", "fwd_scan_parallel": 3}, 1, 150, 1, 1, 40, 72, 32,
+                 id="dot16-scan-split-parallel3-C32-V72"),
     pytest.param({"gated_dtype": "input", "states_dtype": "input", "inter_dtype": "input"},
                  1, 70, 1, 1, 32, 32, 64, id="input-dtype-buffers"),
     # "auto" stores 2-byte buffers from K = 65 up: fp32 ones are the alternative there
@@ -415,7 +416,9 @@ def test_check_tuning_rejects_bad_entries():
                      ({"fwd_scan_parallel": True}, "int >= 2"), ({"fwd_output": "fused"}, "'scan' or 'split'"),
                      ({"fwd_scan_parallel": 2, "fwd_segments": 2}, "do not combine"),
                      ({"dot16_scan": "narrow"}, "False or True"), ({"fwd_scores_stages": 0}, "1, 2, 3 or 4"),
-                     ({"fwd_scores_per_pair": "yes"}, "False or True")):
+                     ({"fwd_scores_per_pair": "yes"}, "False or True"), ({"fwd_scores_stages": True}, "1, 2, 3 or 4"),
+                     ({"fwd_scores_stages": 2.0}, "1, 2, 3 or 4"), ({"dot16_scan": 1}, "False or True"),
+                     ({"fwd_scores_per_pair": True, "fwd_scores": "pairs"}, "score launch of fwd_scores 'sub'")):
         with pytest.raises(ValueError, match=msg):
             check_tuning(bad)
 

@@ -217,17 +217,18 @@ def bench_stages(shape, chunk_size: int = 64) -> dict:
     q, k, v, g, b = _inputs(*shape, torch.bfloat16, device)
     sc, C = shape[4] ** -0.5, chunk_size
     prec = dot_precision(v.dtype)
+    sprec = C_.scan_precision(prec, v)   # TUNING dot16_scan
     do = torch.randn_like(v)
     B, T, _, HV, _ = shape
     it = C_.fwd_intra(q, k, v, g, b, sc, C, prec)
-    h, vn = C_.recompute_states(it, None, B, T, HV, C, v.dtype, prec)
+    h, vn = C_.recompute_states(it, None, B, T, HV, C, v.dtype, sprec)
     dh, dvn, _ = C_.bwd_state(it, do, None, B, T, HV, C, False, v.dtype, prec)
     bench = triton.testing.do_bench
     return {
         "fwd_intra": bench(lambda: C_.fwd_intra(q, k, v, g, b, sc, C, prec)),
-        "fwd_state": bench(lambda: kda_fwd_state(it, B, T, HV, C, None, v.dtype, False, precision=prec,
+        "fwd_state": bench(lambda: kda_fwd_state(it, B, T, HV, C, None, v.dtype, False, precision=sprec,
                                                  parallel=C_.TUNING["fwd_scan_parallel"])),
-        "fwd_state_recompute": bench(lambda: C_.recompute_states(it, None, B, T, HV, C, v.dtype, prec)),
+        "fwd_state_recompute": bench(lambda: C_.recompute_states(it, None, B, T, HV, C, v.dtype, sprec)),
         "bwd_state": bench(lambda: C_.bwd_state(it, do, None, B, T, HV, C, False, v.dtype, prec)),
         "bwd_intra": bench(lambda: C_.bwd_intra(q, k, v, g, b, it.tm, it.mkk, h, dh, do, vn, dvn, sc, C, prec)),
     }

@@ -166,10 +166,15 @@ def check_tuning(tuning: dict) -> None:
         raise ValueError("chunk_kda TUNING: fwd_segments needs fwd_scores 'sub'")
     if tuning.get("fwd_output", "scan") not in ("scan", "split"):
         raise ValueError(f"chunk_kda TUNING: fwd_output={tuning['fwd_output']!r} must be 'scan' or 'split'")
-    if tuning.get("fwd_scores_stages", 1) not in (1, 2, 3, 4):
-        raise ValueError(f"chunk_kda TUNING: fwd_scores_stages={tuning['fwd_scores_stages']!r} must be 1, 2, 3 or 4")
-    if tuning.get("fwd_scores_per_pair", False) not in (False, True):
-        raise ValueError(f"chunk_kda TUNING: fwd_scores_per_pair={tuning['fwd_scores_per_pair']!r} must be False or True")
+    stages = tuning.get("fwd_scores_stages", 1)
+    if not isinstance(stages, int) or isinstance(stages, bool) or stages not in (1, 2, 3, 4):
+        raise ValueError(f"chunk_kda TUNING: fwd_scores_stages={stages!r} must be 1, 2, 3 or 4")
+    for name in ("fwd_scores_per_pair", "dot16_scan"):
+        if not isinstance(tuning.get(name, False), bool):
+            raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]!r} must be False or True")
+    if (tuning.get("fwd_scores_per_pair") or stages > 1) and tuning.get("fwd_scores", "sub") != "sub":
+        raise ValueError("chunk_kda TUNING: fwd_scores_per_pair / fwd_scores_stages shape the score launch of "
+                         "fwd_scores 'sub' only")
     if tuning.get("dot16_scan", False) not in (False, True):
         raise ValueError(f"chunk_kda TUNING: dot16_scan={tuning['dot16_scan']!r} must be False or True")
     if tuning.get("dot16_bwd", False) not in (False, True, "narrow"):
@@ -186,6 +191,12 @@ def _stage_prec(name: str, prec: str, dtype: torch.dtype) -> str:
     if TUNING[name] and dtype in (torch.bfloat16, torch.float16):
         return dot_precision(dtype, operands16=TUNING[name])
     return prec
+
+
+def scan_precision(prec: str, v: torch.Tensor) -> str:
+    """The forward scan's dot precision: `prec`, or with TUNING dot16_scan 16-bit operands, which on CUDA
+    run at 64-column value blocks only (chunk_fwd.prune_state_configs), so a narrower V keeps `prec`."""
+    return _stage_prec("dot16_scan", prec, v.dtype) if v.shape[-1] >= 64 or not v.is_cuda else prec
 
 
 def _tuned_dtype(name: str, dtype: torch.dtype, K: int) -> torch.dtype:
@@ -320,8 +331,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         check_tuning(TUNING)   # before any entry is read (fwd_intra checks again for the scripts' direct calls)
         B, T, HV = v.shape[:3]
         prec = dot_precision(v.dtype)
-        # the forward scan's products (TUNING dot16_scan; its 16-bit operands run at 64-column value blocks only)
-        scan_prec = _stage_prec("dot16_scan", prec, v.dtype) if v.shape[-1] >= 64 or not v.is_cuda else prec
+        scan_prec = scan_precision(prec, v)
         NT = -(-T // chunk_size)
         segs = segment_ranges(NT, auto_segments(q, B, HV, v.shape[-1], NT))
         ov = _Overlap(q.device) if segs else None
