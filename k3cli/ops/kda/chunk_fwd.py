@@ -471,20 +471,34 @@ def _kda_fwd_scores_sub_kernel(q, k, gc, beta, aqk, tm, mkk, scale, T, NT, N0, H
     t_a = i_n * BT + a * BC
     p_row = (base + i_row)[:, None] * BT
     # runtime loops (not unrolled: unrolled, the compiler kept every pair's tiles live, 255 registers)
-    c = c_first
-    c_last = c_first if PER_PAIR else a
-    while c <= c_last:
+    if PER_PAIR:
+        c = c_first
         j_col = c * BC + o_c
         b_sq, b_sk = _score_pair(q_h, k_h, gc_n, a, c, t_a, i_n * BT + c * BC, T, H, K, BT, BC, BK, PREC)
         _store_score_block(aqk, tm, mkk, p_row + j_col[None, :], i_row, j_col, b_sq, b_sk, b_beta, scale, STORE_MKK)
-        c += 1
-    if c == a + 1:   # this program holds row a's diagonal block: it writes the zero blocks right of it
-        b_zero = tl.zeros([BC, BC], dtype=tl.float32)
-        while c < NC:
+        if c == a:   # the diagonal block's program also writes the zero blocks right of it
+            _store_zero_blocks(aqk, tm, mkk, p_row, i_row, a + 1, o_c, b_beta, scale, NC, BC, STORE_MKK)
+    else:
+        c = c_first
+        while c <= a:
             j_col = c * BC + o_c
-            _store_score_block(aqk, tm, mkk, p_row + j_col[None, :], i_row, j_col, b_zero, b_zero, b_beta, scale,
+            b_sq, b_sk = _score_pair(q_h, k_h, gc_n, a, c, t_a, i_n * BT + c * BC, T, H, K, BT, BC, BK, PREC)
+            _store_score_block(aqk, tm, mkk, p_row + j_col[None, :], i_row, j_col, b_sq, b_sk, b_beta, scale,
                                STORE_MKK)
             c += 1
+        _store_zero_blocks(aqk, tm, mkk, p_row, i_row, c, o_c, b_beta, scale, NC, BC, STORE_MKK)
+
+
+@triton.jit
+def _store_zero_blocks(aqk, tm, mkk, p_row, i_row, c, o_c, b_beta, scale, NC: tl.constexpr, BC: tl.constexpr,
+                       STORE_MKK: tl.constexpr):
+    """Zeros in the score blocks c, c+1, .., NC-1 of query rows i_row (right of the diagonal)."""
+    b_zero = tl.zeros([BC, BC], dtype=tl.float32)
+    while c < NC:
+        j_col = c * BC + o_c
+        _store_score_block(aqk, tm, mkk, p_row + j_col[None, :], i_row, j_col, b_zero, b_zero, b_beta, scale,
+                           STORE_MKK)
+        c += 1
 
 
 @triton.jit
