@@ -476,8 +476,11 @@ def _kda_fwd_scores_sub_kernel(q, k, gc, beta, aqk, tm, mkk, scale, T, NT, N0, H
         j_col = c * BC + o_c
         b_sq, b_sk = _score_pair(q_h, k_h, gc_n, a, c, t_a, i_n * BT + c * BC, T, H, K, BT, BC, BK, PREC)
         _store_score_block(aqk, tm, mkk, p_row + j_col[None, :], i_row, j_col, b_sq, b_sk, b_beta, scale, STORE_MKK)
-        if c == a:   # the diagonal block's program also writes the zero blocks right of it
-            _store_zero_blocks(aqk, tm, mkk, p_row, i_row, a + 1, o_c, b_beta, scale, NC, BC, STORE_MKK)
+        # the diagonal block's program also writes the zero blocks right of it (none when the chunk is one
+        # sub-chunk; the loop left in for NC = 1 crashed Triton's coalesce pass, as in session 3)
+        if NC > 1:
+            if c == a:
+                _store_zero_blocks(aqk, tm, mkk, p_row, i_row, a + 1, o_c, b_beta, scale, NC, BC, STORE_MKK)
     else:
         c = c_first
         while c <= a:
