@@ -45,6 +45,15 @@ def make_inputs(B, T, H, G, K, V, dtype=torch.float32, device="cpu", seed=0, h0=
     return (*low, g, beta, s0)
 
 
+def check_against_recurrent(inputs, tol=None, **kw):
+    """chunk_kda's outputs and gradients against the fp32 recurrence on the same (fp32-cast) inputs."""
+    from k3cli.ops.kda import chunk_kda
+    ref = run_with_grads(naive_recurrent_kda, *[None if x is None else x.float() for x in inputs])
+    out = run_with_grads(chunk_kda, *inputs, **kw)
+    for name in ref:
+        assert_close(name, out[name], ref[name], tol=tol)
+
+
 def run_with_grads(fn, q, k, v, g, beta, h0, **kw):
     """Call fn, backprop a fixed random cotangent into o and the final state; return outputs + grads."""
     leaves = [x.detach().clone().requires_grad_(True) if x is not None else None for x in (q, k, v, g, beta, h0)]
@@ -641,12 +650,7 @@ GPU_CASES = [
 @gpu
 @pytest.mark.parametrize("B,T,H,G,K", GPU_CASES)
 def test_chunk_kda_bf16_gpu(B, T, H, G, K):
-    from k3cli.ops.kda import chunk_kda
-    inputs = make_inputs(B, T, H, G, K, K, dtype=torch.bfloat16, device="cuda")
-    ref = run_with_grads(naive_recurrent_kda, *[x.float() for x in inputs])
-    out = run_with_grads(chunk_kda, *inputs)
-    for name in ref:
-        assert_close(name, out[name], ref[name])
+    check_against_recurrent(make_inputs(B, T, H, G, K, K, dtype=torch.bfloat16, device="cuda"))
 
 
 @pytest.mark.gpu
@@ -655,12 +659,7 @@ def test_chunk_kda_fp32_gpu_is_fp32_accurate():
     """fp32 inputs get fp32-accurate dots (tf32x3, chunk_fwd.dot_precision): against the fp32
     recurrence at 1e-4 (plain TF32 moved a whole fp32 model 2.9e-3 to 1.4e-2, scaled max, from its
     exact-fp32 decode in session 2). Passed on the H200 in session 3 (notes/session3_gpu.md)."""
-    from k3cli.ops.kda import chunk_kda
-    inputs = make_inputs(2, 300, 4, 2, 128, 128, dtype=torch.float32, device="cuda")
-    ref = run_with_grads(naive_recurrent_kda, *inputs)
-    out = run_with_grads(chunk_kda, *inputs)
-    for name in ref:
-        assert_close(name, out[name], ref[name], tol=1e-4)
+    check_against_recurrent(make_inputs(2, 300, 4, 2, 128, 128, dtype=torch.float32, device="cuda"), tol=1e-4)
 
 
 @pytest.mark.gpu
@@ -672,14 +671,10 @@ def test_chunk_kda_long_memory_gpu(tuning, monkeypatch):
     programs in order, so e.g. a final state written by a run other than the last would go unseen there):
     fp32, a slow gate, against the fp32 recurrence at the GPU tier's fp32 tolerance."""
     from k3cli.ops.kda import chunk as chunk_mod
-    from k3cli.ops.kda import chunk_kda
     for name, val in tuning.items():
         monkeypatch.setitem(chunk_mod.TUNING, name, val)
-    inputs = make_inputs(1, 1500, 2, 2, 64, 64, dtype=torch.float32, device="cuda", gate_scale=0.01)
-    ref = run_with_grads(naive_recurrent_kda, *inputs)
-    out = run_with_grads(chunk_kda, *inputs)
-    for name in ref:
-        assert_close(name, out[name], ref[name], tol=1e-4)
+    check_against_recurrent(make_inputs(1, 1500, 2, 2, 64, 64, dtype=torch.float32, device="cuda", gate_scale=0.01),
+                            tol=1e-4)
 
 
 @pytest.mark.gpu

@@ -52,24 +52,28 @@ def _stage_bytes(named_args, BT: int, BK: int, BV: int) -> int:
     return BT * BK * (kt or 12) + 2 * BT * BV * 4 + BT * BT * 4
 
 
-def prune_state_configs(configs, named_args, **kwargs):
-    """Clamp BV to the padded value width, drop duplicates and configs whose stages cannot fit."""
-    def arg(name):
-        return named_args.get(name, kwargs.get(name))
-    V, BK, BT = arg("V"), arg("BK"), arg("BT")
+def _bv_configs(configs, named_args, kwargs, fits=None):
+    """Configs with BV clamped to the padded value width, duplicates dropped, and BV < 64 dropped for
+    16-bit dot operands (chunk.TUNING dot16_scan: at BV 32 they hit an illegal memory access on the H200,
+    sessions 4 and 6; Triton 3.6 wgmma with N = 32 tiles); `fits(config, BV)` may drop more."""
+    V = named_args.get("V", kwargs.get("V"))
     cap = max(16, triton.next_power_of_2(V))
-    # 16-bit dot operands (chunk.TUNING dot16_scan) only at BV 64: at BV 32 they hit an illegal memory access
-    # on the H200 (sessions 4 and 6; Triton 3.6 wgmma with N = 32 tiles)
-    min_bv = 64 if arg("PREC") in ("bf16", "fp16") and not interpreting() else 16
+    min_bv = 64 if named_args.get("PREC", kwargs.get("PREC")) in ("bf16", "fp16") and not interpreting() else 16
     out, seen = [], set()
     for c in configs:
         key = (min(c.kwargs["BV"], cap), c.num_warps, c.num_stages)
-        if key in seen or key[0] < min_bv or \
-                (c.num_stages > 1 and c.num_stages * _stage_bytes(named_args, BT, BK, key[0]) > _SHARED_BYTES):
+        if key in seen or key[0] < min_bv or (fits is not None and not fits(c, key[0])):
             continue
         seen.add(key)
         out.append(triton.Config({"BV": key[0]}, num_warps=key[1], num_stages=key[2]))
     return out
+
+
+def prune_state_configs(configs, named_args, **kwargs):
+    """`_bv_configs`, less the pipelined configs whose stages cannot fit in shared memory."""
+    BK, BT = (named_args.get(n, kwargs.get(n)) for n in ("BK", "BT"))
+    return _bv_configs(configs, named_args, kwargs, lambda c, bv: c.num_stages == 1 or
+                       c.num_stages * _stage_bytes(named_args, BT, BK, bv) <= _SHARED_BYTES)
 
 
 @triton.jit
@@ -374,12 +378,7 @@ def _kda_fwd_scores_pairs_kernel(q, k, g, beta, qg, kd, eg, aqk, tm, mkk, scale,
             _store_score_block(aqk, tm, mkk, p_row + j_col[None, :], i_row, j_col, _dot_wide(b_qa, b_kt, PREC),
                                _dot_wide(b_ka, b_kt, PREC), b_beta, scale, STORE_MKK)
             c += 1
-        b_zero = tl.zeros([BC, BC], dtype=tl.float32)
-        while c < NC:
-            j_col = c * BC + o_c
-            _store_score_block(aqk, tm, mkk, p_row + j_col[None, :], i_row, j_col, b_zero, b_zero, b_beta, scale,
-                               STORE_MKK)
-            c += 1
+        _store_zero_blocks(aqk, tm, mkk, p_row, i_row, c, o_c, b_beta, scale, NC, BC, STORE_MKK)
         b_pre_a += tl.sum(b_ga, 0)
         a += 1
 
@@ -720,18 +719,7 @@ O_CONFIGS = [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
 
 
 def prune_o_configs(configs, named_args, **kwargs):
-    """Clamp BV to the padded value width and drop the duplicates that leaves (and, as for the scans,
-    BV < 64 with 16-bit dot operands)."""
-    V = named_args.get("V", kwargs.get("V"))
-    cap = max(16, triton.next_power_of_2(V))
-    min_bv = 64 if kwargs.get("PREC", named_args.get("PREC")) in ("bf16", "fp16") and not interpreting() else 16
-    out, seen = [], set()
-    for c in configs:
-        key = (min(c.kwargs["BV"], cap), c.num_warps, c.num_stages)
-        if key not in seen and key[0] >= min_bv:
-            seen.add(key)
-            out.append(triton.Config({"BV": key[0]}, num_warps=key[1], num_stages=key[2]))
-    return out
+    return _bv_configs(configs, named_args, kwargs)
 
 
 @triton.autotune(
@@ -984,13 +972,28 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
     if runs > 1:
         if segments:
             raise ValueError("kda_fwd_state: parallel runs and sequential segments do not combine")
+        # one launch: `runs` programs per (value block, head), each from its start state
         starts = scan_run_starts(it, B, HV, BT, initial_state, runs, L, precision)
-        _kda_fwd_state_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), B * HV, runs)](
-            it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, starts, ht, h, vn, T, NT,
-            triton.next_power_of_2(B * HV * runs), 0, NT, L, B * HV * K * V, HV=HV, K=K, V=V, BT=BT, BK=BK,
-            USE_H0=True, STORE_HT=ht is not None, STORE_O=store_o, STORE_H=store_h,
+        launches = [(0, NT, starts, ht, runs, L, B * HV * K * V)]
+    else:
+        # one launch per segment, the carry alternating between two fp32 buffers
+        segments = segments or [(0, NT)]
+        carry = [None, None] if len(segments) == 1 else \
+            [torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) for _ in range(2)]
+        launches, s_in = [], initial_state
+        for i, (n0, n1) in enumerate(segments):
+            s_out = ht if i == len(segments) - 1 else carry[i % 2]
+            launches.append((n0, n1, s_in, s_out, 1, n1 - n0, 0))
+            s_in = s_out
+    for n0, n1, s_in, s_out, nrun, run_len, stride in launches:
+        if on_segment is not None:
+            on_segment(n0, n1, "start")
+        _kda_fwd_state_kernel[lambda meta, nrun=nrun: (triton.cdiv(V, meta["BV"]), B * HV, nrun)](
+            it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, s_in, s_out, h, vn, T, NT,
+            triton.next_power_of_2(B * HV * nrun), n0, n1, run_len, stride, HV=HV, K=K, V=V, BT=BT, BK=BK,
+            USE_H0=s_in is not None, STORE_HT=s_out is not None, STORE_O=store_o, STORE_H=store_h,
             INTERPRET=interpreting(it.w), PREC=precision)
-        return o, ht, h, vn
+    return o, ht, h, vn
     segments = segments or [(0, NT)]
     carry = [None, None] if len(segments) == 1 else \
         [torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) for _ in range(2)]
