@@ -49,7 +49,7 @@ def one_shape(shape) -> None:
     for bk in sorted({min(32, K), min(64, K)}):
         for w in (2, 4, 8):
             res.append((f"gamma BK{bk} w{w}", bench(lambda bk=bk, w=w: _kda_fwd_gamma_kernel[
-                (NT, B * HV, triton.cdiv(K, bk))](q, k, g, gc, it.qg, it.kd, it.eg, scale, T, NT, 0, H=H, HV=HV,
+                (NT, B * HV, triton.cdiv(K, bk))](q, k, g, b, gc, it.qg, it.kd, it.eg, it.w, scale, T, NT, 0, H=H, HV=HV,
                                                   K=K, BT=BT, BK=bk, num_warps=w, num_stages=1))))
     for bk in sorted({min(16, K), min(32, K), min(64, K)}):
         for w in (1, 2, 4):

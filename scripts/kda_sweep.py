@@ -164,6 +164,13 @@ VARIANTS = {
     # session 6, untimed: the forward scan with 16-bit dot operands (scan alone at B8, BV64 w8 s1: 0.433 -> 0.338 ms)
     "scan16": {"dot16_scan": True},
     "scan16_store": {"dot16_scan": True, "fwd_store_states": True},
+    # session 7: β K e^Γ from the Γ launch to the tail (no second k, g read there); with the 16-bit scan
+    "kg": {"fwd_tail_kg": True},
+    "kg_scan16": {"fwd_tail_kg": True, "dot16_scan": True},
+    "kg_scan16_pp_s2": {"fwd_tail_kg": True, "dot16_scan": True, "fwd_scores_per_pair": True,
+                        "fwd_scores_stages": 2},
+    "kg_scan16_aqk16": {"fwd_tail_kg": True, "dot16_scan": True, "aqk_dtype": "input"},
+    "scan16_aqk16": {"dot16_scan": True, "aqk_dtype": "input"},
     "osplit": {"fwd_output": "split"},
     "osplit_s16": {"fwd_output": "split", "states_dtype": "input"},
     "osplit_seg4": {"fwd_output": "split", "fwd_segments": 4},

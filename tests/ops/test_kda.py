@@ -201,6 +201,13 @@ TUNING_CASES = [
                  id="fwd-per-pair-T1-BK16"),
     pytest.param({"fwd_scores": "sub", "fwd_intra_split": True, "fwd_tail_BK": 16}, 1, 50, 1, 2, 40, 24, 64,
                  id="fwd-sub-split-tail-BK16"),
+    # β K e^Γ from the Γ launch through the W buffer (fp32 here: K96 stores W in the input dtype)
+    pytest.param({"fwd_tail_kg": True}, 2, 70, 1, 2, 96, 40, 64, id="fwd-tail-kg-K96-G2-T70"),
+    pytest.param({"fwd_tail_kg": True}, 1, 1, 1, 1, 24, 16, 64, id="fwd-tail-kg-T1-K24"),
+    pytest.param({"fwd_tail_kg": True, "fwd_intra_split": True, "fwd_segments": 3, "fwd_tail_BK": 16},
+                 1, 90, 1, 1, 40, 24, 16, id="fwd-tail-kg-split-tail-segments3-C16"),
+    pytest.param({"fwd_tail_kg": True, "inter_dtype": "input"}, 1, 70, 1, 2, 40, 24, 64,
+                 id="fwd-tail-kg-2byte-W"),
     pytest.param({"fwd_scores": "pairs", "fwd_intra_split": True}, 2, 1, 1, 1, 16, 16, 64, id="fwd-pairs-split-tail-T1"),
     pytest.param({"fwd_scores": "sub", "bwd_subchunk": False}, 1, 50, 1, 2, 72, 24, 64, id="fwd-sub-unsplit-bwd-K72"),
     # the forward in chunk ranges (on CPU one after another; the carry between ranges is what is tested)
@@ -259,6 +266,10 @@ TUNING_CASES = [
     pytest.param({"dot16_scan": True}, 2, 70, 1, 2, 96, 64, 64, id="dot16-scan-K96-V64-G2"),
     pytest.param({"dot16_scan": True, "fwd_output": "split", "fwd_scan_parallel": 3}, 1, 150, 1, 1, 40, 72, 32,
                  id="dot16-scan-split-parallel3-C32-V72"),
+    pytest.param({"aqk_dtype": "input"}, 2, 70, 1, 2, 40, 24, 64, id="aqk-2byte-G2-T70"),
+    pytest.param({"aqk_dtype": "input", "dot16_scan": True, "fwd_output": "split"}, 1, 45, 2, 1, 40, 64, 32,
+                 id="aqk-2byte-dot16-scan-split-C32"),
+    pytest.param({"aqk_dtype": "input", "fwd_scores": "chunk"}, 1, 37, 1, 1, 24, 16, 16, id="aqk-2byte-chunk-C16"),
     pytest.param({"gated_dtype": "input", "states_dtype": "input", "inter_dtype": "input"},
                  1, 70, 1, 1, 32, 32, 64, id="input-dtype-buffers"),
     # "auto" stores 2-byte buffers from K = 65 up: fp32 ones are the alternative there
@@ -304,6 +315,9 @@ def test_chunk_kda_tuning_alternatives_match_recurrent(tuning, B, T, H, G, K, V,
     if "dot16_bwd" in tuning and "dot16_scan" not in tuning:
         # the 16-bit operands were used: they move the gradients, not the forward
         assert not torch.equal(out["dq"], base["dq"]) and torch.equal(out["o"], base["o"])
+    if "aqk_dtype" in tuning and "dot16_scan" not in tuning:
+        # the 2-byte Aqk buffer was used: its rounding moves the output
+        assert not torch.equal(out["o"], base["o"])
     if "dot16_scan" in tuning:
         # the scan's 16-bit operands were used: they move the output and the final state
         assert not torch.equal(out["o"], base["o"]) and not torch.equal(out["ht"], base["ht"])
@@ -427,7 +441,9 @@ def test_check_tuning_rejects_bad_entries():
                      ({"dot16_scan": "narrow"}, "False or True"), ({"fwd_scores_stages": 0}, "1, 2, 3 or 4"),
                      ({"fwd_scores_per_pair": "yes"}, "False or True"), ({"fwd_scores_stages": True}, "1, 2, 3 or 4"),
                      ({"fwd_scores_stages": 2.0}, "1, 2, 3 or 4"), ({"dot16_scan": 1}, "False or True"),
-                     ({"fwd_scores_per_pair": True, "fwd_scores": "pairs"}, "score launch of fwd_scores 'sub'")):
+                     ({"fwd_scores_per_pair": True, "fwd_scores": "pairs"}, "score launch of fwd_scores 'sub'"),
+                     ({"fwd_tail_kg": 1}, "False or True"),
+                     ({"fwd_tail_kg": True, "fwd_scores": "chunk"}, "other stage-1 plans")):
         with pytest.raises(ValueError, match=msg):
             check_tuning(bad)
 

@@ -78,6 +78,11 @@ _CHUNK_SIZES = (16, 32, 64)
 #   blocks each), and its pipeline stages (1-4: the key-block loop's loads of the next block issued while
 #   this one multiplies). Aimed at the K = 128 forward (the score launch: 0.31 of 1.08 ms at B8 T2048 H16).
 #   Not yet timed on a GPU.
+# fwd_tail_kg: fwd_scores "sub"'s Γ launch also stores β K e^Γ (in the W buffer, W's dtype), and the tail reads
+#   it there instead of reading k and g (fp32) again and re-forming Γ; W = Tm (β K e^Γ) overwrites it in place.
+#   Saves the tail's k and g reads (2 + 4 bytes per key element with bf16 k, fp32 g) for one store in W's
+#   dtype (2 bytes at K > 64, 4 below); W's input is then rounded to W's dtype before the product (as fla's
+#   W). Aimed at the K = 128 forward. Not yet timed on a GPU.
 # dot16_scan: the forward state scan (and the backward's re-scan, the split O launch, the parallel scan's
 #   summaries) multiply operands rounded to the input dtype (bf16 / fp16; the state itself stays fp32)
 #   instead of fp32 operands at TF32. H200, session 6, the scan alone at B8 T2048 H16 K=V=128, BV 64, 8
@@ -107,7 +112,10 @@ _CHUNK_SIZES = (16, 32, 64)
 # bwd_intra_BK / _BV: its key / value blocks (None = the launcher's choice).
 # "*_dtype" entries: "fp32", "input" (the dtype of q/k/v: bf16 halves that buffer's traffic), or
 #   "auto": "input" for K > 64, "fp32" below.
-#   inter: W, U (stage 1 -> state scans); gated: Q e^Γ, K e^(γ-Γ); states: per-chunk S_n and dS_n.
+#   inter: W, U (stage 1 -> state scans); gated: Q e^Γ, K e^(γ-Γ); states: per-chunk S_n and dS_n;
+#   aqk: scale·Aqk (stage 1 -> the forward scan's O, the backward's reverse scan), [B*HV, T, BT]: with
+#   dot16_scan the forward scan rounds it to the input dtype anyway, so "input" changes only the reverse
+#   scan's dVn there (and halves the buffer's traffic). Not yet timed on a GPU.
 #   Why "auto" for W, U, Q e^Γ, K e^(γ-Γ) (H200, bf16, session 3, notes/session3_gpu.md): at K = V = 128
 #   2-byte buffers took B8 T2048 H16 from 1.865 / 7.389 to 1.664 / 6.679 ms (fwd / fwd+bwd) and
 #   B1 T16384 from 3.049 / 11.234 to 2.207 / 8.525, max relative RMS error 3.1e-3 (dq) against the fp32
@@ -125,8 +133,8 @@ TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None,
           "fwd_store_states": False, "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None,
           "bwd_intra_warps": 4, "bwd_stored_gamma": False, "fwd_segments": "auto", "bwd_overlap_scans": True,
           "fwd_output": "scan", "fwd_scan_parallel": 0, "dot16_scan": False,
-          "fwd_scores_per_pair": False, "fwd_scores_stages": 1,
-          "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32"}
+          "fwd_scores_per_pair": False, "fwd_scores_stages": 1, "fwd_tail_kg": False,
+          "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32", "aqk_dtype": "fp32"}
 _DTYPE_CHOICES = ("auto", "fp32", "input")
 _FWD_SCORES = ("sub", "pairs", "chunk")
 _AUTO_INPUT_MIN_K = 65
@@ -137,7 +145,7 @@ def check_tuning(tuning: dict) -> None:
     unknown = set(tuning) - set(TUNING)
     if unknown:
         raise ValueError(f"chunk_kda TUNING: unknown keys {sorted(unknown)}; valid: {sorted(TUNING)}")
-    for name in ("inter_dtype", "gated_dtype", "states_dtype"):
+    for name in ("inter_dtype", "gated_dtype", "states_dtype", "aqk_dtype"):
         if tuning.get(name, "fp32") not in _DTYPE_CHOICES:
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]!r} must be one of {_DTYPE_CHOICES}")
     for name in ("fwd_intra_BK", "bwd_intra_BK", "bwd_intra_BV", "fwd_intra_sub_BK", "fwd_tail_BK", "bwd_subchunk_BK"):
@@ -169,12 +177,15 @@ def check_tuning(tuning: dict) -> None:
     stages = tuning.get("fwd_scores_stages", 1)
     if not isinstance(stages, int) or isinstance(stages, bool) or stages not in (1, 2, 3, 4):
         raise ValueError(f"chunk_kda TUNING: fwd_scores_stages={stages!r} must be 1, 2, 3 or 4")
-    for name in ("fwd_scores_per_pair", "dot16_scan"):
+    for name in ("fwd_scores_per_pair", "dot16_scan", "fwd_tail_kg"):
         if not isinstance(tuning.get(name, False), bool):
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]!r} must be False or True")
     if (tuning.get("fwd_scores_per_pair") or stages > 1) and tuning.get("fwd_scores", "sub") != "sub":
         raise ValueError("chunk_kda TUNING: fwd_scores_per_pair / fwd_scores_stages shape the score launch of "
                          "fwd_scores 'sub' only")
+    if tuning.get("fwd_tail_kg") and tuning.get("fwd_scores", "sub") != "sub":
+        raise ValueError("chunk_kda TUNING: fwd_tail_kg passes β K e^Γ from fwd_scores 'sub''s Γ launch; "
+                         "the other stage-1 plans have none")
     if tuning.get("dot16_scan", False) not in (False, True):
         raise ValueError(f"chunk_kda TUNING: dot16_scan={tuning['dot16_scan']!r} must be False or True")
     if tuning.get("dot16_bwd", False) not in (False, True, "narrow"):
@@ -296,7 +307,8 @@ def fwd_intra(q, k, v, g, beta, scale, C, prec, segments=None, on_segment=None, 
                          sub=TUNING["fwd_scores"] == "sub", sub_warps=TUNING["fwd_intra_sub_warps"],
                          sub_key_block=TUNING["fwd_intra_sub_BK"], tail_warps=TUNING["fwd_tail_warps"],
                          tail_key_block=TUNING["fwd_tail_BK"], segments=segments, on_segment=on_segment,
-                         sub_per_pair=TUNING["fwd_scores_per_pair"], sub_stages=TUNING["fwd_scores_stages"])
+                         sub_per_pair=TUNING["fwd_scores_per_pair"], sub_stages=TUNING["fwd_scores_stages"],
+                         sub_kg=TUNING["fwd_tail_kg"], aqk_dtype=_tuned_dtype("aqk_dtype", v.dtype, K))
 
 
 def recompute_states(it: Intra, h0, B, T, HV, C, v_dtype, prec):

@@ -48,7 +48,7 @@ def _kda_bwd_state_step(qg, kd, eg, w, aqk, do, dh, dvn, b_ds, i_b, i_hv, i_bh, 
     m_t = (i_n * BT + o_t) < T
     row = (i_bh * NT * BT + i_n * BT + o_t).to(tl.int64)
     p_rk = row[:, None] * K + o_k[None, :]
-    b_a = tl.load(aqk + row[:, None] * BT + o_t[None, :])
+    b_a = tl.load(aqk + row[:, None] * BT + o_t[None, :]).to(tl.float32)
     p_do = do + (i_b * T + i_n * BT + o_t).to(tl.int64)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
     b_do = tl.load(p_do, mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
     p_dh = dh + (i_bh * NT + i_n).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]

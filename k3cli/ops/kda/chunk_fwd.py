@@ -49,7 +49,8 @@ def _stage_bytes(named_args, BT: int, BK: int, BV: int) -> int:
     K e^(γ-Γ), and Q e^Γ where the kernel reads it) at their stored width, [BT, BV] fp32 tiles, Aqk."""
     kt = sum(named_args[n].element_size() for n in ("w", "kd", "qg")
              if isinstance(named_args.get(n), torch.Tensor))
-    return BT * BK * (kt or 12) + 2 * BT * BV * 4 + BT * BT * 4
+    at = named_args["aqk"].element_size() if isinstance(named_args.get("aqk"), torch.Tensor) else 4
+    return BT * BK * (kt or 12) + 2 * BT * BV * 4 + BT * BT * at
 
 
 def _bv_configs(configs, named_args, kwargs, fits=None):
@@ -289,7 +290,7 @@ def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk, scal
         b_sk = _dot_wide(b_ka * e_q, tl.trans(b_kb), PREC)
         b_beta_a = tl.load(beta + tok_i * HV + i_hv, mask=m_i, other=0.).to(tl.float32)
         p_ia = (base + o_i)[:, None] * BT + o_t[None, :]
-        tl.store(aqk + p_ia, tl.where(o_i[:, None] >= o_t[None, :], b_sq, 0.) * scale)
+        tl.store(aqk + p_ia, (tl.where(o_i[:, None] >= o_t[None, :], b_sq, 0.) * scale).to(aqk.dtype.element_ty))
         b_sk = tl.where(o_i[:, None] > o_t[None, :], b_sk, 0.)
         if STORE_MKK:
             tl.store(mkk + p_ia, b_sk)
@@ -315,7 +316,7 @@ def _store_score_block(aqk, tm, mkk, p_blk, i_row, j_col, b_sq, b_sk, b_beta, sc
     b_sq (q·k) and b_sk (k·k): scale·Aqk (j <= i) into aqk, β_i·Akk (j < i) into tm, raw Akk into mkk
     with STORE_MKK. p_blk: the block's offsets in a [.., BT] row-major buffer."""
     b_sk = tl.where(i_row[:, None] > j_col[None, :], b_sk, 0.)
-    tl.store(aqk + p_blk, tl.where(i_row[:, None] >= j_col[None, :], b_sq, 0.) * scale)
+    tl.store(aqk + p_blk, (tl.where(i_row[:, None] >= j_col[None, :], b_sq, 0.) * scale).to(aqk.dtype.element_ty))
     if STORE_MKK:
         tl.store(mkk + p_blk, b_sk)
     tl.store(tm + p_blk, b_sk * b_beta[:, None])
@@ -384,11 +385,13 @@ def _kda_fwd_scores_pairs_kernel(q, k, g, beta, qg, kd, eg, aqk, tm, mkk, scale,
 
 
 @triton.jit
-def _kda_fwd_gamma_kernel(q, k, g, gc, qg, kd, eg, scale, T, NT, N0, H: tl.constexpr, HV: tl.constexpr,
-                          K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+def _kda_fwd_gamma_kernel(q, k, g, beta, gc, qg, kd, eg, w, scale, T, NT, N0, H: tl.constexpr, HV: tl.constexpr,
+                          K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, KG: tl.constexpr = False):
     """Stage 1a (chunk.TUNING fwd_scores "sub"), one program per (chunk, batch*value-head, BK key columns):
     Γ = chunk-local cumsum of g into the fp32 `gc` buffer, and the state scans' gated operands
-    scale·Q e^Γ, K e^(γ-Γ), e^γ. Chunks from N0 on (a segment of the sequence: chunk.TUNING fwd_segments)."""
+    scale·Q e^Γ, K e^(γ-Γ), e^γ. Chunks from N0 on (a segment of the sequence: chunk.TUNING fwd_segments).
+    KG (chunk.TUNING fwd_tail_kg): also β K e^Γ into the W buffer, which the tail then reads (and overwrites
+    with W = Tm β K e^Γ) instead of reading k and g again and re-forming Γ."""
     i_n, i_bh, i_k = tl.program_id(0) + N0, tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -403,6 +406,11 @@ def _kda_fwd_gamma_kernel(q, k, g, gc, qg, kd, eg, scale, T, NT, N0, H: tl.const
     tl.store(qg + p_rk, (b_q * tl.exp(b_G) * scale).to(qg.dtype.element_ty), mask=m_k[None, :])
     tl.store(kd + p_rk, (b_k * tl.exp(b_gam[None, :] - b_G)).to(kd.dtype.element_ty), mask=m_k[None, :])
     tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=m_k)
+    if KG:
+        m_t = (i_n * BT + o_t) < T
+        b_beta = tl.load(beta + (i_b * T + i_n * BT + o_t).to(tl.int64) * HV + i_hv, mask=m_t, other=0.)
+        b_x = b_k * tl.exp(b_G) * b_beta.to(tl.float32)[:, None]
+        tl.store(w + p_rk, b_x.to(w.dtype.element_ty), mask=m_k[None, :])
 
 
 @triton.jit
@@ -507,7 +515,8 @@ def _store_zero_blocks(aqk, tm, mkk, p_row, i_row, c, o_c, b_beta, scale, NC: tl
 def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk, scale, T, NT,
                                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                  BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                                 PREC: tl.constexpr, PART: tl.constexpr, STORE_MKK: tl.constexpr, N0=0):
+                                 PREC: tl.constexpr, PART: tl.constexpr, STORE_MKK: tl.constexpr, N0=0,
+                                 KG: tl.constexpr = False):
     """Stage 1 with the key dimension walked in BK-column blocks: the same outputs as
     `_kda_fwd_intra_kernel`, but no program holds more than [BT, BK] of q, k, Γ at a time (at K = 128
     the whole-K kernel sat at 255 registers, 1 block per SM and spilled; ncu, notes/session2_gpu.md).
@@ -515,7 +524,8 @@ def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mk
     PART 0 does everything; 1, 2, 3 are the scores (+ gated operands), the solve of the Tm buffer in
     place, and W, U — three launches in that order give the same result with smaller programs. PART 4 is
     the solve then W, U, after `_kda_fwd_scores_pairs_kernel` (chunk.TUNING fwd_scores "pairs") or the
-    sub-chunk scores; N0: the first chunk (a segment of the sequence, chunk.TUNING fwd_segments)."""
+    sub-chunk scores; N0: the first chunk (a segment of the sequence, chunk.TUNING fwd_segments).
+    KG (PART 3, 4): the W buffer already holds β K e^Γ (`_kda_fwd_gamma_kernel`), read in place of k, g."""
     i_n, i_bh = tl.program_id(0) + N0, tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -542,7 +552,7 @@ def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mk
             tl.store(qg + p_rk, (b_q * tl.exp(b_G) * scale).to(qg.dtype.element_ty), mask=m_k[None, :])
             tl.store(kd + p_rk, (b_k * tl.exp(b_gam[None, :] - b_G)).to(kd.dtype.element_ty), mask=m_k[None, :])
             tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=m_k)
-        tl.store(aqk + p_tt, tl.where(o_t[:, None] >= o_t[None, :], b_mqk, 0.) * scale)
+        tl.store(aqk + p_tt, (tl.where(o_t[:, None] >= o_t[None, :], b_mqk, 0.) * scale).to(aqk.dtype.element_ty))
         b_mkk = tl.where(o_t[:, None] > o_t[None, :], b_mkk, 0.)
         if STORE_MKK:
             tl.store(mkk + p_tt, b_mkk)
@@ -558,9 +568,14 @@ def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mk
         for i_k in range((K + BK - 1) // BK):
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
-            _, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK)
-            b_w = _dot(b_tm, b_k * tl.exp(b_G) * b_beta[:, None], PREC)
-            tl.store(w + (base + o_t)[:, None] * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_k[None, :])
+            p_w = w + (base + o_t)[:, None] * K + o_k[None, :]
+            if KG:
+                b_x = tl.load(p_w, mask=m_k[None, :], other=0.).to(tl.float32)
+            else:
+                _, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK)
+                b_x = b_k * tl.exp(b_G) * b_beta[:, None]
+            b_w = _dot(b_tm, b_x, PREC)
+            tl.store(p_w, b_w.to(w.dtype.element_ty), mask=m_k[None, :])
         _store_u(v, u, b_tm, b_beta, i_b, i_hv, i_n, base, T, HV, V, BT, BV, PREC)
 
 
@@ -586,7 +601,7 @@ def _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i
         tl.store(vn + row[:, None] * V + o_v[None, :], b_vn, mask=m_v[None, :])
     if STORE_O:
         b_qg = tl.load(qg + p_rk, mask=m_k[None, :], other=0.).to(tl.float32)
-        b_a = tl.load(aqk + row[:, None] * BT + o_t[None, :])
+        b_a = tl.load(aqk + row[:, None] * BT + o_t[None, :]).to(tl.float32)
         b_o = _dot(b_qg, b_s, PREC) + _dot(b_a, b_vn, PREC)
         m_t = (i_n * BT + o_t) < T
         p_o = o + (i_b * T + i_n * BT + o_t).to(tl.int64)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
@@ -742,7 +757,7 @@ def _kda_fwd_o_kernel(qg, aqk, h, vn, o, T, NT, NPROG, HV: tl.constexpr, K: tl.c
     b_qg = tl.load(qg + row[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.).to(tl.float32)
     p_h = h + (i_bh * NT + i_n).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
     b_s = tl.load(p_h, mask=m_k[:, None] & m_v[None, :], other=0.).to(tl.float32)
-    b_a = tl.load(aqk + row[:, None] * BT + o_t[None, :])
+    b_a = tl.load(aqk + row[:, None] * BT + o_t[None, :]).to(tl.float32)
     b_vn = tl.load(vn + row[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.)
     b_o = _dot(b_qg, b_s, PREC) + _dot(b_a, b_vn, PREC)
     m_t = (i_n * BT + o_t) < T
@@ -797,9 +812,10 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
                   store_mkk: bool = False, pairs: bool = False, pairs_warps: int = 4, sub: bool = False,
                   sub_warps: int = 1, sub_key_block: int = 64, tail_warps: int = 2,
                   tail_key_block: int | None = 32, segments: list[tuple[int, int]] | None = None,
-                  on_segment=None, sub_per_pair: bool = False, sub_stages: int = 1) -> Intra:
+                  on_segment=None, sub_per_pair: bool = False, sub_stages: int = 1, sub_kg: bool = False,
+                  aqk_dtype: torch.dtype = torch.float32) -> Intra:
     """Launch stage 1 (one program per chunk and batch*value-head). W, U are stored in `inter_dtype`,
-    Q e^Γ and K e^(γ-Γ) in `gated_dtype`; everything else fp32. `precision`: see dot_precision.
+    Q e^Γ and K e^(γ-Γ) in `gated_dtype`, scale·Aqk in `aqk_dtype`; everything else fp32. `precision`: see dot_precision.
     `key_block` (16, 32, 64): walk the key dim in blocks of that many columns when K is wider
     (`_kda_fwd_intra_kblock_kernel`, also used for a non-fp32 `gated_dtype`); None: whole-K tiles.
     `maxnreg`: per-thread register cap (ptxas .maxnreg; 128 at 8 warps = two blocks per SM).
@@ -812,7 +828,8 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     `sub`: Γ into an fp32 buffer with the gated operands (`_kda_fwd_gamma_kernel`), the scores per
     (chunk, 16-row query sub-chunk) from it (`_kda_fwd_scores_sub_kernel`, `sub_warps` warps, key blocks of
     `sub_key_block` columns; `sub_per_pair`: per 16 x 16 block pair instead; `sub_stages`: its pipeline
-    stages), then the solve and W, U (PART 4): small programs, many per SM.
+    stages; `sub_kg`: the Γ launch also stores β K e^Γ into the W buffer for the tail, chunk.TUNING
+    fwd_tail_kg), then the solve and W, U (PART 4): small programs, many per SM.
     `segments` (with `sub`): launch stage 1 one chunk range [n0, n1) after another, calling
     `on_segment(n0, n1, "start" | "done")` around each (chunk_kda's segmented forward switches CUDA
     streams and records events there)."""
@@ -828,10 +845,10 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     qg = torch.empty(B * HV, NT * BT, K, device=dev, dtype=gated_dtype)
     kd = torch.empty_like(qg)
     eg = torch.empty(B * HV, NT, K, device=dev, dtype=torch.float32)
-    aqk = torch.empty(B * HV, NT * BT, BT, device=dev, dtype=torch.float32)
-    tm = torch.empty_like(aqk)
+    aqk = torch.empty(B * HV, NT * BT, BT, device=dev, dtype=aqk_dtype)
+    tm = torch.empty(B * HV, NT * BT, BT, device=dev, dtype=torch.float32)
     # raw Mkk for a backward that reads it instead of recomputing scores (chunk.TUNING bwd_stored_mkk)
-    mkk = torch.empty_like(aqk) if store_mkk else None
+    mkk = torch.empty_like(tm) if store_mkk else None
     if key_block is not None and key_block not in (16, 32, 64):
         raise ValueError(f"kda_fwd_intra: key_block={key_block} must be 16, 32 or 64")
     # the whole-K kernel passes Γ through the qg buffer, which must then be fp32
@@ -846,7 +863,8 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
             if on_segment is not None:
                 on_segment(n0, n1, "start")
             launch_intra_sub(it, q, k, v, g, beta, scale, BT, n0, n1, precision, split, sub_warps, sub_key_block,
-                             tail_warps, tail_key_block, maxnreg, per_pair=sub_per_pair, sub_stages=sub_stages)
+                             tail_warps, tail_key_block, maxnreg, per_pair=sub_per_pair, sub_stages=sub_stages,
+                             kg=sub_kg)
             if on_segment is not None:
                 on_segment(n0, n1, "done")
         return it
@@ -872,10 +890,11 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
 def launch_intra_sub(it: Intra, q, k, v, g, beta, scale: float, BT: int, n0: int, n1: int, precision: str,
                      split: bool = False, sub_warps: int = 1, sub_key_block: int | None = 64, tail_warps: int = 2,
                      tail_key_block: int | None = 32, maxnreg: int | None = None, per_pair: bool = False,
-                     sub_stages: int = 1) -> None:
+                     sub_stages: int = 1, kg: bool = False) -> None:
     """The sub-chunk stage 1 (Γ + gated operands, scores, then the solve and W, U) for chunks [n0, n1)
     into the buffers of `it` (which must hold a Γ buffer). `per_pair`, `sub_stages`: the scores launch's
-    programs per block pair and its pipeline stages (chunk.TUNING fwd_scores_per_pair / _stages)."""
+    programs per block pair and its pipeline stages (chunk.TUNING fwd_scores_per_pair / _stages); `kg`:
+    β K e^Γ from the Γ launch through the W buffer to the tail (chunk.TUNING fwd_tail_kg)."""
     B, T, H, K = q.shape
     HV = v.shape[2]
     NT = it.eg.shape[1]
@@ -887,22 +906,23 @@ def launch_intra_sub(it: Intra, q, k, v, g, beta, scale: float, BT: int, n0: int
     # 64 key columns at 4 warps: 0.145 ms against 0.190 with 32 (H200, B8 T2048 H16 K128, session 5)
     BKg = min(BK, 64)
     _kda_fwd_gamma_kernel[(n, B * HV, triton.cdiv(K, BKg))](
-        q, k, g, it.gc, it.qg, it.kd, it.eg, scale, T, NT, n0, H=H, HV=HV, K=K, BT=BT, BK=BKg, num_warps=4,
-        num_stages=1)
+        q, k, g, beta, it.gc, it.qg, it.kd, it.eg, it.w, scale, T, NT, n0, H=H, HV=HV, K=K, BT=BT, BK=BKg, KG=kg,
+        num_warps=4, num_stages=1)
     NC = BT // BC
     _kda_fwd_scores_sub_kernel[(n * (NC * (NC + 1) // 2 if per_pair else NC), B * HV)](
         q, k, it.gc, beta, it.aqk, it.tm, mkk_arg, scale, T, NT, n0, H=H, HV=HV, K=K, BT=BT, BC=BC,
         BK=min(BK, sub_key_block or BK), PREC=precision, STORE_MKK=store_mkk, PER_PAIR=per_pair,
         num_warps=sub_warps, num_stages=sub_stages)
     launch_intra_tail(it, q, k, v, g, beta, scale, BT, n0, n1, precision, split, tail_warps, tail_key_block,
-                      maxnreg)
+                      maxnreg, kg=kg)
 
 
 def launch_intra_tail(it: Intra, q, k, v, g, beta, scale: float, BT: int, n0: int, n1: int, precision: str,
                       split: bool = False, tail_warps: int = 2, tail_key_block: int | None = 32,
-                      maxnreg: int | None = None) -> None:
+                      maxnreg: int | None = None, kg: bool = False) -> None:
     """After the "pairs" or "sub" scores: the solve of the Tm buffer, then W and U, for chunks [n0, n1), in
-    one launch (PART 4) or, with `split`, two (PART 2, 3) of `_kda_fwd_intra_kblock_kernel`."""
+    one launch (PART 4) or, with `split`, two (PART 2, 3) of `_kda_fwd_intra_kblock_kernel`. `kg`: the W
+    buffer holds β K e^Γ already (the "sub" Γ launch with kg)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BK = max(16, triton.next_power_of_2(K))
@@ -913,7 +933,7 @@ def launch_intra_tail(it: Intra, q, k, v, g, beta, scale: float, BT: int, n0: in
         _kda_fwd_intra_kblock_kernel[(n1 - n0, B * HV)](
             q, k, v, g, beta, it.w, it.u, it.qg, it.kd, it.eg, it.aqk, it.tm, mkk_arg, scale, T, it.eg.shape[1],
             H=H, HV=HV, K=K, V=V, BT=BT, BC=min(16, BT), BK=min(BK, tail_key_block or BK), BV=BV, PREC=precision,
-            PART=part, STORE_MKK=it.mkk is not None, N0=n0, **tail)
+            PART=part, STORE_MKK=it.mkk is not None, N0=n0, KG=kg, **tail)
 
 
 def parallel_runs(NT: int, n: int) -> tuple[int, int]:
