@@ -194,6 +194,14 @@ TUNING_CASES = [
     pytest.param({"fwd_scores": "sub", "fwd_intra_sub_BK": 16}, 1, 45, 2, 1, 40, 24, 32, id="fwd-sub-C32-K40-BK16"),
     pytest.param({"fwd_scores": "sub"}, 1, 37, 1, 1, 24, 16, 16, id="fwd-sub-C16-one-subchunk"),
     pytest.param({"fwd_scores_per_pair": True}, 2, 70, 1, 2, 96, 40, 64, id="fwd-per-pair-K96-G2-T70"),
+    # K > 64 runs per pair, 2 stages by default ("auto"): the per-sub-chunk launch there, and the tail from k, g
+    pytest.param({"fwd_scores_per_pair": False, "fwd_scores_stages": 1}, 2, 70, 1, 2, 96, 40, 64,
+                 id="fwd-per-subchunk-K96-G2-T70"),
+    pytest.param({"fwd_scores_per_pair": False, "fwd_scores_stages": 2}, 1, 50, 1, 1, 96, 24, 32,
+                 id="fwd-per-subchunk-stages2-K96-C32"),
+    pytest.param({"fwd_tail_kg": False}, 2, 70, 1, 2, 96, 40, 64, id="fwd-tail-from-k-g-K96-G2-T70"),
+    pytest.param({"fwd_tail_kg": False, "fwd_intra_split": True}, 1, 50, 1, 2, 40, 24, 64,
+                 id="fwd-tail-from-k-g-split"),
     pytest.param({"fwd_scores_per_pair": True, "fwd_scores_stages": 3}, 1, 45, 2, 1, 40, 24, 32,
                  id="fwd-per-pair-stages3-C32-K40"),
     pytest.param({"fwd_scores_per_pair": True}, 1, 37, 1, 1, 24, 16, 16, id="fwd-per-pair-C16-one-subchunk"),
@@ -266,10 +274,13 @@ TUNING_CASES = [
     pytest.param({"dot16_scan": True}, 2, 70, 1, 2, 96, 64, 64, id="dot16-scan-K96-V64-G2"),
     pytest.param({"dot16_scan": True, "fwd_output": "split", "fwd_scan_parallel": 3}, 1, 150, 1, 1, 40, 72, 32,
                  id="dot16-scan-split-parallel3-C32-V72"),
-    pytest.param({"aqk_dtype": "input"}, 2, 70, 1, 2, 40, 24, 64, id="aqk-2byte-G2-T70"),
+    pytest.param({"aqk_dtype": "input", "dot16_scan": False}, 2, 70, 1, 2, 40, 24, 64, id="aqk-2byte-G2-T70"),
     pytest.param({"aqk_dtype": "input", "dot16_scan": True, "fwd_output": "split"}, 1, 45, 2, 1, 40, 64, 32,
                  id="aqk-2byte-dot16-scan-split-C32"),
-    pytest.param({"aqk_dtype": "input", "fwd_scores": "chunk"}, 1, 37, 1, 1, 24, 16, 16, id="aqk-2byte-chunk-C16"),
+    pytest.param({"aqk_dtype": "input", "dot16_scan": False, "fwd_scores": "chunk"}, 1, 37, 1, 1, 24, 16, 16,
+                 id="aqk-2byte-chunk-C16"),
+    # the TF32 scan (fp16 inputs; the default rounds the scan's operands to fp16)
+    pytest.param({"dot16_scan": False}, 1, 70, 1, 2, 96, 64, 64, id="scan-tf32-fp16-K96-G2"),
     pytest.param({"gated_dtype": "input", "states_dtype": "input", "inter_dtype": "input"},
                  1, 70, 1, 1, 32, 32, 64, id="input-dtype-buffers"),
     # "auto" stores 2-byte buffers from K = 65 up: fp32 ones are the alternative there
@@ -303,22 +314,23 @@ def test_chunk_kda_tuning_alternatives_match_recurrent(tuning, B, T, H, G, K, V,
             chunk_mod.TUNING.update(saved)
 
     out = run_under(tuning)
-    # the same case without its buffer dtypes / 16-bit operands
-    base = run_under({n: v for n, v in tuning.items() if not n.endswith("_dtype") and not n.startswith("dot16")}) \
-        if lowp else None
+    # the same case with the buffer dtypes / 16-bit operands it names set to fp32 / unrounded (the rest default)
+    plain = {"dot16_scan": False, "dot16_bwd": False, "aqk_dtype": "fp32", "inter_dtype": "fp32", "gated_dtype": "fp32",
+             "states_dtype": "fp32"}
+    base = run_under({**tuning, **{n: plain[n] for n in tuning if n in plain}}) if lowp else None
     for name in ref:
         assert out[name].shape == ref[name].shape, name
         assert_close(name, out[name], ref[name], tol=None if lowp else 1e-5)
         if buffers:
             # what the buffer dtypes change: their rounding only (measured ≤ 3.4e-4)
             assert_close(name, out[name], base[name], tol=1e-3)
-    if "dot16_bwd" in tuning and "dot16_scan" not in tuning:
+    if tuning.get("dot16_bwd") and "dot16_scan" not in tuning:
         # the 16-bit operands were used: they move the gradients, not the forward
         assert not torch.equal(out["dq"], base["dq"]) and torch.equal(out["o"], base["o"])
-    if "aqk_dtype" in tuning and "dot16_scan" not in tuning:
-        # the 2-byte Aqk buffer was used: its rounding moves the output
+    if tuning.get("aqk_dtype") == "input" and tuning.get("dot16_scan") is False:
+        # the 2-byte Aqk buffer was used: its rounding moves the output (a 16-bit scan would round it anyway)
         assert not torch.equal(out["o"], base["o"])
-    if "dot16_scan" in tuning:
+    if tuning.get("dot16_scan") is True:
         # the scan's 16-bit operands were used: they move the output and the final state
         assert not torch.equal(out["o"], base["o"]) and not torch.equal(out["ht"], base["ht"])
 
@@ -426,6 +438,21 @@ def test_chunk_kda_checks_tuning_before_reading_it(monkeypatch):
             chunk_kda(*x[:5])
 
 
+def test_auto_score_plan_and_aqk_dtype(monkeypatch):
+    from k3cli.ops.kda import chunk as chunk_mod
+    assert chunk_mod.scores_plan(128) == (True, 2) and chunk_mod.scores_plan(65) == (True, 2)
+    assert chunk_mod.scores_plan(64) == (False, 1) and chunk_mod.scores_plan(16) == (False, 1)
+    monkeypatch.setitem(chunk_mod.TUNING, "fwd_scores_stages", 3)
+    assert chunk_mod.scores_plan(16) == (False, 3)
+    v16, v32 = torch.zeros(1, 1, 1, 64, dtype=torch.float16), torch.zeros(1, 1, 1, 64)
+    # "auto": 2-byte exactly when the forward scan rounds its operands to the input dtype
+    assert chunk_mod.aqk_dtype("tf32", v16) == torch.float16 and chunk_mod.aqk_dtype("tf32x3", v32) == torch.float32
+    monkeypatch.setitem(chunk_mod.TUNING, "dot16_scan", False)
+    assert chunk_mod.aqk_dtype("tf32", v16) == torch.float32
+    monkeypatch.setitem(chunk_mod.TUNING, "aqk_dtype", "input")
+    assert chunk_mod.aqk_dtype("tf32", v16) == torch.float16
+
+
 def test_check_tuning_rejects_bad_entries():
     from k3cli.ops.kda.chunk import check_tuning
     for bad, msg in (({"fwd_intra_bk": 32}, "unknown keys"), ({"gated_dtype": "bf16"}, "must be one of"),
@@ -439,11 +466,11 @@ def test_check_tuning_rejects_bad_entries():
                      ({"fwd_scan_parallel": True}, "int >= 2"), ({"fwd_output": "fused"}, "'scan' or 'split'"),
                      ({"fwd_scan_parallel": 2, "fwd_segments": 2}, "do not combine"),
                      ({"dot16_scan": "narrow"}, "False or True"), ({"fwd_scores_stages": 0}, "1, 2, 3 or 4"),
+                     ({"fwd_scores_per_pair": "Auto"}, "'auto', False or True"),
                      ({"fwd_scores_per_pair": "yes"}, "False or True"), ({"fwd_scores_stages": True}, "1, 2, 3 or 4"),
                      ({"fwd_scores_stages": 2.0}, "1, 2, 3 or 4"), ({"dot16_scan": 1}, "False or True"),
                      ({"fwd_scores_per_pair": True, "fwd_scores": "pairs"}, "score launch of fwd_scores 'sub'"),
-                     ({"fwd_tail_kg": 1}, "False or True"),
-                     ({"fwd_tail_kg": True, "fwd_scores": "chunk"}, "other stage-1 plans")):
+                     ({"fwd_tail_kg": 1}, "False or True")):
         with pytest.raises(ValueError, match=msg):
             check_tuning(bad)
 

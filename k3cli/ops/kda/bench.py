@@ -139,10 +139,13 @@ def _bench_chunk(shape, device, against_fla, on_step=None):
     row["speedup_vs_torch_fwd"] = None if ref_fwd is None else ref_fwd / row["fwd_ms"]
     row["speedup_vs_torch_fwd_bwd"] = None if ref_fb is None else ref_fb / row["fwd_bwd_ms"]
     fla = _fla_chunk_kda() if against_fla else None
-    row["fla_fwd_ms"] = row["fla_fwd_bwd_ms"] = None
+    row["fla_fwd_ms"] = row["fla_fwd_bwd_ms"] = row["fla_first_call_fwd_s"] = row["fla_first_call_fwd_bwd_s"] = None
     if fla is not None:
         ff, ffb = _fwd_bwd_fns(lambda *a: fla(*a), args, device)
-        step("fla: compiling and timing (tens of seconds per new shape)")
+        step("fla: compiling (tens of seconds per new shape)")
+        row["fla_first_call_fwd_s"], row["fla_first_call_fwd_bwd_s"] = _first_call(ff, device), _first_call(ffb, device)
+        step(f"fla first call (compile + autotune) fwd {row['fla_first_call_fwd_s']:.1f} s, "
+             f"fwd+bwd {row['fla_first_call_fwd_bwd_s']:.1f} s")
         row["fla_fwd_ms"] = time_fn(ff, device)[0]
         step(f"fla fwd {row['fla_fwd_ms']:.4g} ms")
         row["fla_fwd_bwd_ms"] = time_fn(ffb, device)[0]

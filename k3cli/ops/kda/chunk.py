@@ -73,24 +73,34 @@ _CHUNK_SIZES = (16, 32, 64)
 #   themselves at K = V = 128) and the backward skips its re-scan (session 4: 0.29 ms of 5.7 at B8 T2048 H16 K128;
 #   session 6: fwd+bwd 4.091 -> 3.909 ms there, B1 T16384 5.962 -> 5.344).
 #   Off by default for that memory.
-# fwd_scores_per_pair, fwd_scores_stages: fwd_scores "sub"'s score launch with one program per 16 x 16 block
-#   pair (a, c), c <= a (10 per 64-token chunk, each one block) instead of per query sub-chunk (4, with 1 to 4
-#   blocks each), and its pipeline stages (1-4: the key-block loop's loads of the next block issued while
-#   this one multiplies). Aimed at the K = 128 forward (the score launch: 0.31 of 1.08 ms at B8 T2048 H16).
-#   Not yet timed on a GPU.
-# fwd_tail_kg: fwd_scores "sub"'s Γ launch also stores β K e^Γ (in the W buffer, W's dtype), and the tail reads
-#   it there instead of reading k and g (fp32) again and re-forming Γ; W = Tm (β K e^Γ) overwrites it in place.
-#   Saves the tail's k and g reads (2 + 4 bytes per key element with bf16 k, fp32 g) for one store in W's
-#   dtype (2 bytes at K > 64, 4 below); W's input is then rounded to W's dtype before the product (as fla's
-#   W). Aimed at the K = 128 forward. Not yet timed on a GPU.
-# dot16_scan: the forward state scan (and the backward's re-scan, the split O launch, the parallel scan's
-#   summaries) multiply operands rounded to the input dtype (bf16 / fp16; the state itself stays fp32)
-#   instead of fp32 operands at TF32. H200, session 6, the scan alone at B8 T2048 H16 K=V=128, BV 64, 8
-#   warps, 1 stage: 0.433 -> 0.338 ms (scripts/kda_scan_configs.py); the same run hit an illegal memory
-#   access at BV 32 with 16-bit operands (also seen in session 4; Triton has open reports of wgmma illegal
-#   accesses with 32-wide tiles on Hopper), so the scan's autotuner keeps only BV 64 configs for them and V < 64
-#   keeps the TF32 products. Off: accuracy and speed in chunk_kda not yet checked on a GPU; interpreter-tested
-#   in fp16.
+# Session 7's forward defaults, measured together (H200, bf16, notes/session7_call1/, scripts/kda_sweep.py;
+#   forward / fwd+bwd ms at B8 T2048 H16 K=V=128 and B1 T16384 H16 K=V=128; session 6's defaults in the same
+#   run: 1.073 / 4.051 and 1.487 / 5.301): all four together 0.839 / 3.845 and 1.262 / 5.672 (without the
+#   2-byte Aqk; with it, without the per-pair launch: 0.921 / 3.847 and 1.370 / 4.757). Against the fp32
+#   reference (B2 T1000 H4 HV8 K=V=128, bf16) o's relative RMS error goes 2.75e-3 -> 3.07e-3 (tolerance
+#   5e-3), the rest unchanged to 3 digits.
+# fwd_scores_per_pair, fwd_scores_stages ("auto" both): fwd_scores "sub"'s score launch with one program per
+#   16 x 16 block pair (a, c), c <= a (10 per 64-token chunk, each one block) instead of per query sub-chunk
+#   (4, with 1 to 4 blocks each), and its pipeline stages (1-4: the key-block loop's loads of the next block
+#   issued while this one multiplies). "auto": per pair with 2 stages when K > 64 (more than one key block),
+#   else per sub-chunk at 1 stage (scores_plan). Session 7, alone: per pair 1.078 / 1.471 ms forward (B8 /
+#   B1 above; base 1.079 / 1.494), with 2 stages 0.980 / 1.435, 3 stages 0.996 / 1.380, 2 warps + 2 stages
+#   1.023 / 1.395; per sub-chunk with 2 stages 1.008 / 1.892. K <= 64 is not re-timed: the toy-shape
+#   path is session 5's.
+# fwd_tail_kg (default on; fwd_scores "sub" only, the other plans' tails read k, g): the Γ launch also stores β K e^Γ (in the W buffer, W's dtype), and the
+#   tail reads it there instead of reading k and g (fp32) again and re-forming Γ; W = Tm (β K e^Γ) overwrites
+#   it in place. Saves the tail's k and g reads (2 + 4 bytes per key element with bf16 k, fp32 g) for one
+#   store in W's dtype (2 bytes at K > 64, 4 below); W's input is then rounded to W's dtype before the
+#   product (as fla's W). Session 7, alone: 1.073 / 4.051 -> 1.029 / 4.004 ms at B8, 1.487 / 5.301 ->
+#   1.419 / 5.238 at B1; errors unchanged to 3 digits.
+# dot16_scan (default on): the forward state scan (and the backward's re-scan, the split O launch, the parallel
+#   scan's summaries) multiply operands rounded to the input dtype (bf16 / fp16; the state itself stays fp32,
+#   as in fla's state scan) instead of fp32 operands at TF32. Session 7, alone: forward 1.073 -> 0.981 ms at B8,
+#   1.487 -> 1.285 at B1 (fwd+bwd 3.937, 5.594: the B1 backward slower until Aqk is 2-byte, below); o's error
+#   2.75e-3 -> 3.07e-3. Session 6 hit an illegal memory access at BV 32 with 16-bit operands (also seen in
+#   session 4; Triton has open reports of wgmma illegal accesses with 32-wide tiles on Hopper), so the scan's
+#   autotuner keeps only BV 64 configs for them and V < 64 keeps the TF32 products (scan_precision). fp32
+#   inputs keep their fp32 products.
 # fwd_scan_parallel: 0 (off), or n >= 2: the forward scan (and the backward's re-scan) as n runs of chunks
 #   scanned at once. The scan step is affine in the state, S' = (diag(e^γ) - K_d^T W) S + K_d^T U, so each
 #   run's map S_end = M S_start + E comes first from a parallel launch (E: the run scanned from 0; the
@@ -113,9 +123,11 @@ _CHUNK_SIZES = (16, 32, 64)
 # "*_dtype" entries: "fp32", "input" (the dtype of q/k/v: bf16 halves that buffer's traffic), or
 #   "auto": "input" for K > 64, "fp32" below.
 #   inter: W, U (stage 1 -> state scans); gated: Q e^Γ, K e^(γ-Γ); states: per-chunk S_n and dS_n;
-#   aqk: scale·Aqk (stage 1 -> the forward scan's O, the backward's reverse scan), [B*HV, T, BT]: with
-#   dot16_scan the forward scan rounds it to the input dtype anyway, so "input" changes only the reverse
-#   scan's dVn there (and halves the buffer's traffic). Not yet timed on a GPU.
+#   aqk: scale·Aqk (stage 1 -> the forward scan's O, the backward's reverse scan), [B*HV, T, BT]; "auto"
+#   (default) is "input" exactly when the forward scan takes 16-bit operands (dot16_scan, V >= 64), which
+#   round it so anyway: it then changes only the reverse scan's dVn, halves the buffer's traffic and lets that
+#   scan's two-stage configs fit in shared memory. Session 7, with dot16_scan: fwd+bwd 3.937 -> 3.887 ms at B8,
+#   5.594 -> 4.815 at B1; dv's error unchanged to 3 digits.
 #   Why "auto" for W, U, Q e^Γ, K e^(γ-Γ) (H200, bf16, session 3, notes/session3_gpu.md): at K = V = 128
 #   2-byte buffers took B8 T2048 H16 from 1.865 / 7.389 to 1.664 / 6.679 ms (fwd / fwd+bwd) and
 #   B1 T16384 from 3.049 / 11.234 to 2.207 / 8.525, max relative RMS error 3.1e-3 (dq) against the fp32
@@ -132,9 +144,9 @@ TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None,
           "bwd_stored_mkk": False, "bwd_subchunk": True, "bwd_subchunk_warps": 1, "bwd_subchunk_BK": 32, "dot16_bwd": False,
           "fwd_store_states": False, "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None,
           "bwd_intra_warps": 4, "bwd_stored_gamma": False, "fwd_segments": "auto", "bwd_overlap_scans": True,
-          "fwd_output": "scan", "fwd_scan_parallel": 0, "dot16_scan": False,
-          "fwd_scores_per_pair": False, "fwd_scores_stages": 1, "fwd_tail_kg": False,
-          "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32", "aqk_dtype": "fp32"}
+          "fwd_output": "scan", "fwd_scan_parallel": 0, "dot16_scan": True,
+          "fwd_scores_per_pair": "auto", "fwd_scores_stages": "auto", "fwd_tail_kg": True,
+          "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32", "aqk_dtype": "auto"}
 _DTYPE_CHOICES = ("auto", "fp32", "input")
 _FWD_SCORES = ("sub", "pairs", "chunk")
 _AUTO_INPUT_MIN_K = 65
@@ -174,18 +186,18 @@ def check_tuning(tuning: dict) -> None:
         raise ValueError("chunk_kda TUNING: fwd_segments needs fwd_scores 'sub'")
     if tuning.get("fwd_output", "scan") not in ("scan", "split"):
         raise ValueError(f"chunk_kda TUNING: fwd_output={tuning['fwd_output']!r} must be 'scan' or 'split'")
-    stages = tuning.get("fwd_scores_stages", 1)
-    if not isinstance(stages, int) or isinstance(stages, bool) or stages not in (1, 2, 3, 4):
-        raise ValueError(f"chunk_kda TUNING: fwd_scores_stages={stages!r} must be 1, 2, 3 or 4")
-    for name in ("fwd_scores_per_pair", "dot16_scan", "fwd_tail_kg"):
+    stages = tuning.get("fwd_scores_stages", "auto")
+    if stages != "auto" and (not isinstance(stages, int) or isinstance(stages, bool) or stages not in (1, 2, 3, 4)):
+        raise ValueError(f"chunk_kda TUNING: fwd_scores_stages={stages!r} must be 'auto', 1, 2, 3 or 4")
+    for name in ("dot16_scan", "fwd_tail_kg"):
         if not isinstance(tuning.get(name, False), bool):
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]!r} must be False or True")
-    if (tuning.get("fwd_scores_per_pair") or stages > 1) and tuning.get("fwd_scores", "sub") != "sub":
+    per_pair = tuning.get("fwd_scores_per_pair", "auto")
+    if per_pair != "auto" and not isinstance(per_pair, bool):
+        raise ValueError(f"chunk_kda TUNING: fwd_scores_per_pair={per_pair!r} must be 'auto', False or True")
+    if (per_pair is True or (stages != "auto" and stages > 1)) and tuning.get("fwd_scores", "sub") != "sub":
         raise ValueError("chunk_kda TUNING: fwd_scores_per_pair / fwd_scores_stages shape the score launch of "
                          "fwd_scores 'sub' only")
-    if tuning.get("fwd_tail_kg") and tuning.get("fwd_scores", "sub") != "sub":
-        raise ValueError("chunk_kda TUNING: fwd_tail_kg passes β K e^Γ from fwd_scores 'sub''s Γ launch; "
-                         "the other stage-1 plans have none")
     if tuning.get("dot16_scan", False) not in (False, True):
         raise ValueError(f"chunk_kda TUNING: dot16_scan={tuning['dot16_scan']!r} must be False or True")
     if tuning.get("dot16_bwd", False) not in (False, True, "narrow"):
@@ -208,6 +220,28 @@ def scan_precision(prec: str, v: torch.Tensor) -> str:
     """The forward scan's dot precision: `prec`, or with TUNING dot16_scan 16-bit operands, which on CUDA
     run at 64-column value blocks only (chunk_fwd.prune_state_configs), so a narrower V keeps `prec`."""
     return _stage_prec("dot16_scan", prec, v.dtype) if v.shape[-1] >= 64 or not v.is_cuda else prec
+
+
+def aqk_dtype(prec: str, v: torch.Tensor) -> torch.dtype:
+    """TUNING aqk_dtype as this call stores scale·Aqk: "auto" is the input dtype exactly when the forward
+    scan's products take 16-bit operands (scan_precision), which round it so anyway; else fp32."""
+    choice = TUNING["aqk_dtype"]
+    if choice == "auto":
+        choice = "input" if scan_precision(prec, v) in ("bf16", "fp16") else "fp32"
+    return torch.float32 if choice == "fp32" else v.dtype
+
+
+def scores_plan(K: int) -> tuple[bool, int]:
+    """TUNING fwd_scores_per_pair and fwd_scores_stages as this call runs them: "auto" is one program per
+    16 x 16 block pair with 2 pipeline stages when K > 64 (more than one key block of the score launch),
+    else one program per query sub-chunk, 1 stage (where the launch has one key block: nothing to pipeline)."""
+    per_pair, stages = TUNING["fwd_scores_per_pair"], TUNING["fwd_scores_stages"]
+    wide = K >= _AUTO_INPUT_MIN_K
+    if per_pair == "auto":
+        per_pair = wide
+    if stages == "auto":
+        stages = 2 if wide else 1
+    return per_pair, stages
 
 
 def _tuned_dtype(name: str, dtype: torch.dtype, K: int) -> torch.dtype:
@@ -298,6 +332,7 @@ def fwd_intra(q, k, v, g, beta, scale, C, prec, segments=None, on_segment=None, 
     """Stage 1 as chunk_kda runs it; without `need_grad` the raw Mkk (read by the backward only) is not stored."""
     check_tuning(TUNING)
     K = q.shape[-1]
+    per_pair, stages = scores_plan(K)
     return kda_fwd_intra(q, k, v, g, beta, scale, C, _tuned_dtype("inter_dtype", v.dtype, K),
                          _tuned_dtype("gated_dtype", v.dtype, K),
                          num_warps=TUNING["fwd_intra_warps"], precision=prec, key_block=TUNING["fwd_intra_BK"],
@@ -307,8 +342,9 @@ def fwd_intra(q, k, v, g, beta, scale, C, prec, segments=None, on_segment=None, 
                          sub=TUNING["fwd_scores"] == "sub", sub_warps=TUNING["fwd_intra_sub_warps"],
                          sub_key_block=TUNING["fwd_intra_sub_BK"], tail_warps=TUNING["fwd_tail_warps"],
                          tail_key_block=TUNING["fwd_tail_BK"], segments=segments, on_segment=on_segment,
-                         sub_per_pair=TUNING["fwd_scores_per_pair"], sub_stages=TUNING["fwd_scores_stages"],
-                         sub_kg=TUNING["fwd_tail_kg"], aqk_dtype=_tuned_dtype("aqk_dtype", v.dtype, K))
+                         sub_per_pair=per_pair, sub_stages=stages,
+                         sub_kg=TUNING["fwd_tail_kg"] and TUNING["fwd_scores"] == "sub",
+                         aqk_dtype=aqk_dtype(prec, v))
 
 
 def recompute_states(it: Intra, h0, B, T, HV, C, v_dtype, prec):
