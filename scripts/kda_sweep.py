@@ -171,6 +171,11 @@ VARIANTS = {
                         "fwd_scores_stages": 2},
     "kg_scan16_aqk16": {"fwd_tail_kg": True, "dot16_scan": True, "aqk_dtype": "input"},
     "scan16_aqk16": {"dot16_scan": True, "aqk_dtype": "input"},
+    # session 7: the B1 forward's overlap of stage 1 and the scan with the faster stages
+    "seg0": {"fwd_segments": 0},
+    "prio": {"fwd_segments_priority": True},
+    "seg2_prio": {"fwd_segments": 2, "fwd_segments_priority": True},
+    "seg8_prio": {"fwd_segments": 8, "fwd_segments_priority": True},
     "osplit": {"fwd_output": "split"},
     "osplit_s16": {"fwd_output": "split", "states_dtype": "input"},
     "osplit_seg4": {"fwd_output": "split", "fwd_segments": 4},
@@ -183,6 +188,8 @@ VARIANTS = {
 SPEED_SHAPES = [(8, 2048, 16, 16, 128), (1, 16384, 16, 16, 128)]
 if os.environ.get("SWEEP_FIRST_SHAPE") == "1":   # a quick screen: the first shape only
     SPEED_SHAPES = SPEED_SHAPES[:1]
+elif os.environ.get("SWEEP_LAST_SHAPE") == "1":   # the second (B1 T16384) only
+    SPEED_SHAPES = SPEED_SHAPES[1:]
 
 
 def accuracy(ref, inputs, chunk_size=64):

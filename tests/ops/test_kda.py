@@ -224,6 +224,8 @@ TUNING_CASES = [
     pytest.param({"fwd_segments": 2}, 1, 1, 1, 1, 24, 16, 64, id="fwd-segments2-T1-one-chunk-unsegmented"),
     pytest.param({"fwd_segments": 4, "fwd_store_states": True, "bwd_stored_gamma": True}, 1, 90, 2, 1, 40, 24, 16,
                  id="fwd-segments4-C16-store-states"),
+    pytest.param({"fwd_segments": 3, "fwd_segments_priority": True}, 1, 200, 1, 1, 40, 24, 64,
+                 id="fwd-segments3-scans-first"),
     pytest.param({"bwd_overlap_scans": False}, 1, 70, 1, 2, 40, 24, 64, id="bwd-no-overlap-scans"),
     # the parallel scan: runs of chunks from start states computed by the run summaries (M, E)
     pytest.param({"fwd_scan_parallel": 3}, 2, 200, 1, 2, 40, 24, 64, id="scan-parallel3-T200-G2"),
@@ -470,7 +472,7 @@ def test_check_tuning_rejects_bad_entries():
                      ({"fwd_scores_per_pair": "yes"}, "False or True"), ({"fwd_scores_stages": True}, "1, 2, 3 or 4"),
                      ({"fwd_scores_stages": 2.0}, "1, 2, 3 or 4"), ({"dot16_scan": 1}, "False or True"),
                      ({"fwd_scores_per_pair": True, "fwd_scores": "pairs"}, "score launch of fwd_scores 'sub'"),
-                     ({"fwd_tail_kg": 1}, "False or True")):
+                     ({"fwd_tail_kg": 1}, "False or True"), ({"fwd_segments_priority": "on"}, "False or True")):
         with pytest.raises(ValueError, match=msg):
             check_tuning(bad)
 
@@ -736,11 +738,12 @@ def test_chunk_kda_segmented_forward_gpu_is_exact():
         assert chunk_mod.auto_segments(inputs[0], 1, 8, 128, 63) == 4
         chunk_mod.TUNING.update(fwd_segments=0, bwd_overlap_scans=False)
         base = run_with_grads(chunk_kda, *inputs)
-        for n in (2, 5, "auto"):
-            chunk_mod.TUNING["fwd_segments"] = n
+        for n, first in ((2, False), (5, False), ("auto", False), (3, True), ("auto", True)):
+            chunk_mod.TUNING.update(fwd_segments=n, fwd_segments_priority=first)
             out = run_with_grads(chunk_kda, *inputs)
             for name in base:
-                assert torch.equal(out[name], base[name]), f"fwd_segments={n}: {name} differs"
+                assert torch.equal(out[name], base[name]), f"fwd_segments={n} (scans first: {first}): {name} differs"
+        chunk_mod.TUNING["fwd_segments_priority"] = saved["fwd_segments_priority"]
         # the backward's re-scan on a side stream, concurrent with the reverse scan: same kernels, same values
         chunk_mod.TUNING["fwd_segments"] = 0
         chunk_mod.TUNING["bwd_overlap_scans"] = True

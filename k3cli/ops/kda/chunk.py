@@ -143,7 +143,8 @@ TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None,
           "fwd_intra_sub_BK": 64, "fwd_tail_warps": 2, "fwd_tail_BK": 32,
           "bwd_stored_mkk": False, "bwd_subchunk": True, "bwd_subchunk_warps": 1, "bwd_subchunk_BK": 32, "dot16_bwd": False,
           "fwd_store_states": False, "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None,
-          "bwd_intra_warps": 4, "bwd_stored_gamma": False, "fwd_segments": "auto", "bwd_overlap_scans": True,
+          "bwd_intra_warps": 4, "bwd_stored_gamma": False, "fwd_segments": "auto", "fwd_segments_priority": False,
+          "bwd_overlap_scans": True,
           "fwd_output": "scan", "fwd_scan_parallel": 0, "dot16_scan": True,
           "fwd_scores_per_pair": "auto", "fwd_scores_stages": "auto", "fwd_tail_kg": True,
           "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32", "aqk_dtype": "auto"}
@@ -189,7 +190,7 @@ def check_tuning(tuning: dict) -> None:
     stages = tuning.get("fwd_scores_stages", "auto")
     if stages != "auto" and (not isinstance(stages, int) or isinstance(stages, bool) or stages not in (1, 2, 3, 4)):
         raise ValueError(f"chunk_kda TUNING: fwd_scores_stages={stages!r} must be 'auto', 1, 2, 3 or 4")
-    for name in ("dot16_scan", "fwd_tail_kg"):
+    for name in ("dot16_scan", "fwd_tail_kg", "fwd_segments_priority"):
         if not isinstance(tuning.get(name, False), bool):
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]!r} must be False or True")
     per_pair = tuning.get("fwd_scores_per_pair", "auto")
@@ -286,39 +287,55 @@ def segment_ranges(NT: int, n: int) -> list[tuple[int, int]] | None:
 _SIDE_STREAMS: dict = {}
 
 
-def _side_stream(device: torch.device):
-    """One side CUDA stream per device, reused by every call: the caching allocator keeps blocks per
-    allocating stream, so a new stream per call (torch hands out 32 round-robin) could pin up to 32 copies
-    of what was allocated on it."""
-    key = device.index if device.index is not None else torch.cuda.current_device()
+def _side_stream(device: torch.device, high_priority: bool = False):
+    """One side CUDA stream per device (and priority), reused by every call: the caching allocator keeps
+    blocks per allocating stream, so a new stream per call (torch hands out 32 round-robin) could pin up to
+    32 copies of what was allocated on it. `high_priority`: the device's highest stream priority (its
+    pending blocks are dispatched before those of default-priority streams)."""
+    key = (device.index if device.index is not None else torch.cuda.current_device(), high_priority)
     if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
+        prio = torch.cuda.Stream.priority_range()[1] if high_priority else 0
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device, priority=prio)
     return _SIDE_STREAMS[key]
 
 
 class _Overlap:
     """Stream hooks of the segmented forward: stage 1 of each chunk range on a side stream, an event
-    after each, the scan of a range on the current stream after that range's event. No-ops off CUDA."""
+    after each, the scan of a range on the current stream after that range's event. With `scan_first`
+    (TUNING fwd_segments_priority) the other way round: stage 1 on the current stream, the scans on a
+    high-priority side stream, so that a range's scan programs are dispatched ahead of the later ranges'
+    pending stage-1 programs. Only the current stream allocates. No-ops off CUDA."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, scan_first: bool = False):
         self.cuda = device.type == "cuda"
+        self.scan_first = scan_first
         if self.cuda:
             self.main = torch.cuda.current_stream(device)
-            self.side = _side_stream(device)
+            self.side = _side_stream(device, high_priority=scan_first)
             self.side.wait_stream(self.main)   # the inputs and buffers were made on the main stream
             self.events = {}
 
     def stage1(self, n0, n1, what):
         if not self.cuda:
             return
-        if what == "start":
+        if self.scan_first:
+            if what == "done":
+                self.events[n0] = self.main.record_event()
+        elif what == "start":
             torch.cuda.set_stream(self.side)
         else:
             self.events[n0] = self.side.record_event()
             torch.cuda.set_stream(self.main)
 
     def scan(self, n0, n1, what):
-        if self.cuda:
+        if not self.cuda:
+            return
+        if self.scan_first:
+            # the scan's buffers were allocated on the main stream before its first range: launch on the side
+            # stream (join() puts the main stream behind it before anything reads or frees them)
+            torch.cuda.set_stream(self.side)
+            self.side.wait_event(self.events[n0])
+        else:
             self.main.wait_event(self.events[n0])
 
     def join(self):
@@ -382,7 +399,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         scan_prec = scan_precision(prec, v)
         NT = -(-T // chunk_size)
         segs = segment_ranges(NT, auto_segments(q, B, HV, v.shape[-1], NT))
-        ov = _Overlap(q.device) if segs else None
+        ov = _Overlap(q.device, scan_first=TUNING["fwd_segments_priority"]) if segs else None
         need_grad = any(ctx.needs_input_grad[:6])
         # TUNING fwd_store_states: keep the chunk states S_n and Vn for the backward (memory for one scan)
         keep = TUNING["fwd_store_states"] and need_grad
