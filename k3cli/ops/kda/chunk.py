@@ -59,6 +59,13 @@ _CHUNK_SIZES = (16, 32, 64)
 #   Same kernels and values as unsegmented (GPU test: bit-equal). H200, bf16, session 6: B1 T16384 H16
 #   K=V=128 forward 1.634 -> 1.502 ms at 4 ranges, but B8 T2048 H16 1.083 -> 1.466; "auto" picks 4 ranges
 #   only for few scan programs and many chunks (auto_segments). On CPU the ranges run one after another.
+# fwd_segments_priority (default on): with fwd_segments, the other way round: stage 1 on the current stream and
+#   the scans on a high-priority side stream, so that a range's 32-odd scan programs (8 warps each, about an
+#   SM's registers) are dispatched ahead of the later ranges' thousands of pending stage-1 programs instead
+#   of waiting for SMs to drain. H200, bf16, session 7 (notes/session7_call4, one process, fla's chunk_kda in
+#   the same run at 1.188 / 5.532 ms): B1 T16384 H16 K=V=128 forward / fwd+bwd 1.595 / 4.772 ms with 4
+#   ranges -> 1.191 / 4.758 (2 ranges: 1.280, with priority 1.267; 8 with priority 2.073; one range 1.461);
+#   outputs bit-equal to one range (GPU test).
 # bwd_overlap_scans (default on): the backward's forward re-scan (S_n, Vn) on a side CUDA stream, concurrent
 #   with the reverse scan (dS_n, dVn), which does not read it; both are sequential over chunks and, with few
 #   B*HV, leave most SMs idle. H200, bf16, session 6: forward+backward B1 T16384 H16 K128 5.962 -> 5.475 ms,
@@ -143,7 +150,7 @@ TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None,
           "fwd_intra_sub_BK": 64, "fwd_tail_warps": 2, "fwd_tail_BK": 32,
           "bwd_stored_mkk": False, "bwd_subchunk": True, "bwd_subchunk_warps": 1, "bwd_subchunk_BK": 32, "dot16_bwd": False,
           "fwd_store_states": False, "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None,
-          "bwd_intra_warps": 4, "bwd_stored_gamma": False, "fwd_segments": "auto", "fwd_segments_priority": False,
+          "bwd_intra_warps": 4, "bwd_stored_gamma": False, "fwd_segments": "auto", "fwd_segments_priority": True,
           "bwd_overlap_scans": True,
           "fwd_output": "scan", "fwd_scan_parallel": 0, "dot16_scan": True,
           "fwd_scores_per_pair": "auto", "fwd_scores_stages": "auto", "fwd_tail_kg": True,
