@@ -1,7 +1,8 @@
 """Triton chunked KDA: autograd wrapper and public entry point (kernels in chunk_fwd.py, chunk_bwd.py).
 
-Launches with the default TUNING: forward 4 (Γ with the gated operands, sub-chunk scores, solve + W, U,
-state scan), or on CUDA for few long sequences (fwd_segments "auto") those 4 per chunk range; backward 5
+Launches with the default TUNING: forward 4 (Γ with the gated operands, sub-chunk or block-pair scores,
+solve + W, U, state scan), or on CUDA for few long sequences (fwd_segments "auto") those 4 per chunk range,
+the scans on a high-priority side stream (fwd_segments_priority); backward 5
 (state re-scan, on a side stream concurrent with the reverse state scan, and the per-chunk gradients as
 V side, intra-chunk score gradients, key side) plus, with GVA, the group sum of dq, dk in torch. The TUNING
 alternatives change that count (one per-chunk backward launch without bwd_subchunk / bwd_split, no

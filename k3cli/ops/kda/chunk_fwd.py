@@ -2,10 +2,12 @@
 
 Four launches by default (chunk.TUNING fwd_scores "sub"):
   1a. `_kda_fwd_gamma_kernel`, per (chunk, batch*value-head, 64 key columns): Γ = chunk-local cumsum g
-     into an fp32 buffer, and the gated operands Q e^Γ, K e^(γ-Γ), e^γ;
-  1b. `_kda_fwd_scores_sub_kernel`, per (chunk x 16-row query sub-chunk, batch*value-head): the anchored
-     intra-chunk score blocks of Aqk and Akk from that Γ;
-  1c. `_kda_fwd_intra_kblock_kernel` PART 4: Tm = (I + Akk)^-1 by fp32 forward substitution, W and U.
+     into an fp32 buffer, the gated operands Q e^Γ, K e^(γ-Γ), e^γ, and β K e^Γ into the W buffer (KG);
+  1b. `_kda_fwd_scores_sub_kernel`, per (chunk x 16-row query sub-chunk, batch*value-head), or for K > 64
+     per (chunk x 16 x 16 block pair, batch*value-head) (PER_PAIR): the anchored intra-chunk score blocks
+     of Aqk and Akk from that Γ;
+  1c. `_kda_fwd_intra_kblock_kernel` PART 4: Tm = (I + Akk)^-1 by fp32 forward substitution, W (in place
+     of β K e^Γ) and U.
      Alternatives: `_kda_fwd_scores_pairs_kernel` for 1a-1b ("pairs"), or `_kda_fwd_intra_kernel` /
      `_kda_fwd_intra_kblock_kernel` doing all of stage 1 per chunk ("chunk"), in one launch or three.
   2. `_kda_fwd_state_kernel`, one program per (value block, batch*value-head), sequential over
