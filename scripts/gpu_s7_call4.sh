@@ -6,6 +6,7 @@
 #   GPU 1: the GPU tests of the segmented / overlapped paths (bit-equal to one range, incl. the new high-priority
 #          scan stream) and the long-memory test, then `k3 bench-kernel` at B1 with fwd_segments 0 against fla.
 #   run(command="bash scripts/gpu_s7_call4.sh", kind="nvidia-h200-x2", carry=[".whl"], timeout_s=360)
+# (sweep entries as they were at commit 02f04b2: "base" had fwd_segments_priority off, now the "noprio" entry)
 set -uo pipefail
 source scripts/gpu_env.sh
 ( export CUDA_VISIBLE_DEVICES=0 SWEEP_LAST_SHAPE=1

@@ -5,8 +5,9 @@
 For each shape: stage 1 once (chunk.TUNING as shipped), then each STATE_CONFIGS entry that fits (BV,
 warps, stages) timed with triton.testing.do_bench on the same buffers, with O stored (the forward) and
 without O but storing S_n, Vn (the backward's re-scan, and TUNING fwd_output "split"); the config the
-autotuner picked; the stage-1 total. (16-bit dot operands in this kernel hit an illegal memory access on
-the H200 at BV 32, sessions 4 and 6; not timed here.)
+autotuner picked; the stage-1 total. The scan's products at the shipped precision (chunk.scan_precision:
+16-bit operands for bf16 inputs at V >= 64, whose configs keep BV 64 only: at BV 32 they hit an illegal
+memory access on the H200, sessions 4 and 6).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def bench_shape(shape) -> None:
     V, BT = K, 64
     q, k, v, g, b = _inputs(*shape, torch.bfloat16, dev)
     prec = F.dot_precision(v.dtype)
+    sprec = C_.scan_precision(prec, v)
     NT = triton.cdiv(T, BT)
     it = C_.fwd_intra(q, k, v, g, b, K ** -0.5, BT, prec)
     o = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
@@ -46,12 +48,13 @@ def bench_shape(shape) -> None:
     vn = torch.empty(B * HV, NT * BT, V, device=dev, dtype=torch.float32)
     t1 = triton.testing.do_bench(lambda: C_.fwd_intra(q, k, v, g, b, K ** -0.5, BT, prec))
     seen = set(F._kda_fwd_state_kernel.cache)
-    F.kda_fwd_state(it, B, T, HV, BT, None, v.dtype, False, precision=prec)
+    F.kda_fwd_state(it, B, T, HV, BT, None, v.dtype, False, precision=sprec)
     picked = [str(c) for key, c in F._kda_fwd_state_kernel.cache.items() if key not in seen]
     print(f"{shape}: stage 1 {t1:.3f} ms; autotuner picked {picked}", flush=True)
-    named = {"w": it.w, "kd": it.kd, "qg": it.qg, "V": V, "BK": max(16, triton.next_power_of_2(K)), "BT": BT}
+    named = {"w": it.w, "kd": it.kd, "qg": it.qg, "aqk": it.aqk, "V": V, "BK": max(16, triton.next_power_of_2(K)),
+             "BT": BT, "PREC": sprec}
     for cfg in F.prune_state_configs(F.STATE_CONFIGS, named):
-        t = [time_config(it, o, h, vn, B, T, HV, K, V, BT, prec, cfg, s) for s in (True, False)]
+        t = [time_config(it, o, h, vn, B, T, HV, K, V, BT, sprec, cfg, s) for s in (True, False)]
         print(f"  BV{cfg.kwargs['BV']:3d} w{cfg.num_warps} s{cfg.num_stages}: with O {t[0]:7.3f} / "
               f"S,Vn only {t[1]:7.3f} ms", flush=True)
 

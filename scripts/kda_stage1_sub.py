@@ -5,7 +5,7 @@
 Times (medians of triton.testing.do_bench, ms): the block-pair scores kernel (TUNING fwd_scores "pairs")
 at 1 / 2 / 4 warps; the Γ kernel and the per-sub-chunk scores kernel (TUNING fwd_scores "sub") per warps
 and key block; the solve (PART 2), W, U (PART 3) and both in one launch (PART 4) per warps and key
-block. Not a correctness check: the launches run once in pipeline order first, so each timed launch
+block. The Γ kernel stores β K e^Γ and W reads it (KG, TUNING fwd_tail_kg as shipped). Not a correctness check: the launches run once in pipeline order first, so each timed launch
 sees valid inputs.
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ def one_shape(shape) -> None:
         for w in (2, 4, 8):
             res.append((f"gamma BK{bk} w{w}", bench(lambda bk=bk, w=w: _kda_fwd_gamma_kernel[
                 (NT, B * HV, triton.cdiv(K, bk))](q, k, g, b, gc, it.qg, it.kd, it.eg, it.w, scale, T, NT, 0, H=H, HV=HV,
-                                                  K=K, BT=BT, BK=bk, num_warps=w, num_stages=1))))
+                                                  K=K, BT=BT, BK=bk, KG=True, num_warps=w, num_stages=1))))
     for bk in sorted({min(16, K), min(32, K), min(64, K)}):
         for w in (1, 2, 4):
             res.append((f"scores sub BK{bk} w{w}", bench(lambda bk=bk, w=w: _kda_fwd_scores_sub_kernel[
@@ -69,7 +69,7 @@ def one_shape(shape) -> None:
                         it.tm.copy_(tm0)   # the solve works in place
                     _kda_fwd_intra_kblock_kernel[grid](*args, H=H, HV=HV, K=K, V=K, BT=BT, BC=BC, BK=bk,
                                                        BV=min(64, max(16, K)), PREC=prec, PART=part,
-                                                       STORE_MKK=True, num_warps=w, num_stages=1)
+                                                       STORE_MKK=True, KG=True, num_warps=w, num_stages=1)
                 res.append((f"part{part} BK{bk} w{w}", bench(launch)))
     copy = bench(lambda: it.tm.copy_(tm0))
     print(f"{shape}: " + "  ".join(f"{n} {t:.3f}" for n, t in res) + f"  (tm copy {copy:.3f}, included in parts 2, 4)",

@@ -30,15 +30,20 @@ BASE = dict(chunk_mod.TUNING)
 # "bwd_subchunk": False); session 5 made stage 1 the stored-Γ sub-chunk scores (fwd_scores "sub"; entries
 # for the one-program-per-chunk stage 1 name "fwd_scores": "chunk") and the backward's per-chunk launches
 # 4 warps, its score gradients 1 warp. "s4_defaults" and "s3_defaults" are the states before.
-# Results: notes/session{2,3,4}_gpu.md and notes/session*_sweep*.jsonl.
+# Session 7 made the forward options in S6 below the defaults; "s6_defaults" is the state before, and the
+# session-6 / session-7 entries that were timed against it carry it (**S6).
+# Results: notes/session{2,...,7}_gpu.md and notes/session*_sweep*.jsonl.
+S6 = {"fwd_tail_kg": False, "dot16_scan": False, "aqk_dtype": "fp32", "fwd_scores_per_pair": False,
+      "fwd_scores_stages": 1, "fwd_segments_priority": False}
 VARIANTS = {
     "base": {},
+    "s6_defaults": S6,
     # session 6 made fwd_segments "auto" (4 ranges for few scan programs and many chunks) and bwd_overlap_scans
     # the defaults; this is the state before
-    "s5_defaults": {"fwd_segments": 0, "bwd_overlap_scans": False},
-    "s4_defaults": {"fwd_scores": "chunk", "bwd_subchunk_warps": 2, "bwd_intra_warps": 8, "fwd_segments": 0,
+    "s5_defaults": {**S6, "fwd_segments": 0, "bwd_overlap_scans": False},
+    "s4_defaults": {**S6, "fwd_scores": "chunk", "bwd_subchunk_warps": 2, "bwd_intra_warps": 8, "fwd_segments": 0,
                     "bwd_overlap_scans": False},
-    "s3_defaults": {"fwd_scores": "chunk", "bwd_subchunk": False, "bwd_intra_warps": 8, "fwd_segments": 0,
+    "s3_defaults": {**S6, "fwd_scores": "chunk", "bwd_subchunk": False, "bwd_intra_warps": 8, "fwd_segments": 0,
                     "bwd_overlap_scans": False},
     # session 2, H200: whole-K stage 1 sits at 255 registers / 1 block per SM (ncu); key blocks cut that
     "fi_kb32": {"fwd_scores": "chunk", "fwd_intra_BK": 32},
@@ -156,23 +161,25 @@ VARIANTS = {
     "par8_store": {"fwd_scan_parallel": 8, "fwd_store_states": True},
     "par4_store": {"fwd_scan_parallel": 4, "fwd_store_states": True},
     # session 6, untimed: the stage-1 score launch per 16 x 16 block pair, with pipelined key-block loads
-    "pp": {"fwd_scores_per_pair": True},
-    "pp_s2": {"fwd_scores_per_pair": True, "fwd_scores_stages": 2},
-    "pp_s3": {"fwd_scores_per_pair": True, "fwd_scores_stages": 3},
-    "pp_w2_s2": {"fwd_scores_per_pair": True, "fwd_scores_stages": 2, "fwd_intra_sub_warps": 2},
-    "sub_s2": {"fwd_scores_stages": 2},
+    "pp": {**S6, "fwd_scores_per_pair": True},
+    "pp_s2": {**S6, "fwd_scores_per_pair": True, "fwd_scores_stages": 2},
+    "pp_s3": {**S6, "fwd_scores_per_pair": True, "fwd_scores_stages": 3},
+    "pp_w2_s2": {**S6, "fwd_scores_per_pair": True, "fwd_scores_stages": 2, "fwd_intra_sub_warps": 2},
+    "sub_s2": {**S6, "fwd_scores_stages": 2},
     # session 6, untimed: the forward scan with 16-bit dot operands (scan alone at B8, BV64 w8 s1: 0.433 -> 0.338 ms)
-    "scan16": {"dot16_scan": True},
-    "scan16_store": {"dot16_scan": True, "fwd_store_states": True},
+    "scan16": {**S6, "dot16_scan": True},
+    "scan16_store": {**S6, "dot16_scan": True, "fwd_store_states": True},
     # session 7: β K e^Γ from the Γ launch to the tail (no second k, g read there); with the 16-bit scan
-    "kg": {"fwd_tail_kg": True},
-    "kg_scan16": {"fwd_tail_kg": True, "dot16_scan": True},
-    "kg_scan16_pp_s2": {"fwd_tail_kg": True, "dot16_scan": True, "fwd_scores_per_pair": True,
+    "kg": {**S6, "fwd_tail_kg": True},
+    "kg_scan16": {**S6, "fwd_tail_kg": True, "dot16_scan": True},
+    "kg_scan16_pp_s2": {**S6, "fwd_tail_kg": True, "dot16_scan": True, "fwd_scores_per_pair": True,
                         "fwd_scores_stages": 2},
-    "kg_scan16_aqk16": {"fwd_tail_kg": True, "dot16_scan": True, "aqk_dtype": "input"},
-    "scan16_aqk16": {"dot16_scan": True, "aqk_dtype": "input"},
-    # session 7: the B1 forward's overlap of stage 1 and the scan with the faster stages
+    "kg_scan16_aqk16": {**S6, "fwd_tail_kg": True, "dot16_scan": True, "aqk_dtype": "input"},
+    "scan16_aqk16": {**S6, "dot16_scan": True, "aqk_dtype": "input"},
+    # session 7: the B1 forward's overlap of stage 1 and the scan with the faster stages (timed before
+    # fwd_segments_priority became the default: "base" there is "noprio" now; "seg2" above now has priority)
     "seg0": {"fwd_segments": 0},
+    "noprio": {"fwd_segments_priority": False},
     "prio": {"fwd_segments_priority": True},
     "seg2_prio": {"fwd_segments": 2, "fwd_segments_priority": True},
     "seg8_prio": {"fwd_segments": 8, "fwd_segments_priority": True},

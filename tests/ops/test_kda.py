@@ -193,7 +193,6 @@ TUNING_CASES = [
     pytest.param({"fwd_scores": "sub"}, 1, 50, 2, 2, 40, 24, 32, id="fwd-sub-H2-G2-C32"),
     pytest.param({"fwd_scores": "sub", "fwd_intra_sub_BK": 16}, 1, 45, 2, 1, 40, 24, 32, id="fwd-sub-C32-K40-BK16"),
     pytest.param({"fwd_scores": "sub"}, 1, 37, 1, 1, 24, 16, 16, id="fwd-sub-C16-one-subchunk"),
-    pytest.param({"fwd_scores_per_pair": True}, 2, 70, 1, 2, 96, 40, 64, id="fwd-per-pair-K96-G2-T70"),
     # K > 64 runs per pair, 2 stages by default ("auto"): the per-sub-chunk launch there, and the tail from k, g
     pytest.param({"fwd_scores_per_pair": False, "fwd_scores_stages": 1}, 2, 70, 1, 2, 96, 40, 64,
                  id="fwd-per-subchunk-K96-G2-T70"),
@@ -209,9 +208,7 @@ TUNING_CASES = [
                  id="fwd-per-pair-T1-BK16"),
     pytest.param({"fwd_scores": "sub", "fwd_intra_split": True, "fwd_tail_BK": 16}, 1, 50, 1, 2, 40, 24, 64,
                  id="fwd-sub-split-tail-BK16"),
-    # β K e^Γ from the Γ launch through the W buffer (fp32 here: K96 stores W in the input dtype)
-    pytest.param({"fwd_tail_kg": True}, 2, 70, 1, 2, 96, 40, 64, id="fwd-tail-kg-K96-G2-T70"),
-    pytest.param({"fwd_tail_kg": True}, 1, 1, 1, 1, 24, 16, 64, id="fwd-tail-kg-T1-K24"),
+    # β K e^Γ from the Γ launch through the W buffer (the default; fwd-sub-* above run it at K96 / T1 / C32 / C16)
     pytest.param({"fwd_tail_kg": True, "fwd_intra_split": True, "fwd_segments": 3, "fwd_tail_BK": 16},
                  1, 90, 1, 1, 40, 24, 16, id="fwd-tail-kg-split-tail-segments3-C16"),
     pytest.param({"fwd_tail_kg": True, "inter_dtype": "input"}, 1, 70, 1, 2, 40, 24, 64,
@@ -224,8 +221,6 @@ TUNING_CASES = [
     pytest.param({"fwd_segments": 2}, 1, 1, 1, 1, 24, 16, 64, id="fwd-segments2-T1-one-chunk-unsegmented"),
     pytest.param({"fwd_segments": 4, "fwd_store_states": True, "bwd_stored_gamma": True}, 1, 90, 2, 1, 40, 24, 16,
                  id="fwd-segments4-C16-store-states"),
-    pytest.param({"fwd_segments": 3, "fwd_segments_priority": True}, 1, 200, 1, 1, 40, 24, 64,
-                 id="fwd-segments3-scans-first"),
     pytest.param({"bwd_overlap_scans": False}, 1, 70, 1, 2, 40, 24, 64, id="bwd-no-overlap-scans"),
     # the parallel scan: runs of chunks from start states computed by the run summaries (M, E)
     pytest.param({"fwd_scan_parallel": 3}, 2, 200, 1, 2, 40, 24, 64, id="scan-parallel3-T200-G2"),
@@ -316,10 +311,14 @@ def test_chunk_kda_tuning_alternatives_match_recurrent(tuning, B, T, H, G, K, V,
             chunk_mod.TUNING.update(saved)
 
     out = run_under(tuning)
-    # the same case with the buffer dtypes / 16-bit operands it names set to fp32 / unrounded (the rest default)
+    # the same case with the buffer dtypes / 16-bit operands it names set to fp32 / unrounded (the rest default);
+    # a buffer the case sets to fp32 compares with its shipped default instead. None when that is the case itself.
     plain = {"dot16_scan": False, "dot16_bwd": False, "aqk_dtype": "fp32", "inter_dtype": "fp32", "gated_dtype": "fp32",
              "states_dtype": "fp32"}
-    base = run_under({**tuning, **{n: plain[n] for n in tuning if n in plain}}) if lowp else None
+    over = {n: (chunk_mod.TUNING[n] if tuning[n] == plain[n] and n.endswith("_dtype") else plain[n])
+            for n in tuning if n in plain}
+    base = run_under({**tuning, **over}) if lowp and {**tuning, **over} != tuning else None
+    assert base is not None or not buffers, "a buffer-dtype case must differ from its comparison run"
     for name in ref:
         assert out[name].shape == ref[name].shape, name
         assert_close(name, out[name], ref[name], tol=None if lowp else 1e-5)
@@ -726,9 +725,10 @@ def test_chunk_kda_long_memory_gpu(tuning, monkeypatch):
 @gpu
 def test_chunk_kda_segmented_forward_gpu_is_exact():
     """TUNING fwd_segments: stage 1 on a side stream, the scan per chunk range on the current stream
-    after that range's event. Same kernels, the state carried through fp32 buffers: the outputs and the
-    gradients must equal the unsegmented run exactly (a missing stream wait shows as a mismatch). Then
-    TUNING bwd_overlap_scans (the backward's re-scan on a side stream) likewise."""
+    after that range's event, or with fwd_segments_priority (the default) stage 1 on the current stream and
+    the scans on a high-priority side stream. Same kernels, the state carried through fp32 buffers: the
+    outputs and the gradients must equal the unsegmented run exactly (a missing stream wait shows as a
+    mismatch). Then TUNING bwd_overlap_scans (the backward's re-scan on a side stream) likewise."""
     from k3cli.ops.kda import chunk as chunk_mod
     from k3cli.ops.kda import chunk_kda
     inputs = make_inputs(1, 4000, 4, 2, 128, 128, dtype=torch.bfloat16, device="cuda")

@@ -83,10 +83,12 @@ _CHUNK_SIZES = (16, 32, 64)
 #   Off by default for that memory.
 # Session 7's forward defaults, measured together (H200, bf16, notes/session7_call1/, scripts/kda_sweep.py;
 #   forward / fwd+bwd ms at B8 T2048 H16 K=V=128 and B1 T16384 H16 K=V=128; session 6's defaults in the same
-#   run: 1.073 / 4.051 and 1.487 / 5.301): all four together 0.839 / 3.845 and 1.262 / 5.672 (without the
-#   2-byte Aqk; with it, without the per-pair launch: 0.921 / 3.847 and 1.370 / 4.757). Against the fp32
-#   reference (B2 T1000 H4 HV8 K=V=128, bf16) o's relative RMS error goes 2.75e-3 -> 3.07e-3 (tolerance
-#   5e-3), the rest unchanged to 3 digits.
+#   run: 1.073 / 4.051 and 1.487 / 5.301): kg + dot16_scan + per pair with 2 stages 0.839 / 3.845 and 1.262 /
+#   5.672; kg + dot16_scan + 2-byte Aqk 0.921 / 3.847 and 1.370 / 4.757. All four were not swept together;
+#   `k3 bench-kernel` timed them in calls 2-3 (B8 0.828 / 3.779, B1 1.546 / 4.817 before
+#   fwd_segments_priority). Against the fp32 reference (B2 T1000 H4 HV8 K=V=128, bf16) o's relative RMS
+#   error goes 2.75e-3 -> 3.07e-3 (tolerance 5e-3), dv's 2.00e-3 -> 2.03e-3 and dβ's 2.16e-3 -> 2.18e-3 (the
+#   2-byte Aqk), the rest unchanged to 3 digits.
 # fwd_scores_per_pair, fwd_scores_stages ("auto" both): fwd_scores "sub"'s score launch with one program per
 #   16 x 16 block pair (a, c), c <= a (10 per 64-token chunk, each one block) instead of per query sub-chunk
 #   (4, with 1 to 4 blocks each), and its pipeline stages (1-4: the key-block loop's loads of the next block
@@ -100,7 +102,9 @@ _CHUNK_SIZES = (16, 32, 64)
 #   it in place. Saves the tail's k and g reads (2 + 4 bytes per key element with bf16 k, fp32 g) for one
 #   store in W's dtype (2 bytes at K > 64, 4 below); W's input is then rounded to W's dtype before the
 #   product (as fla's W). Session 7, alone: 1.073 / 4.051 -> 1.029 / 4.004 ms at B8, 1.487 / 5.301 ->
-#   1.419 / 5.238 at B1; errors unchanged to 3 digits.
+#   1.419 / 5.238 at B1; errors unchanged to 3 digits. With the 16-bit scan it helped at B8 in every
+#   combination (0.981 -> 0.937, 0.969 -> 0.921) but not in the B1 forward (1.285 -> 1.314, 1.264 -> 1.370),
+#   where the overlap of the ranges moves the figure by more than that between runs.
 # dot16_scan (default on): the forward state scan (and the backward's re-scan, the split O launch, the parallel
 #   scan's summaries) multiply operands rounded to the input dtype (bf16 / fp16; the state itself stays fp32,
 #   as in fla's state scan) instead of fp32 operands at TF32. Session 7, alone: forward 1.073 -> 0.981 ms at B8,
@@ -133,9 +137,10 @@ _CHUNK_SIZES = (16, 32, 64)
 #   inter: W, U (stage 1 -> state scans); gated: Q e^Γ, K e^(γ-Γ); states: per-chunk S_n and dS_n;
 #   aqk: scale·Aqk (stage 1 -> the forward scan's O, the backward's reverse scan), [B*HV, T, BT]; "auto"
 #   (default) is "input" exactly when the forward scan takes 16-bit operands (dot16_scan, V >= 64), which
-#   round it so anyway: it then changes only the reverse scan's dVn, halves the buffer's traffic and lets that
-#   scan's two-stage configs fit in shared memory. Session 7, with dot16_scan: fwd+bwd 3.937 -> 3.887 ms at B8,
-#   5.594 -> 4.815 at B1; dv's error unchanged to 3 digits.
+#   round it so anyway: it then changes only the reverse scan's dVn and halves the buffer's traffic. Session 7,
+#   with dot16_scan: fwd+bwd 3.937 -> 3.887 ms at B8, 5.594 -> 4.815 at B1 (one run each; why the B1
+#   backward gained that much is not established: the scans' shared-memory estimate fits two stages either
+#   way at K = V = 128); dv's error 2.00e-3 -> 2.03e-3, dβ's 2.16e-3 -> 2.18e-3.
 #   Why "auto" for W, U, Q e^Γ, K e^(γ-Γ) (H200, bf16, session 3, notes/session3_gpu.md): at K = V = 128
 #   2-byte buffers took B8 T2048 H16 from 1.865 / 7.389 to 1.664 / 6.679 ms (fwd / fwd+bwd) and
 #   B1 T16384 from 3.049 / 11.234 to 2.207 / 8.525, max relative RMS error 3.1e-3 (dq) against the fp32

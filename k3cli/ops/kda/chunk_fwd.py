@@ -768,7 +768,8 @@ def _kda_fwd_o_kernel(qg, aqk, h, vn, o, T, NT, NPROG, HV: tl.constexpr, K: tl.c
 
 
 class Intra(NamedTuple):
-    """Stage-1 buffers, all [B*HV, NT*BT, X] (eg: [B*HV, NT, K]); W, U in `inter_dtype`, qg, kd in `gated_dtype`, the rest fp32."""
+    """Stage-1 buffers, all [B*HV, NT*BT, X] (eg: [B*HV, NT, K]); W, U in `inter_dtype`, qg, kd in `gated_dtype`,
+    aqk in `aqk_dtype`, the rest fp32."""
     w: torch.Tensor      # Tm diag(β) (K ⊙ e^Γ)
     u: torch.Tensor      # Tm diag(β) V
     qg: torch.Tensor     # scale · Q ⊙ e^Γ
@@ -991,6 +992,7 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
     h = torch.empty(B * HV, NT, K, V, device=dev, dtype=h_dtype) if store_h else None
     vn = torch.empty(B * HV, NT * BT, V, device=dev, dtype=torch.float32) if store_h else None
     runs, L = parallel_runs(NT, parallel)
+    carry = [None, None]
     if runs > 1:
         if segments:
             raise ValueError("kda_fwd_state: parallel runs and sequential segments do not combine")
@@ -1000,8 +1002,8 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
     else:
         # one launch per segment, the carry alternating between two fp32 buffers
         segments = segments or [(0, NT)]
-        carry = [None, None] if len(segments) == 1 else \
-            [torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) for _ in range(2)]
+        if len(segments) > 1:
+            carry = [torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) for _ in range(2)]
         launches, s_in = [], initial_state
         for i, (n0, n1) in enumerate(segments):
             s_out = ht if i == len(segments) - 1 else carry[i % 2]
@@ -1015,6 +1017,13 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
             triton.next_power_of_2(B * HV * nrun), n0, n1, run_len, stride, HV=HV, K=K, V=V, BT=BT, BK=BK,
             USE_H0=s_in is not None, STORE_HT=s_out is not None, STORE_O=store_o, STORE_H=store_h,
             INTERPRET=interpreting(it.w), PREC=precision)
+    if dev.type == "cuda":
+        # with chunk.TUNING fwd_segments_priority the scans ran on a side stream (on_segment switched to it), and
+        # the carry buffers, made on the allocating stream, are freed on return: keep them from reuse until
+        # that stream's work is done
+        for t in carry:
+            if t is not None:
+                t.record_stream(torch.cuda.current_stream(dev))
     return o, ht, h, vn
     segments = segments or [(0, NT)]
     carry = [None, None] if len(segments) == 1 else \
