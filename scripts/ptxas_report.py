@@ -1,6 +1,6 @@
 """Registers and spill stack of the chunk_kda kernels as compiled for sm_90 (H100/H200), without a GPU.
 
-    .venv/bin/python scripts/ptxas_report.py [K] [--warps 16 8 4] [--chunk 64] [--maxnreg 128]
+    .venv/bin/python scripts/ptxas_report.py [K] [--warps 16 8 4] [--chunk 64] [--maxnreg 128] [--only TEXT]
 
 Triton compiles each kernel for the target here (its bundled ptxas), then `cuobjdump -res-usage`
 reads the cubin. REG 255 with a non-zero STACK means spills and one 8-warp block per SM (session 2's
@@ -31,6 +31,8 @@ SCALARS = {"scale": "fp32", "T": "i32", "NT": "i32", "NBT": "i32", "NBH": "i32",
 
 def compile_report(fn, const: dict, num_warps: int, maxnreg: int | None = None) -> tuple[int, int]:
     fn = fn.fn if isinstance(fn, Autotuner) else fn   # autotuned kernels wrap the JITFunction
+    const = dict(const)
+    stages = const.pop("_stages", 1)   # a launch option, not a kernel parameter
     # constexpr parameters left out take their defaults (unlisted, they would compile as pointer arguments)
     const = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty},
              **const}
@@ -38,7 +40,7 @@ def compile_report(fn, const: dict, num_warps: int, maxnreg: int | None = None) 
     for n in fn.arg_names:
         sig[n] = "constexpr" if n in const else SCALARS.get(n, INPUTS.get(n, "*fp32"))
     kern = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": 1, "maxnreg": maxnreg})
+                          options={"num_warps": num_warps, "num_stages": stages, "maxnreg": maxnreg})
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kern.asm["cubin"])
@@ -54,6 +56,7 @@ def main() -> None:
     ap.add_argument("--warps", type=int, nargs="+", default=[16, 8, 4])
     ap.add_argument("--chunk", type=int, default=64, help="BT, the chunk size")
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (ptxas .maxnreg)")
+    ap.add_argument("--only", default=None, help="report only the kernels whose row name contains this text")
     ap.add_argument("--prec", default="tf32", choices=["tf32", "tf32x3", "ieee", "bf16", "fp16", "bf16n"], help="tl.dot input precision")
     args = ap.parse_args()
     K = V = args.K
@@ -69,6 +72,7 @@ def main() -> None:
                   dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=BKf, PREC=args.prec, STORE_MKK=True)))
     for bk in sorted({min(64, BKf), min(32, BKf)}):
         cases.append((f"fwd gamma BK{bk}", F._kda_fwd_gamma_kernel, dict(H=16, HV=16, K=K, BT=BT, BK=bk)))
+        cases.append((f"fwd gamma BK{bk} KG", F._kda_fwd_gamma_kernel, dict(H=16, HV=16, K=K, BT=BT, BK=bk, KG=True)))
     for bk in sorted({min(64, BKf), BKf}):
         cases.append((f"fwd scores sub BK{bk}", F._kda_fwd_scores_sub_kernel,
                       dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=bk, PREC=args.prec, STORE_MKK=True,
@@ -76,8 +80,15 @@ def main() -> None:
         cases.append((f"fwd scores per pair BK{bk}", F._kda_fwd_scores_sub_kernel,
                       dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=bk, PREC=args.prec, STORE_MKK=True,
                            PER_PAIR=True)))
+        cases.append((f"fwd scores per pair BK{bk} 2 stages", F._kda_fwd_scores_sub_kernel,
+                      dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=bk, PREC=args.prec, STORE_MKK=True,
+                           PER_PAIR=True, _stages=2)))
     cases.append((f"fwd_intra solve + W,U BK{BKf}", F._kda_fwd_intra_kblock_kernel,
                   dict(base, BK=BKf, BV=min(64, BKf), PART=4, STORE_MKK=False)))
+    cases.append(("fwd_intra solve + W,U BK32", F._kda_fwd_intra_kblock_kernel,
+                  dict(base, BK=min(32, BKf), BV=min(64, BKf), PART=4, STORE_MKK=False)))
+    cases.append(("fwd_intra solve + W,U BK32 KG", F._kda_fwd_intra_kblock_kernel,
+                  dict(base, BK=min(32, BKf), BV=min(64, BKf), PART=4, STORE_MKK=False, KG=True)))
     for bk in (BKf, 32):
         cases.append((f"fwd_intra solve / W,U BK{bk}", F._kda_fwd_intra_kblock_kernel,
                       dict(base, BK=min(bk, BKf), BV=min(64, BKf), PART=3, STORE_MKK=False)))
@@ -119,7 +130,7 @@ def main() -> None:
     print(f"{'kernel':34s} " + " ".join(f"{f'{w} warps REG/STACK':>20s}" for w in args.warps))
     seen = set()
     for name, fn, const in cases:
-        if name in seen:
+        if name in seen or (args.only is not None and args.only not in name):
             continue
         seen.add(name)
         cols = []
