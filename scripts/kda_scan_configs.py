@@ -7,7 +7,9 @@ warps, stages) timed with triton.testing.do_bench on the same buffers, with O st
 without O but storing S_n, Vn (the backward's re-scan, and TUNING fwd_output "split"); the config the
 autotuner picked; the stage-1 total. The scan's products at the shipped precision (chunk.scan_precision:
 16-bit operands for bf16 inputs at V >= 64, whose configs keep BV 64 only: at BV 32 they hit an illegal
-memory access on the H200, sessions 4 and 6).
+memory access on the H200, sessions 4 and 6). Also a few configs outside STATE_CONFIGS (EXTRA: BV 64 at 4
+and 16 warps), candidates for the few-program scans (B1 T16384 H16: 32 programs, each about an SM's
+registers at 8 warps).
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import triton
 from k3cli.ops.kda import chunk as C_
 from k3cli.ops.kda import chunk_fwd as F
 from k3cli.ops.kda.bench import _inputs
+
+EXTRA = [triton.Config({"BV": 64}, num_warps=nw, num_stages=ns) for nw, ns in ((4, 1), (4, 2), (16, 1))]
 
 
 def time_config(it, o, h, vn, B, T, HV, K, V, BT, prec, cfg, store_o: bool) -> float:
@@ -53,7 +57,7 @@ def bench_shape(shape) -> None:
     print(f"{shape}: stage 1 {t1:.3f} ms; autotuner picked {picked}", flush=True)
     named = {"w": it.w, "kd": it.kd, "qg": it.qg, "aqk": it.aqk, "V": V, "BK": max(16, triton.next_power_of_2(K)),
              "BT": BT, "PREC": sprec}
-    for cfg in F.prune_state_configs(F.STATE_CONFIGS, named):
+    for cfg in F.prune_state_configs(F.STATE_CONFIGS + EXTRA, named):
         t = [time_config(it, o, h, vn, B, T, HV, K, V, BT, sprec, cfg, s) for s in (True, False)]
         print(f"  BV{cfg.kwargs['BV']:3d} w{cfg.num_warps} s{cfg.num_stages}: with O {t[0]:7.3f} / "
               f"S,Vn only {t[1]:7.3f} ms", flush=True)
