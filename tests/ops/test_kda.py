@@ -743,7 +743,6 @@ def test_chunk_kda_segmented_forward_gpu_is_exact():
             out = run_with_grads(chunk_kda, *inputs)
             for name in base:
                 assert torch.equal(out[name], base[name]), f"fwd_segments={n} (scans first: {first}): {name} differs"
-        chunk_mod.TUNING["fwd_segments_priority"] = saved["fwd_segments_priority"]
         # the backward's re-scan on a side stream, concurrent with the reverse scan: same kernels, same values
         chunk_mod.TUNING["fwd_segments"] = 0
         chunk_mod.TUNING["bwd_overlap_scans"] = True

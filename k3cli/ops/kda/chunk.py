@@ -212,8 +212,6 @@ def check_tuning(tuning: dict) -> None:
     if (per_pair is True or (stages != "auto" and stages > 1)) and tuning.get("fwd_scores", "sub") != "sub":
         raise ValueError("chunk_kda TUNING: fwd_scores_per_pair / fwd_scores_stages shape the score launch of "
                          "fwd_scores 'sub' only")
-    if tuning.get("dot16_scan", False) not in (False, True):
-        raise ValueError(f"chunk_kda TUNING: dot16_scan={tuning['dot16_scan']!r} must be False or True")
     if tuning.get("dot16_bwd", False) not in (False, True, "narrow"):
         raise ValueError(f"chunk_kda TUNING: dot16_bwd={tuning['dot16_bwd']!r} must be False, True or 'narrow'")
     for name in ("fwd_intra_warps", "bwd_intra_warps", "bwd_subchunk_warps", "fwd_intra_pairs_warps",

@@ -641,8 +641,8 @@ def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, T, NT, NBH, N
                           STORE_H: tl.constexpr, INTERPRET: tl.constexpr, PREC: tl.constexpr):
     """The state scan over chunks [N0, N1), cut into runs of L chunks, one per program_id(2) (the
     parallel scan of chunk.TUNING fwd_scan_parallel; one run covering all when it is off). Run i_p starts
-    from h0's block i_p (SEG_STRIDE elements apart: the start states that `_kda_fwd_seg_summary_kernel`
-    and `combine_segments` computed); the last run stores the final state to ht."""
+    from h0's block i_p (SEG_STRIDE elements apart: the start states that `scan_run_starts` computed
+    from `_kda_fwd_seg_summary_kernel`'s run maps); the last run stores the final state to ht."""
     i_v, i_bh, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     if USE_H0:
@@ -1024,22 +1024,6 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
         for t in carry:
             if t is not None:
                 t.record_stream(torch.cuda.current_stream(dev))
-    return o, ht, h, vn
-    segments = segments or [(0, NT)]
-    carry = [None, None] if len(segments) == 1 else \
-        [torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) for _ in range(2)]
-    s_in = initial_state
-    for i, (n0, n1) in enumerate(segments):
-        last = i == len(segments) - 1
-        s_out = ht if last else carry[i % 2]
-        if on_segment is not None:
-            on_segment(n0, n1, "start")
-        _kda_fwd_state_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), B * HV, 1)](
-            it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, s_in, s_out, h, vn, T, NT,
-            triton.next_power_of_2(B * HV), n0, n1, n1 - n0, 0, HV=HV, K=K, V=V, BT=BT, BK=BK,
-            USE_H0=s_in is not None, STORE_HT=s_out is not None, STORE_O=store_o, STORE_H=store_h,
-            INTERPRET=interpreting(it.w), PREC=precision)
-        s_in = s_out
     return o, ht, h, vn
 
 
