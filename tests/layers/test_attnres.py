@@ -177,7 +177,10 @@ def test_fused_impl_equals_torch_interpreter(mode, N, S):
 
 
 def _check_fused_impl(mode, N, S, device, T):
-    emb = torch.randn(2, T, D, device=device)
+    # seeded like every other input here: drawn from the global RNG the inputs changed with test order, and
+    # some draws make the 31-sublayer stack ill-conditioned in fp32 (both implementations then sit far from
+    # fp64, and 2.5e-4 apart from each other)
+    emb = torch.randn(2, T, D, generator=torch.Generator().manual_seed(0)).to(device)
     subs = make_sublayers(N, dtype=torch.float32, device=device)
     y_ref, g_ref = run(make_mixer(N, mode, S, impl="two_phase").float().to(device), emb, subs)
     y, g = run(make_mixer(N, mode, S, impl="fused").float().to(device), emb, subs)
