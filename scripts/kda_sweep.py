@@ -20,14 +20,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "ops")
 from test_kda import TOL, make_inputs, rel_rms, run_with_grads  # noqa: E402
 
 from k3cli.ops.kda import chunk as chunk_mod  # noqa: E402
-from k3cli.ops.kda import chunk_fwd as F  # noqa: E402
 from k3cli.ops.kda import chunk_kda  # noqa: E402
+from k3cli.ops.kda import chunk_fwd as F  # noqa: E402
 from k3cli.ops.kda.bench import _fla_chunk_kda, _fwd_bwd_fns, _inputs  # noqa: E402
 from k3cli.ops.kda.naive import naive_chunk_kda  # noqa: E402
 
 BASE = dict(chunk_mod.TUNING)
 SCAN_CONFIGS = list(F._kda_fwd_state_kernel.configs)
-WAIT_CONFIGS = list(F.WAIT_SCAN_CONFIGS)
 # Each entry overrides the CURRENT chunk.TUNING, so an older entry now runs on top of later defaults.
 # Session 4 made bwd_subchunk (2 warps) the default (entries that time the unsplit / split backward name
 # "bwd_subchunk": False); session 5 made stage 1 the stored-Γ sub-chunk scores (fwd_scores "sub"; entries
@@ -186,10 +185,10 @@ VARIANTS = {
     "prio": {"fwd_segments_priority": True},
     "seg2_prio": {"fwd_segments": 2, "fwd_segments_priority": True},
     "seg8_prio": {"fwd_segments": 8, "fwd_segments_priority": True},
-    # session 8: one scan launch, enqueued before stage 1, that waits in the kernel for stage 1's per-chunk
-    # flags (fwd_segments_wait, now the default) instead of a launch per range; with more or fewer ranges; with
-    # the scan at BV 64, 4 warps, 2 stages ("_scan_cfg": the scan's autotuner, and the waiting scan's fixed
-    # config, given that one config; alone at B1 0.751 ms against the autotuner's 8 warps at 0.869, session 8)
+    # session 8: one scan launch that waits in the kernel for stage 1's per-chunk flags (fwd_segments_wait, now
+    # the default) instead of a launch per range; with more or fewer ranges; with the scan at BV 64, 4 warps,
+    # 2 stages ("_scan_cfg": the scan's autotuner given that one config; alone at B1 0.751 ms against the
+    # autotuner's 8 warps at 0.869, session 8 call 1)
     "nowait": {"fwd_segments_wait": False},
     "wait_seg2": {"fwd_segments": 2},
     "wait_seg8": {"fwd_segments": 8},
@@ -254,7 +253,6 @@ def main(names):
         scan.configs = ([triton.Config({"BV": over["_scan_cfg"][0]}, num_warps=over["_scan_cfg"][1],
                                        num_stages=over["_scan_cfg"][2])] if "_scan_cfg" in over else SCAN_CONFIGS)
         scan.cache.clear()
-        F.WAIT_SCAN_CONFIGS[:] = scan.configs if "_scan_cfg" in over else WAIT_CONFIGS   # the waiting scan's
         chunk_mod.TUNING.clear()
         chunk_mod.TUNING.update(BASE)
         chunk_mod.check_tuning(tuning)

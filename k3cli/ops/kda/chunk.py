@@ -12,21 +12,12 @@ fwd_intra_split).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from k3cli.layers.norm import l2norm
 from k3cli.ops.kda.checks import check_kda_inputs
 from k3cli.ops.kda.chunk_bwd import kda_bwd_intra, kda_bwd_state
-from k3cli.ops.kda.chunk_fwd import (
-    Intra,
-    dot_precision,
-    intra_buffers,
-    kda_fwd_intra,
-    kda_fwd_o,
-    kda_fwd_state,
-)
+from k3cli.ops.kda.chunk_fwd import Intra, dot_precision, kda_fwd_intra, kda_fwd_o, kda_fwd_state
 
 _CHUNK_SIZES = (16, 32, 64)
 
@@ -323,10 +314,8 @@ def _side_stream(device: torch.device, high_priority: bool = False):
 def wait_scan_fits(q: torch.Tensor, B: int, HV: int, V: int, scan_prec: str) -> bool:
     """Whether TUNING fwd_segments_wait may run for this call: on CUDA, and the scan's programs (at the
     narrowest value block its autotuner may pick: 64 columns with 16-bit operands, else 16) fill at most half
-    the SMs. A waiting scan program holds its SM slot while it spins, so stage 1 must keep SMs of its own.
-    Not with CUDA_LAUNCH_BLOCKING=1 (the scan is enqueued before the stage 1 it waits for)."""
-    if not q.is_cuda or os.environ.get("CUDA_LAUNCH_BLOCKING") == "1":
-        # with blocking launches the scan, enqueued before stage 1, would have to finish before stage 1 is enqueued
+    the SMs. A waiting scan program holds its SM slot while it spins, so stage 1 must keep SMs of its own."""
+    if not q.is_cuda:
         return False
     bv = 64 if scan_prec in ("bf16", "fp16") else 16
     programs = B * HV * -(-V // min(bv, max(16, 1 << (V - 1).bit_length())))
@@ -339,10 +328,9 @@ class _Overlap:
     (TUNING fwd_segments_priority) the other way round: stage 1 on the current stream, the scans on a
     high-priority side stream, so that a range's scan programs are dispatched ahead of the later ranges'
     pending stage-1 programs. With `wait` (TUNING fwd_segments_wait; implies the high-priority side stream):
-    one scan launch, enqueued before stage 1 and waiting only for what the current stream had before it, which
-    waits per range on stage 1's flags in the kernel (so its programs are resident from the start and stay
-    so across the ranges); stage 1 then on the current stream. Only the current stream allocates, and all
-    of it before the waiting scan is enqueued. No-ops off CUDA."""
+    one scan launch, enqueued after all of stage 1 but waiting only for what the current stream had before
+    it, which waits per range on stage 1's flags in the kernel (so its programs stay resident across the
+    ranges). Only the current stream allocates. No-ops off CUDA."""
 
     def __init__(self, device: torch.device, scan_first: bool = False, wait: bool = False):
         self.cuda = device.type == "cuda"
@@ -357,9 +345,7 @@ class _Overlap:
     def stage1(self, n0, n1, what):
         if not self.cuda:
             return
-        if self.wait:
-            torch.cuda.set_stream(self.main)   # back from the scan's stream, launched before stage 1
-        elif self.scan_first:
+        if self.scan_first:
             if what == "done":
                 self.events[n0] = self.main.record_event()
         elif what == "start":
@@ -387,42 +373,23 @@ class _Overlap:
 
 
 # The stages as chunk_kda runs them (TUNING applied); bench_stages times these same calls.
-def _intra_dtypes(q, v, prec) -> dict:
-    K = q.shape[-1]
-    return {"inter_dtype": _tuned_dtype("inter_dtype", v.dtype, K), "gated_dtype": _tuned_dtype("gated_dtype", v.dtype, K),
-            "aqk_dtype": aqk_dtype(prec, v)}
-
-
-def _stores_mkk(need_grad: bool) -> bool:
-    return need_grad and (TUNING["bwd_stored_mkk"] or TUNING["bwd_subchunk"])
-
-
-def fwd_intra_buffers(q, v, C, prec, need_grad=True) -> Intra:
-    """The buffers `fwd_intra` fills (its `bufs`), allocated up front (TUNING fwd_segments_wait)."""
-    check_tuning(TUNING)
-    return intra_buffers(q, v, C, **_intra_dtypes(q, v, prec), store_mkk=_stores_mkk(need_grad),
-                         sub=TUNING["fwd_scores"] == "sub")
-
-
-def fwd_intra(q, k, v, g, beta, scale, C, prec, segments=None, on_segment=None, need_grad=True, ready=None,
-              bufs=None) -> Intra:
-    """Stage 1 as chunk_kda runs it; without `need_grad` the raw Mkk (read by the backward only) is not stored.
-    `bufs`: from `fwd_intra_buffers` with the same arguments."""
+def fwd_intra(q, k, v, g, beta, scale, C, prec, segments=None, on_segment=None, need_grad=True, ready=None) -> Intra:
+    """Stage 1 as chunk_kda runs it; without `need_grad` the raw Mkk (read by the backward only) is not stored."""
     check_tuning(TUNING)
     K = q.shape[-1]
     per_pair, stages = scores_plan(K)
-    dt = _intra_dtypes(q, v, prec)
-    return kda_fwd_intra(q, k, v, g, beta, scale, C, dt["inter_dtype"], dt["gated_dtype"],
+    return kda_fwd_intra(q, k, v, g, beta, scale, C, _tuned_dtype("inter_dtype", v.dtype, K),
+                         _tuned_dtype("gated_dtype", v.dtype, K),
                          num_warps=TUNING["fwd_intra_warps"], precision=prec, key_block=TUNING["fwd_intra_BK"],
                          maxnreg=TUNING["fwd_intra_maxnreg"], split=TUNING["fwd_intra_split"],
-                         store_mkk=_stores_mkk(need_grad),
+                         store_mkk=need_grad and (TUNING["bwd_stored_mkk"] or TUNING["bwd_subchunk"]),
                          pairs=TUNING["fwd_scores"] == "pairs", pairs_warps=TUNING["fwd_intra_pairs_warps"],
                          sub=TUNING["fwd_scores"] == "sub", sub_warps=TUNING["fwd_intra_sub_warps"],
                          sub_key_block=TUNING["fwd_intra_sub_BK"], tail_warps=TUNING["fwd_tail_warps"],
                          tail_key_block=TUNING["fwd_tail_BK"], segments=segments, on_segment=on_segment,
                          sub_per_pair=per_pair, sub_stages=stages,
                          sub_kg=TUNING["fwd_tail_kg"] and TUNING["fwd_scores"] == "sub",
-                         aqk_dtype=dt["aqk_dtype"], ready=ready, bufs=bufs)
+                         aqk_dtype=aqk_dtype(prec, v), ready=ready)
 
 
 def recompute_states(it: Intra, h0, B, T, HV, C, v_dtype, prec):
@@ -463,34 +430,21 @@ class ChunkKDAFunction(torch.autograd.Function):
         # TUNING fwd_segments_wait: stage 1's tail flags each chunk in `ready`, and one scan launch waits on them
         wait = bool(segs) and TUNING["fwd_segments_wait"] and wait_scan_fits(q, B, HV, v.shape[-1], scan_prec)
         ready = torch.zeros(B * HV, NT, device=q.device, dtype=torch.int32) if wait else None
+        ov = _Overlap(q.device, scan_first=TUNING["fwd_segments_priority"], wait=wait) if segs else None
         need_grad = any(ctx.needs_input_grad[:6])
         # TUNING fwd_store_states: keep the chunk states S_n and Vn for the backward (memory for one scan)
         keep = TUNING["fwd_store_states"] and need_grad
         split_o = TUNING["fwd_output"] == "split"   # the scan stores S_n, Vn and O comes from them after
         sd = _tuned_dtype("states_dtype", v.dtype, q.shape[-1])
-        bufs = fwd_intra_buffers(q, v, chunk_size, prec, need_grad) if wait else None
-        ov = _Overlap(q.device, scan_first=TUNING["fwd_segments_priority"], wait=wait) if segs else None
-
-        def scan(it):
-            return kda_fwd_state(it, B, T, HV, chunk_size, h0, v.dtype, output_final_state, store_o=not split_o,
-                                 store_h=keep or split_o, h_dtype=sd, precision=scan_prec, segments=segs,
-                                 on_segment=ov and ov.scan, parallel=TUNING["fwd_scan_parallel"], ready=ready)
-        stage1_done = False
         try:
-            if wait:   # the scan first (it waits in the kernel for each range's flags), then stage 1
-                o, ht, h, vn = scan(bufs)
             it = fwd_intra(q, k, v, g, beta, scale, chunk_size, prec, segments=segs, on_segment=ov and ov.stage1,
-                           need_grad=need_grad, ready=ready, bufs=bufs)
-            stage1_done = True
-            if not wait:
-                o, ht, h, vn = scan(it)
+                           need_grad=need_grad, ready=ready)
+            o, ht, h, vn = kda_fwd_state(it, B, T, HV, chunk_size, h0, v.dtype, output_final_state,
+                                         store_o=not split_o, store_h=keep or split_o, h_dtype=sd, precision=scan_prec,
+                                         segments=segs, on_segment=ov and ov.scan,
+                                         parallel=TUNING["fwd_scan_parallel"], ready=ready)
         finally:
             if ov is not None:
-                if wait and not stage1_done:
-                    # a stage-1 launch raised: release the waiting scan (its output is discarded) so the device
-                    # does not spin forever
-                    torch.cuda.set_stream(ov.main)
-                    ready.fill_(1)
                 ov.join()   # the current stream again, after all of stage 1 (also when a launch raised)
         if split_o:
             o = kda_fwd_o(it, h, vn, B, T, HV, chunk_size, v.dtype, precision=scan_prec)

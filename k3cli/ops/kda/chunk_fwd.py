@@ -855,25 +855,6 @@ def dot_precision(dtype: torch.dtype, operands16: bool | str = False) -> str:
     return "tf32x3" if dtype == torch.float32 and not torch_allows_tf32() else "tf32"
 
 
-def intra_buffers(q, v, chunk_size: int, inter_dtype: torch.dtype, gated_dtype: torch.dtype,
-                  aqk_dtype: torch.dtype, store_mkk: bool, sub: bool) -> Intra:
-    """Stage 1's output buffers (uninitialised) as `kda_fwd_intra` fills them."""
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    BT = chunk_size
-    NT = triton.cdiv(T, BT)
-    dev = q.device
-    tm = torch.empty(B * HV, NT * BT, BT, device=dev, dtype=torch.float32)
-    qg = torch.empty(B * HV, NT * BT, K, device=dev, dtype=gated_dtype)
-    return Intra(w=torch.empty(B * HV, NT * BT, K, device=dev, dtype=inter_dtype),
-                 u=torch.empty(B * HV, NT * BT, V, device=dev, dtype=inter_dtype),
-                 qg=qg, kd=torch.empty_like(qg), eg=torch.empty(B * HV, NT, K, device=dev, dtype=torch.float32),
-                 aqk=torch.empty(B * HV, NT * BT, BT, device=dev, dtype=aqk_dtype), tm=tm,
-                 # raw Mkk for a backward that reads it instead of recomputing scores (chunk.TUNING bwd_stored_mkk)
-                 mkk=torch.empty_like(tm) if store_mkk else None,
-                 gc=torch.empty(B * HV, NT * BT, K, device=dev, dtype=torch.float32) if sub else None)
-
-
 def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: torch.dtype,
                   gated_dtype: torch.dtype = torch.float32, num_warps: int = 8, precision: str = "tf32",
                   key_block: int | None = None, maxnreg: int | None = None, split: bool = False,
@@ -881,8 +862,7 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
                   sub_warps: int = 1, sub_key_block: int = 64, tail_warps: int = 2,
                   tail_key_block: int | None = 32, segments: list[tuple[int, int]] | None = None,
                   on_segment=None, sub_per_pair: bool = False, sub_stages: int = 1, sub_kg: bool = False,
-                  aqk_dtype: torch.dtype = torch.float32, ready: torch.Tensor | None = None,
-                  bufs: Intra | None = None) -> Intra:
+                  aqk_dtype: torch.dtype = torch.float32, ready: torch.Tensor | None = None) -> Intra:
     """Launch stage 1 (one program per chunk and batch*value-head). W, U are stored in `inter_dtype`,
     Q e^Γ and K e^(γ-Γ) in `gated_dtype`, scale·Aqk in `aqk_dtype`; everything else fp32. `precision`: see dot_precision.
     `key_block` (16, 32, 64): walk the key dim in blocks of that many columns when K is wider
@@ -902,18 +882,23 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     `segments` (with `sub`): launch stage 1 one chunk range [n0, n1) after another, calling
     `on_segment(n0, n1, "start" | "done")` around each (chunk_kda's segmented forward switches CUDA
     streams and records events there). `ready` (with `sub`): int32 [B*HV, NT] zeros; the tail sets a chunk's
-    flag once its W, U are stored, for a state scan already running (chunk.TUNING fwd_segments_wait).
-    `bufs`: the buffers from `intra_buffers` with the same arguments (allocated before the waiting scan
-    was launched), else allocated here."""
+    flag once its W, U are stored, for a state scan already running (chunk.TUNING fwd_segments_wait)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
     NT = triton.cdiv(T, BT)
     BK = max(16, triton.next_power_of_2(K))
     BV = min(64, max(16, triton.next_power_of_2(V)))
-    if bufs is None:
-        bufs = intra_buffers(q, v, chunk_size, inter_dtype, gated_dtype, aqk_dtype, store_mkk, sub)
-    w, u, qg, kd, eg, aqk, tm, mkk, gc = bufs
+    dev = q.device
+    w = torch.empty(B * HV, NT * BT, K, device=dev, dtype=inter_dtype)
+    u = torch.empty(B * HV, NT * BT, V, device=dev, dtype=inter_dtype)
+    qg = torch.empty(B * HV, NT * BT, K, device=dev, dtype=gated_dtype)
+    kd = torch.empty_like(qg)
+    eg = torch.empty(B * HV, NT, K, device=dev, dtype=torch.float32)
+    aqk = torch.empty(B * HV, NT * BT, BT, device=dev, dtype=aqk_dtype)
+    tm = torch.empty(B * HV, NT * BT, BT, device=dev, dtype=torch.float32)
+    # raw Mkk for a backward that reads it instead of recomputing scores (chunk.TUNING bwd_stored_mkk)
+    mkk = torch.empty_like(tm) if store_mkk else None
     if key_block is not None and key_block not in (16, 32, 64):
         raise ValueError(f"kda_fwd_intra: key_block={key_block} must be 16, 32 or 64")
     # the whole-K kernel passes Γ through the qg buffer, which must then be fp32
@@ -921,7 +906,8 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     mkk_arg = tm if mkk is None else mkk   # any fp32 buffer when STORE_MKK is off (never written)
     args = (q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk_arg, scale, T, NT)
     opts["STORE_MKK"] = store_mkk
-    it = bufs
+    gc = torch.empty(B * HV, NT * BT, K, device=dev, dtype=torch.float32) if sub else None
+    it = Intra(w, u, qg, kd, eg, aqk, tm, mkk, gc)
     if sub:
         for n0, n1 in segments or [(0, NT)]:
             if on_segment is not None:
@@ -1036,19 +1022,6 @@ def scan_run_starts(it: Intra, B: int, HV: int, chunk_size: int, initial_state, 
     return starts
 
 
-# The waiting scan's launch config (chunk.TUNING fwd_segments_wait), without the autotuner: the first of
-# these that prune_state_configs keeps. BV 64, 8 warps, 2 stages is what the autotuner picked for the
-# bf16 scan at B1 T16384 H16 K=V=128 (0.869 ms alone; 1 stage 1.188, session 8).
-WAIT_SCAN_CONFIGS = [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
-                     for bv, nw, ns in ((64, 8, 2), (64, 8, 1), (32, 8, 2), (32, 8, 1), (32, 4, 1), (16, 4, 2),
-                                        (16, 4, 1))]
-
-
-def wait_scan_config(it: Intra, V: int, BK: int, BT: int, precision: str) -> triton.Config:
-    named = {"w": it.w, "kd": it.kd, "qg": it.qg, "aqk": it.aqk, "V": V, "BK": BK, "BT": BT, "PREC": precision}
-    return prune_state_configs(WAIT_SCAN_CONFIGS, named)[0]
-
-
 def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_state, out_dtype,
                   output_final_state: bool, store_o: bool = True, store_h: bool = False,
                   h_dtype: torch.dtype = torch.float32, precision: str = "tf32", segments=None, on_segment=None,
@@ -1101,18 +1074,11 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
     for n0, n1, s_in, s_out, nrun, run_len, stride in launches:
         if on_segment is not None:
             on_segment(n0, n1, "start")
-        args = (it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, s_in, s_out, h, vn, T, NT,
-                triton.next_power_of_2(B * HV * nrun), n0, n1, run_len, stride)
-        kw = dict(HV=HV, K=K, V=V, BT=BT, BK=BK, USE_H0=s_in is not None, STORE_HT=s_out is not None,
-                  STORE_O=store_o, STORE_H=store_h, INTERPRET=interpreting(it.w), PREC=precision, **wait)
-        if wait:
-            # no autotuner: its benchmark synchronizes the device, which would never return while this scan
-            # waits for a stage 1 that is enqueued after it (chunk.TUNING fwd_segments_wait)
-            cfg = wait_scan_config(it, V, BK, BT, precision)
-            _kda_fwd_state_kernel.fn[(triton.cdiv(V, cfg.kwargs["BV"]), B * HV, 1)](
-                *args, **kw, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        else:
-            _kda_fwd_state_kernel[lambda meta, nrun=nrun: (triton.cdiv(V, meta["BV"]), B * HV, nrun)](*args, **kw)
+        _kda_fwd_state_kernel[lambda meta, nrun=nrun: (triton.cdiv(V, meta["BV"]), B * HV, nrun)](
+            it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, s_in, s_out, h, vn, T, NT,
+            triton.next_power_of_2(B * HV * nrun), n0, n1, run_len, stride, HV=HV, K=K, V=V, BT=BT, BK=BK,
+            USE_H0=s_in is not None, STORE_HT=s_out is not None, STORE_O=store_o, STORE_H=store_h,
+            INTERPRET=interpreting(it.w), PREC=precision, **wait)
     if dev.type == "cuda":
         # with chunk.TUNING fwd_segments_priority the scans ran on a side stream (on_segment switched to it), and
         # the carry buffers, made on the allocating stream, are freed on return: keep them from reuse until
