@@ -21,12 +21,10 @@ from test_kda import TOL, make_inputs, rel_rms, run_with_grads  # noqa: E402
 
 from k3cli.ops.kda import chunk as chunk_mod  # noqa: E402
 from k3cli.ops.kda import chunk_kda  # noqa: E402
-from k3cli.ops.kda import chunk_fwd as F  # noqa: E402
 from k3cli.ops.kda.bench import _fla_chunk_kda, _fwd_bwd_fns, _inputs  # noqa: E402
 from k3cli.ops.kda.naive import naive_chunk_kda  # noqa: E402
 
 BASE = dict(chunk_mod.TUNING)
-SCAN_CONFIGS = list(F._kda_fwd_state_kernel.configs)
 # Each entry overrides the CURRENT chunk.TUNING, so an older entry now runs on top of later defaults.
 # Session 4 made bwd_subchunk (2 warps) the default (entries that time the unsplit / split backward name
 # "bwd_subchunk": False); session 5 made stage 1 the stored-Γ sub-chunk scores (fwd_scores "sub"; entries
@@ -185,17 +183,6 @@ VARIANTS = {
     "prio": {"fwd_segments_priority": True},
     "seg2_prio": {"fwd_segments": 2, "fwd_segments_priority": True},
     "seg8_prio": {"fwd_segments": 8, "fwd_segments_priority": True},
-    # session 8: one scan launch that waits in the kernel for stage 1's per-chunk flags (fwd_segments_wait, now
-    # the default) instead of a launch per range; with more or fewer ranges; with the scan at BV 64, 4 warps,
-    # 2 stages ("_scan_cfg": the scan's autotuner given that one config; alone at B1 0.751 ms against the
-    # autotuner's 8 warps at 0.869, session 8 call 1)
-    "nowait": {"fwd_segments_wait": False},
-    "wait_seg2": {"fwd_segments": 2},
-    "wait_seg8": {"fwd_segments": 8},
-    "wait_seg16": {"fwd_segments": 16},
-    "wait_w4s2": {"_scan_cfg": (64, 4, 2)},
-    "wait_seg8_w4s2": {"fwd_segments": 8, "_scan_cfg": (64, 4, 2)},
-    "seg0_w4s2": {"fwd_segments": 0, "_scan_cfg": (64, 4, 2)},
     "osplit": {"fwd_output": "split"},
     "osplit_s16": {"fwd_output": "split", "states_dtype": "input"},
     "osplit_seg4": {"fwd_output": "split", "fwd_segments": 4},
@@ -247,12 +234,7 @@ def main(names):
     for name in names:
         over = VARIANTS[name]
         chunk = over.get("chunk_size", 64)
-        tuning = {k: v for k, v in over.items() if k not in ("chunk_size", "_scan_cfg")}
-        # "_scan_cfg" (BV, warps, stages): the forward scan's autotuner holds that config only
-        scan = F._kda_fwd_state_kernel
-        scan.configs = ([triton.Config({"BV": over["_scan_cfg"][0]}, num_warps=over["_scan_cfg"][1],
-                                       num_stages=over["_scan_cfg"][2])] if "_scan_cfg" in over else SCAN_CONFIGS)
-        scan.cache.clear()
+        tuning = {k: v for k, v in over.items() if k != "chunk_size"}
         chunk_mod.TUNING.clear()
         chunk_mod.TUNING.update(BASE)
         chunk_mod.check_tuning(tuning)

@@ -398,52 +398,6 @@ def test_chunk_kda_dg_keeps_g_precision():
     assert_close("dg", out["dg"], ref["dg"])
 
 
-@needs_triton
-@pytest.mark.parametrize("B,T,H,G,K,V,C,nseg,dtype", [
-    (1, 200, 1, 2, 24, 16, 64, 3, torch.float32),    # GVA, 4 chunks in 3 ranges (1, 1, 2), last chunk partial
-    (2, 90, 1, 1, 40, 24, 16, 4, torch.float16),     # 6 chunks of 16 in 4 ranges, 16-bit scan operands
-    (1, 1, 1, 1, 16, 16, 64, 2, torch.float32),      # one chunk: the first range is empty
-])
-def test_wait_scan_matches_unsegmented_interpreter(B, T, H, G, K, V, C, nseg, dtype):
-    """TUNING fwd_segments_wait's kernels (the tail's per-chunk flags, the one scan launch that waits for each
-    range's flags): the interpreter runs launches one after another, so nothing waits here; this checks that
-    stage 1 flags every chunk exactly when the ranges are done and that the waiting scan's per-range loop gives
-    the unsegmented scan's output and final state exactly. The concurrent case is the GPU test below."""
-    from k3cli.ops.kda import chunk as C_
-    from k3cli.ops.kda.chunk_fwd import dot_precision, kda_fwd_state
-    q, k, v, g, b, h0 = make_inputs(B, T, H, G, K, V, dtype=dtype)
-    HV, NT = H * G, -(-T // C)
-    prec = dot_precision(v.dtype)
-    sprec = C_.scan_precision(prec, v)
-    segs = [(NT * i // nseg, NT * (i + 1) // nseg) for i in range(nseg)]
-    ready = torch.zeros(B * HV, NT, dtype=torch.int32)
-    it = C_.fwd_intra(q, k, v, g, b, K ** -0.5, C, prec, segments=segs, ready=ready)
-    assert torch.equal(ready, torch.ones_like(ready)), "stage 1's tail left chunks unflagged"
-    o, ht, _, _ = kda_fwd_state(it, B, T, HV, C, h0, v.dtype, True, precision=sprec, segments=segs, ready=ready)
-    it0 = C_.fwd_intra(q, k, v, g, b, K ** -0.5, C, prec)
-    o0, ht0, _, _ = kda_fwd_state(it0, B, T, HV, C, h0, v.dtype, True, precision=sprec)
-    assert torch.equal(o, o0) and torch.equal(ht, ht0)
-    ref_o, ref_ht = naive_recurrent_kda(*[x.float() for x in (q, k, v, g, b)], initial_state=h0,
-                                        output_final_state=True)
-    assert rel_rms(o.float(), ref_o) < 5e-3 and rel_rms(ht, ref_ht) < 5e-3
-    with pytest.raises(ValueError, match="segment_ranges"):   # the kernel derives the cut: no other one
-        kda_fwd_state(it, B, T, HV, C, h0, v.dtype, True, precision=sprec, segments=segs[::-1], ready=ready)
-
-
-def test_wait_scan_fits_rule(monkeypatch):
-    # fwd_segments_wait only where the waiting scan programs leave at least half the SMs to stage 1
-    from types import SimpleNamespace
-
-    from k3cli.ops.kda import chunk as chunk_mod
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=132))
-    cuda, cpu = SimpleNamespace(is_cuda=True, device=0), SimpleNamespace(is_cuda=False, device="cpu")
-    assert chunk_mod.wait_scan_fits(cuda, 1, 16, 128, "bf16")          # 32 programs of BV 64
-    assert not chunk_mod.wait_scan_fits(cuda, 1, 16, 128, "tf32x3")    # up to 128 of BV 16
-    assert chunk_mod.wait_scan_fits(cuda, 1, 2, 64, "tf32x3")          # 8
-    assert not chunk_mod.wait_scan_fits(cuda, 2, 32, 128, "bf16")      # 128
-    assert not chunk_mod.wait_scan_fits(cpu, 1, 16, 128, "bf16")
-
-
 def test_auto_segments_rule():
     # TUNING fwd_segments "auto": 4 ranges only where measured to help (few scan programs, many chunks)
     from k3cli.ops.kda.chunk import auto_segment_count, check_tuning
@@ -755,7 +709,7 @@ def test_chunk_kda_fp32_gpu_is_fp32_accurate():
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("tuning", [{"fwd_scan_parallel": 8}, {"fwd_scan_parallel": 4, "fwd_output": "split"},
-                                    {"fwd_segments": 5}, {"fwd_segments": 5, "fwd_segments_wait": True}])
+                                    {"fwd_segments": 5}])
 def test_chunk_kda_long_memory_gpu(tuning, monkeypatch):
     """The carried-state paths on a GPU, where runs / ranges execute concurrently (the interpreter runs
     programs in order, so e.g. a final state written by a run other than the last would go unseen there):
@@ -784,14 +738,11 @@ def test_chunk_kda_segmented_forward_gpu_is_exact():
         assert chunk_mod.auto_segments(inputs[0], 1, 8, 128, 63) == 4
         chunk_mod.TUNING.update(fwd_segments=0, bwd_overlap_scans=False)
         base = run_with_grads(chunk_kda, *inputs)
-        for n, first, wait in ((2, False, False), (5, False, False), ("auto", False, False), (3, True, False),
-                               ("auto", True, False), (3, True, True), ("auto", True, True), (8, False, True)):
-            chunk_mod.TUNING.update(fwd_segments=n, fwd_segments_priority=first, fwd_segments_wait=wait)
-            for _ in range(3):   # the waiting scan races stage 1: repeat
-                out = run_with_grads(chunk_kda, *inputs)
-                for name in base:
-                    assert torch.equal(out[name], base[name]), \
-                        f"fwd_segments={n} (scans first: {first}, waiting scan: {wait}): {name} differs"
+        for n, first in ((2, False), (5, False), ("auto", False), (3, True), ("auto", True)):
+            chunk_mod.TUNING.update(fwd_segments=n, fwd_segments_priority=first)
+            out = run_with_grads(chunk_kda, *inputs)
+            for name in base:
+                assert torch.equal(out[name], base[name]), f"fwd_segments={n} (scans first: {first}): {name} differs"
         # the backward's re-scan on a side stream, concurrent with the reverse scan: same kernels, same values
         chunk_mod.TUNING["fwd_segments"] = 0
         chunk_mod.TUNING["bwd_overlap_scans"] = True

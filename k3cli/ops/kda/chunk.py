@@ -157,7 +157,6 @@ TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None,
           "bwd_stored_mkk": False, "bwd_subchunk": True, "bwd_subchunk_warps": 1, "bwd_subchunk_BK": 32, "dot16_bwd": False,
           "fwd_store_states": False, "bwd_split": False, "bwd_intra_BK": None, "bwd_intra_BV": None,
           "bwd_intra_warps": 4, "bwd_stored_gamma": False, "fwd_segments": "auto", "fwd_segments_priority": True,
-          "fwd_segments_wait": True,
           "bwd_overlap_scans": True,
           "fwd_output": "scan", "fwd_scan_parallel": 0, "dot16_scan": True,
           "fwd_scores_per_pair": "auto", "fwd_scores_stages": "auto", "fwd_tail_kg": True,
@@ -204,7 +203,7 @@ def check_tuning(tuning: dict) -> None:
     stages = tuning.get("fwd_scores_stages", "auto")
     if stages != "auto" and (not isinstance(stages, int) or isinstance(stages, bool) or stages not in (1, 2, 3, 4)):
         raise ValueError(f"chunk_kda TUNING: fwd_scores_stages={stages!r} must be 'auto', 1, 2, 3 or 4")
-    for name in ("dot16_scan", "fwd_tail_kg", "fwd_segments_priority", "fwd_segments_wait"):
+    for name in ("dot16_scan", "fwd_tail_kg", "fwd_segments_priority"):
         if not isinstance(tuning.get(name, False), bool):
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]!r} must be False or True")
     per_pair = tuning.get("fwd_scores_per_pair", "auto")
@@ -311,31 +310,16 @@ def _side_stream(device: torch.device, high_priority: bool = False):
     return _SIDE_STREAMS[key]
 
 
-def wait_scan_fits(q: torch.Tensor, B: int, HV: int, V: int, scan_prec: str) -> bool:
-    """Whether TUNING fwd_segments_wait may run for this call: on CUDA, and the scan's programs (at the
-    narrowest value block its autotuner may pick: 64 columns with 16-bit operands, else 16) fill at most half
-    the SMs. A waiting scan program holds its SM slot while it spins, so stage 1 must keep SMs of its own."""
-    if not q.is_cuda:
-        return False
-    bv = 64 if scan_prec in ("bf16", "fp16") else 16
-    programs = B * HV * -(-V // min(bv, max(16, 1 << (V - 1).bit_length())))
-    return programs <= torch.cuda.get_device_properties(q.device).multi_processor_count // 2
-
-
 class _Overlap:
     """Stream hooks of the segmented forward: stage 1 of each chunk range on a side stream, an event
     after each, the scan of a range on the current stream after that range's event. With `scan_first`
     (TUNING fwd_segments_priority) the other way round: stage 1 on the current stream, the scans on a
     high-priority side stream, so that a range's scan programs are dispatched ahead of the later ranges'
-    pending stage-1 programs. With `wait` (TUNING fwd_segments_wait; implies the high-priority side stream):
-    one scan launch, enqueued after all of stage 1 but waiting only for what the current stream had before
-    it, which waits per range on stage 1's flags in the kernel (so its programs stay resident across the
-    ranges). Only the current stream allocates. No-ops off CUDA."""
+    pending stage-1 programs. Only the current stream allocates. No-ops off CUDA."""
 
-    def __init__(self, device: torch.device, scan_first: bool = False, wait: bool = False):
+    def __init__(self, device: torch.device, scan_first: bool = False):
         self.cuda = device.type == "cuda"
-        self.scan_first = scan_first or wait
-        self.wait = wait
+        self.scan_first = scan_first
         if self.cuda:
             self.main = torch.cuda.current_stream(device)
             self.side = _side_stream(device, high_priority=scan_first)
@@ -361,8 +345,7 @@ class _Overlap:
             # the scan's buffers were allocated on the main stream before its first range: launch on the side
             # stream (join() puts the main stream behind it before anything reads or frees them)
             torch.cuda.set_stream(self.side)
-            if not self.wait:   # with `wait` the kernel waits on stage 1's flags instead
-                self.side.wait_event(self.events[n0])
+            self.side.wait_event(self.events[n0])
         else:
             self.main.wait_event(self.events[n0])
 
@@ -373,7 +356,7 @@ class _Overlap:
 
 
 # The stages as chunk_kda runs them (TUNING applied); bench_stages times these same calls.
-def fwd_intra(q, k, v, g, beta, scale, C, prec, segments=None, on_segment=None, need_grad=True, ready=None) -> Intra:
+def fwd_intra(q, k, v, g, beta, scale, C, prec, segments=None, on_segment=None, need_grad=True) -> Intra:
     """Stage 1 as chunk_kda runs it; without `need_grad` the raw Mkk (read by the backward only) is not stored."""
     check_tuning(TUNING)
     K = q.shape[-1]
@@ -389,7 +372,7 @@ def fwd_intra(q, k, v, g, beta, scale, C, prec, segments=None, on_segment=None, 
                          tail_key_block=TUNING["fwd_tail_BK"], segments=segments, on_segment=on_segment,
                          sub_per_pair=per_pair, sub_stages=stages,
                          sub_kg=TUNING["fwd_tail_kg"] and TUNING["fwd_scores"] == "sub",
-                         aqk_dtype=aqk_dtype(prec, v), ready=ready)
+                         aqk_dtype=aqk_dtype(prec, v))
 
 
 def recompute_states(it: Intra, h0, B, T, HV, C, v_dtype, prec):
@@ -427,10 +410,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         scan_prec = scan_precision(prec, v)
         NT = -(-T // chunk_size)
         segs = segment_ranges(NT, auto_segments(q, B, HV, v.shape[-1], NT))
-        # TUNING fwd_segments_wait: stage 1's tail flags each chunk in `ready`, and one scan launch waits on them
-        wait = bool(segs) and TUNING["fwd_segments_wait"] and wait_scan_fits(q, B, HV, v.shape[-1], scan_prec)
-        ready = torch.zeros(B * HV, NT, device=q.device, dtype=torch.int32) if wait else None
-        ov = _Overlap(q.device, scan_first=TUNING["fwd_segments_priority"], wait=wait) if segs else None
+        ov = _Overlap(q.device, scan_first=TUNING["fwd_segments_priority"]) if segs else None
         need_grad = any(ctx.needs_input_grad[:6])
         # TUNING fwd_store_states: keep the chunk states S_n and Vn for the backward (memory for one scan)
         keep = TUNING["fwd_store_states"] and need_grad
@@ -438,11 +418,11 @@ class ChunkKDAFunction(torch.autograd.Function):
         sd = _tuned_dtype("states_dtype", v.dtype, q.shape[-1])
         try:
             it = fwd_intra(q, k, v, g, beta, scale, chunk_size, prec, segments=segs, on_segment=ov and ov.stage1,
-                           need_grad=need_grad, ready=ready)
+                           need_grad=need_grad)
             o, ht, h, vn = kda_fwd_state(it, B, T, HV, chunk_size, h0, v.dtype, output_final_state,
                                          store_o=not split_o, store_h=keep or split_o, h_dtype=sd, precision=scan_prec,
                                          segments=segs, on_segment=ov and ov.scan,
-                                         parallel=TUNING["fwd_scan_parallel"], ready=ready)
+                                         parallel=TUNING["fwd_scan_parallel"])
         finally:
             if ov is not None:
                 ov.join()   # the current stream again, after all of stage 1 (also when a launch raised)

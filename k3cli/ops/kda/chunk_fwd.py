@@ -518,7 +518,7 @@ def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mk
                                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                                  BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                                  PREC: tl.constexpr, PART: tl.constexpr, STORE_MKK: tl.constexpr, N0=0,
-                                 KG: tl.constexpr = False, ready=None, SIGNAL: tl.constexpr = False):
+                                 KG: tl.constexpr = False):
     """Stage 1 with the key dimension walked in BK-column blocks: the same outputs as
     `_kda_fwd_intra_kernel`, but no program holds more than [BT, BK] of q, k, Γ at a time (at K = 128
     the whole-K kernel sat at 255 registers, 1 block per SM and spilled; ncu, notes/session2_gpu.md).
@@ -527,9 +527,7 @@ def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mk
     place, and W, U — three launches in that order give the same result with smaller programs. PART 4 is
     the solve then W, U, after `_kda_fwd_scores_pairs_kernel` (chunk.TUNING fwd_scores "pairs") or the
     sub-chunk scores; N0: the first chunk (a segment of the sequence, chunk.TUNING fwd_segments).
-    KG (PART 3, 4): the W buffer already holds β K e^Γ (`_kda_fwd_gamma_kernel`), read in place of k, g.
-    SIGNAL (PART 3, 4): when this program's stores are done, set ready[i_bh, i_n] to 1 with release order
-    (the chunk is ready for a state scan that is already running: `_kda_fwd_state_kernel` WAIT)."""
+    KG (PART 3, 4): the W buffer already holds β K e^Γ (`_kda_fwd_gamma_kernel`), read in place of k, g."""
     i_n, i_bh = tl.program_id(0) + N0, tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -581,10 +579,6 @@ def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mk
             b_w = _dot(b_tm, b_x, PREC)
             tl.store(p_w, b_w.to(w.dtype.element_ty), mask=m_k[None, :])
         _store_u(v, u, b_tm, b_beta, i_b, i_hv, i_n, base, T, HV, V, BT, BV, PREC)
-        if SIGNAL:
-            # every thread's W, U stores before the flag (the barrier), the flag published at GPU scope
-            tl.debug_barrier()
-            tl.atomic_xchg(ready + i_bh.to(tl.int64) * NT + i_n, 1, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -620,25 +614,6 @@ def _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i
 
 
 @triton.jit
-def _ready_missing(ready, i_bh, NT, c0, c1, BR: tl.constexpr):
-    """How many of chunks [c0, c1) of batch*head i_bh are not yet flagged in `ready` (acquire loads, so
-    that what stage 1 stored before setting a flag is visible after it)."""
-    o_r = c0 + tl.arange(0, BR)
-    m_r = o_r < c1
-    f = tl.atomic_add(ready + i_bh.to(tl.int64) * NT + o_r, 0, mask=m_r, sem="acquire", scope="gpu")
-    return tl.sum(tl.where(m_r & (f == 0), 1, 0), 0)
-
-
-@triton.jit
-def _wait_ready(ready, i_bh, NT, c0, c1, BR: tl.constexpr):
-    """Spin until stage 1 has flagged chunks [c0, c1) of batch*head i_bh (`_kda_fwd_intra_kblock_kernel`
-    SIGNAL, launched on another stream before this scan)."""
-    missing = _ready_missing(ready, i_bh, NT, c0, c1, BR)
-    while missing > 0:
-        missing = _ready_missing(ready, i_bh, NT, c0, c1, BR)
-
-
-@triton.jit
 def _scan_start(s0, i_bh, i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                 USE_S0: tl.constexpr):
     """A state scan's [BK, BV] fp32 carry for (batch*head i_bh, value block i_v): s0's block when
@@ -663,15 +638,11 @@ def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, T, NT, NBH, N
                           HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_O: tl.constexpr,
-                          STORE_H: tl.constexpr, INTERPRET: tl.constexpr, PREC: tl.constexpr,
-                          ready=None, NSEG=1, WAIT: tl.constexpr = False, BR: tl.constexpr = 16):
+                          STORE_H: tl.constexpr, INTERPRET: tl.constexpr, PREC: tl.constexpr):
     """The state scan over chunks [N0, N1), cut into runs of L chunks, one per program_id(2) (the
     parallel scan of chunk.TUNING fwd_scan_parallel; one run covering all when it is off). Run i_p starts
     from h0's block i_p (SEG_STRIDE elements apart: the start states that `scan_run_starts` computed
-    from `_kda_fwd_seg_summary_kernel`'s run maps); the last run stores the final state to ht.
-    WAIT (one run over [0, NT); chunk.TUNING fwd_segments_wait): the scan runs while stage 1 is still
-    being computed on another stream; before each of NSEG nearly equal chunk ranges (BR >= its length) it
-    waits until stage 1's tail has flagged all of the range's chunks of this head in `ready` [B*HV, NT]."""
+    from `_kda_fwd_seg_summary_kernel`'s run maps); the last run stores the final state to ht."""
     i_v, i_bh, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     if USE_H0:
@@ -679,24 +650,7 @@ def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, T, NT, NBH, N
     b_s, p_state, m_kv = _scan_start(h0, i_bh, i_v, K, V, BK, BV, USE_H0)
     n0 = N0 + i_p * L
     n1 = tl.minimum(n0 + L, N1)
-    if WAIT:
-        i_r = 0
-        while i_r < NSEG:   # (a runtime bound in range() does not run in the interpreter, numpy >= 2.4)
-            c0 = NT * i_r // NSEG
-            c1 = NT * (i_r + 1) // NSEG
-            i_r += 1
-            _wait_ready(ready, i_bh, NT, c0, c1, BR)
-            if INTERPRET:
-                i_n = c0
-                while i_n < c1:
-                    b_s = _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i_v, i_n, T,
-                                              NT, HV, K, V, BT, BK, BV, STORE_O, STORE_H, PREC)
-                    i_n += 1
-            else:
-                for i_n in range(c0, c1):
-                    b_s = _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i_v, i_n, T,
-                                              NT, HV, K, V, BT, BK, BV, STORE_O, STORE_H, PREC)
-    elif INTERPRET:
+    if INTERPRET:
         # the interpreter cannot take a runtime bound in range() with numpy >= 2.4
         i_n = n0
         while i_n < n1:
@@ -862,7 +816,7 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
                   sub_warps: int = 1, sub_key_block: int = 64, tail_warps: int = 2,
                   tail_key_block: int | None = 32, segments: list[tuple[int, int]] | None = None,
                   on_segment=None, sub_per_pair: bool = False, sub_stages: int = 1, sub_kg: bool = False,
-                  aqk_dtype: torch.dtype = torch.float32, ready: torch.Tensor | None = None) -> Intra:
+                  aqk_dtype: torch.dtype = torch.float32) -> Intra:
     """Launch stage 1 (one program per chunk and batch*value-head). W, U are stored in `inter_dtype`,
     Q e^Γ and K e^(γ-Γ) in `gated_dtype`, scale·Aqk in `aqk_dtype`; everything else fp32. `precision`: see dot_precision.
     `key_block` (16, 32, 64): walk the key dim in blocks of that many columns when K is wider
@@ -881,8 +835,7 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     fwd_tail_kg), then the solve and W, U (PART 4): small programs, many per SM.
     `segments` (with `sub`): launch stage 1 one chunk range [n0, n1) after another, calling
     `on_segment(n0, n1, "start" | "done")` around each (chunk_kda's segmented forward switches CUDA
-    streams and records events there). `ready` (with `sub`): int32 [B*HV, NT] zeros; the tail sets a chunk's
-    flag once its W, U are stored, for a state scan already running (chunk.TUNING fwd_segments_wait)."""
+    streams and records events there)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
@@ -914,12 +867,12 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
                 on_segment(n0, n1, "start")
             launch_intra_sub(it, q, k, v, g, beta, scale, BT, n0, n1, precision, split, sub_warps, sub_key_block,
                              tail_warps, tail_key_block, maxnreg, per_pair=sub_per_pair, sub_stages=sub_stages,
-                             kg=sub_kg, ready=ready)
+                             kg=sub_kg)
             if on_segment is not None:
                 on_segment(n0, n1, "done")
         return it
-    if segments is not None or ready is not None:
-        raise ValueError("kda_fwd_intra: segments and ready flags need the sub-chunk stage 1 (sub=True)")
+    if segments is not None:
+        raise ValueError("kda_fwd_intra: segments need the sub-chunk stage 1 (sub=True)")
     if pairs:
         _kda_fwd_scores_pairs_kernel[(NT, B * HV)](
             q, k, g, beta, qg, kd, eg, aqk, tm, mkk_arg, scale, T, NT, H=H, HV=HV, K=K, BT=BT, BC=min(16, BT),
@@ -940,12 +893,11 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
 def launch_intra_sub(it: Intra, q, k, v, g, beta, scale: float, BT: int, n0: int, n1: int, precision: str,
                      split: bool = False, sub_warps: int = 1, sub_key_block: int | None = 64, tail_warps: int = 2,
                      tail_key_block: int | None = 32, maxnreg: int | None = None, per_pair: bool = False,
-                     sub_stages: int = 1, kg: bool = False, ready: torch.Tensor | None = None) -> None:
+                     sub_stages: int = 1, kg: bool = False) -> None:
     """The sub-chunk stage 1 (Γ + gated operands, scores, then the solve and W, U) for chunks [n0, n1)
     into the buffers of `it` (which must hold a Γ buffer). `per_pair`, `sub_stages`: the scores launch's
     programs per block pair and its pipeline stages (chunk.TUNING fwd_scores_per_pair / _stages); `kg`:
-    β K e^Γ from the Γ launch through the W buffer to the tail (chunk.TUNING fwd_tail_kg); `ready`: the tail
-    flags each chunk when done (launch_intra_tail)."""
+    β K e^Γ from the Γ launch through the W buffer to the tail (chunk.TUNING fwd_tail_kg)."""
     B, T, H, K = q.shape
     HV = v.shape[2]
     NT = it.eg.shape[1]
@@ -965,16 +917,15 @@ def launch_intra_sub(it: Intra, q, k, v, g, beta, scale: float, BT: int, n0: int
         BK=min(BK, sub_key_block or BK), PREC=precision, STORE_MKK=store_mkk, PER_PAIR=per_pair,
         num_warps=sub_warps, num_stages=sub_stages)
     launch_intra_tail(it, q, k, v, g, beta, scale, BT, n0, n1, precision, split, tail_warps, tail_key_block,
-                      maxnreg, kg=kg, ready=ready)
+                      maxnreg, kg=kg)
 
 
 def launch_intra_tail(it: Intra, q, k, v, g, beta, scale: float, BT: int, n0: int, n1: int, precision: str,
                       split: bool = False, tail_warps: int = 2, tail_key_block: int | None = 32,
-                      maxnreg: int | None = None, kg: bool = False, ready: torch.Tensor | None = None) -> None:
+                      maxnreg: int | None = None, kg: bool = False) -> None:
     """After the "pairs" or "sub" scores: the solve of the Tm buffer, then W and U, for chunks [n0, n1), in
     one launch (PART 4) or, with `split`, two (PART 2, 3) of `_kda_fwd_intra_kblock_kernel`. `kg`: the W
-    buffer holds β K e^Γ already (the "sub" Γ launch with kg). `ready` (int32 [B*HV, NT]): the launch that
-    stores W, U sets each chunk's flag when its stores are done."""
+    buffer holds β K e^Γ already (the "sub" Γ launch with kg)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BK = max(16, triton.next_power_of_2(K))
@@ -985,8 +936,7 @@ def launch_intra_tail(it: Intra, q, k, v, g, beta, scale: float, BT: int, n0: in
         _kda_fwd_intra_kblock_kernel[(n1 - n0, B * HV)](
             q, k, v, g, beta, it.w, it.u, it.qg, it.kd, it.eg, it.aqk, it.tm, mkk_arg, scale, T, it.eg.shape[1],
             H=H, HV=HV, K=K, V=V, BT=BT, BC=min(16, BT), BK=min(BK, tail_key_block or BK), BV=BV, PREC=precision,
-            PART=part, STORE_MKK=it.mkk is not None, N0=n0, KG=kg, ready=ready,
-            SIGNAL=ready is not None and part != 2, **tail)
+            PART=part, STORE_MKK=it.mkk is not None, N0=n0, KG=kg, **tail)
 
 
 def parallel_runs(NT: int, n: int) -> tuple[int, int]:
@@ -1025,16 +975,13 @@ def scan_run_starts(it: Intra, B: int, HV: int, chunk_size: int, initial_state, 
 def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_state, out_dtype,
                   output_final_state: bool, store_o: bool = True, store_h: bool = False,
                   h_dtype: torch.dtype = torch.float32, precision: str = "tf32", segments=None, on_segment=None,
-                  parallel: int = 0, ready: torch.Tensor | None = None):
+                  parallel: int = 0):
     """Launch stage 2. Returns (o [B,T,HV,V] or None, final state or None, h [B*HV,NT,K,V] or None,
     Vn [B*HV,Tp,V] fp32 or None). `segments`: scan chunk range [n0, n1) after range, each starting from
     the previous one's end state (two fp32 carry buffers, alternating, so that the autotuner's repeated
     launches of one range read an unchanged start state), calling `on_segment(n0, n1, "start")` before
     each launch. `parallel` (>= 2; not with `segments`): the parallel scan, that many runs of chunks
-    scanned at once from start states computed first (`scan_run_starts`). `ready` (with `segments`, which must
-    be `segment_ranges`' cut): stage 1's per-chunk flags (kda_fwd_intra `ready`); one launch scans all chunks,
-    waiting at the start of each segment until its chunks are flagged, so it may run while stage 1 is still
-    being computed on another stream (chunk.TUNING fwd_segments_wait); `on_segment(0, NT, "start")` before it."""
+    scanned at once from start states computed first (`scan_run_starts`)."""
     K, V = it.w.shape[-1], it.u.shape[-1]
     BT = chunk_size
     NT = triton.cdiv(T, BT)
@@ -1046,16 +993,7 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
     vn = torch.empty(B * HV, NT * BT, V, device=dev, dtype=torch.float32) if store_h else None
     runs, L = parallel_runs(NT, parallel)
     carry = [None, None]
-    wait = {}
-    if ready is not None:
-        if not segments or runs > 1:
-            raise ValueError("kda_fwd_state: ready flags need sequential segments")
-        nseg = len(segments)
-        if [tuple(r) for r in segments] != [(NT * i // nseg, NT * (i + 1) // nseg) for i in range(nseg)]:
-            raise ValueError("kda_fwd_state: with ready flags the segments must be segment_ranges' cut")
-        wait = {"ready": ready, "NSEG": nseg, "WAIT": True, "BR": max(16, triton.next_power_of_2(-(-NT // nseg)))}
-        launches = [(0, NT, initial_state, ht, 1, NT, 0)]
-    elif runs > 1:
+    if runs > 1:
         if segments:
             raise ValueError("kda_fwd_state: parallel runs and sequential segments do not combine")
         # one launch: `runs` programs per (value block, head), each from its start state
@@ -1078,7 +1016,7 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
             it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, s_in, s_out, h, vn, T, NT,
             triton.next_power_of_2(B * HV * nrun), n0, n1, run_len, stride, HV=HV, K=K, V=V, BT=BT, BK=BK,
             USE_H0=s_in is not None, STORE_HT=s_out is not None, STORE_O=store_o, STORE_H=store_h,
-            INTERPRET=interpreting(it.w), PREC=precision, **wait)
+            INTERPRET=interpreting(it.w), PREC=precision)
     if dev.type == "cuda":
         # with chunk.TUNING fwd_segments_priority the scans ran on a side stream (on_segment switched to it), and
         # the carry buffers, made on the allocating stream, are freed on return: keep them from reuse until
