@@ -1,6 +1,8 @@
 """The B1 T16384 H16 K=V=128 forward, repeated in one process next to fla's (CUDA, bf16).
 
-    python scripts/kda_b1_repeat.py [ROUNDS]     # default 8
+    python scripts/kda_b1_repeat.py [ROUNDS] [--fwd-bwd] [--no-fla] [--host]   # default 8 rounds, forward only
+
+--host: instead, the host time to enqueue one call against the wall time per call (launch-bound or not).
 
 Its overlapped ranges (chunk.TUNING fwd_segments "auto", fwd_segments_priority) moved between 1.19 and
 1.85 ms across `k3 bench-kernel` rows of one process (session 8), where fla's stayed at 1.18-1.21. Each
@@ -25,16 +27,38 @@ VARIANTS = {"shipped": {}, "seg0": {"fwd_segments": 0}, "noprio": {"fwd_segments
 
 
 def main() -> None:
-    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+    pos = [a for a in sys.argv[1:] if not a.startswith("--")]
+    rounds = int(pos[0]) if pos else 8
+    which = 1 if "--fwd-bwd" in sys.argv else 0   # _fwd_bwd_fns: (fwd, fwd_bwd)
     dev = torch.device("cuda")
     args = _inputs(1, 16384, 16, 16, 128, torch.bfloat16, dev)
     fns = {}
-    fla = _fla_chunk_kda()
+    fla = None if "--no-fla" in sys.argv else _fla_chunk_kda()
     if fla is not None:
-        fns["fla"] = (_fwd_bwd_fns(lambda *a: fla(*a), args, dev)[0], None)
+        fns["fla"] = (_fwd_bwd_fns(lambda *a: fla(*a), args, dev)[which], None)
     base = dict(chunk_mod.TUNING)
     for name, over in VARIANTS.items():
-        fns[name] = (_fwd_bwd_fns(chunk_kda, args, dev)[0], over)
+        fns[name] = (_fwd_bwd_fns(chunk_kda, args, dev)[which], over)
+    if "--host" in sys.argv:
+        # host time to enqueue one call (no synchronisation inside; 20 calls stay below the launch queue's depth),
+        # against the wall time per call once the device has finished them
+        import time
+        for name, (fn, over) in fns.items():
+            chunk_mod.TUNING.clear()
+            chunk_mod.TUNING.update(base)
+            chunk_mod.TUNING.update(over or {})
+            fn()
+            torch.cuda.synchronize()
+            for _ in range(3):
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    fn()
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                t2 = time.perf_counter()
+                print(f"{name:8s} host enqueue {(t1 - t0) / 20 * 1e3:.3f} ms/call, wall {(t2 - t0) / 20 * 1e3:.3f} ms/call",
+                      flush=True)
+        return
     times = {n: [] for n in fns}
     for r in range(rounds):
         if r == rounds // 2:
