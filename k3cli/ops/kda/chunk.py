@@ -66,7 +66,11 @@ _CHUNK_SIZES = (16, 32, 64)
 #   of waiting for SMs to drain. H200, bf16, session 7 (notes/session7_call4, one process, fla's chunk_kda in
 #   the same run at 1.188 / 5.532 ms): B1 T16384 H16 K=V=128 forward / fwd+bwd 1.595 / 4.772 ms with 4
 #   ranges -> 1.191 / 4.758 (2 ranges: 1.280, with priority 1.267; 8 with priority 2.073; one range 1.461);
-#   outputs bit-equal to one range (GPU test).
+#   outputs bit-equal to one range (GPU test). Session 8 (notes/session8_gpu.md): that forward is launch-bound
+#   half of the time: the host takes ~0.9 ms to enqueue one call (12 stage-1 launches, 4 scan launches, the
+#   stream switches) against ~1.19 ms on the device, so forward-only timings have two modes, ~1.19 and
+#   ~1.56-1.85 ms (medians 1.586 and 1.228 in two processes; one range: 0.39 ms host, 1.455 ms always). In
+#   forward+backward it is always the fast mode (4.740 ms against one range's 5.010), hence still the default.
 # bwd_overlap_scans (default on): the backward's forward re-scan (S_n, Vn) on a side CUDA stream, concurrent
 #   with the reverse scan (dS_n, dVn), which does not read it; both are sequential over chunks and, with few
 #   B*HV, leave most SMs idle. H200, bf16, session 6: forward+backward B1 T16384 H16 K128 5.962 -> 5.475 ms,
@@ -147,6 +151,10 @@ _CHUNK_SIZES = (16, 32, 64)
 #   reference; at the toy shape (B8 T2048 H8 K16) they made the forward slower, 0.266 ms against
 #   0.209 ms with fp32 buffers (session 1), because 2-byte Q e^Γ / K e^(γ-Γ) need the key-blocked
 #   stage-1 kernel. K in between (e.g. 64) is not measured; it keeps fp32.
+# Measured and dropped (session 8, notes/session8_gpu.md): one scan launch for all ranges that waits in the
+#   kernel for per-chunk flags set by stage 1's tail (release / acquire atomics). Enqueued after stage 1 it
+#   gained nothing (B1 T16384 forward 1.200 against 1.195); enqueued before stage 1 it hung on the H200 (likely
+#   CUDA's lazy module loading, which may synchronize to load stage 1's kernels while the scan spins).
 # Measured and dropped (session 4, notes/session4_gpu.md): stage-1 scores per query sub-chunk program
 #   (1.3-1.9x slower forward at 4 / 8 warps), scores and score gradients as 16 x 16 block pairs in batched
 #   3-D products (1.6-2.6x slower forward, 12 % slower fwd+bwd), 16-bit operands in stage 1 and the state scans
