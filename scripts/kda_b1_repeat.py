@@ -2,7 +2,8 @@
 
     python scripts/kda_b1_repeat.py [ROUNDS] [--fwd-bwd] [--no-fla] [--host]   # default 8 rounds, forward only
 
---host: instead, the host time to enqueue one call against the wall time per call (launch-bound or not).
+--host: instead, three samples each of the host time to enqueue one call (20 calls back to back) against the
+wall time per call once the device has finished them (launch-bound or not).
 
 Its overlapped ranges (chunk.TUNING fwd_segments "auto", fwd_segments_priority) moved between 1.19 and
 1.85 ms across `k3 bench-kernel` rows of one process (session 8), where fla's stayed at 1.18-1.21. Each
@@ -28,7 +29,7 @@ VARIANTS = {"shipped": {}, "seg0": {"fwd_segments": 0}, "noprio": {"fwd_segments
 
 def main() -> None:
     pos = [a for a in sys.argv[1:] if not a.startswith("--")]
-    rounds = int(pos[0]) if pos else 8
+    rounds = max(1, int(pos[0])) if pos else 8
     which = 1 if "--fwd-bwd" in sys.argv else 0   # _fwd_bwd_fns: (fwd, fwd_bwd)
     dev = torch.device("cuda")
     args = _inputs(1, 16384, 16, 16, 128, torch.bfloat16, dev)

@@ -66,11 +66,11 @@ _CHUNK_SIZES = (16, 32, 64)
 #   of waiting for SMs to drain. H200, bf16, session 7 (notes/session7_call4, one process, fla's chunk_kda in
 #   the same run at 1.188 / 5.532 ms): B1 T16384 H16 K=V=128 forward / fwd+bwd 1.595 / 4.772 ms with 4
 #   ranges -> 1.191 / 4.758 (2 ranges: 1.280, with priority 1.267; 8 with priority 2.073; one range 1.461);
-#   outputs bit-equal to one range (GPU test). Session 8 (notes/session8_gpu.md): that forward is launch-bound
-#   half of the time: the host takes ~0.9 ms to enqueue one call (12 stage-1 launches, 4 scan launches, the
-#   stream switches) against ~1.19 ms on the device, so forward-only timings have two modes, ~1.19 and
-#   ~1.56-1.85 ms (medians 1.586 and 1.228 in two processes; one range: 0.39 ms host, 1.455 ms always). In
-#   forward+backward it is always the fast mode (4.740 ms against one range's 5.010), hence still the default.
+#   outputs bit-equal to one range (GPU test). Session 8 (notes/session8_gpu.md): that forward-only figure has
+#   two modes, ~1.19 and 1.56-1.85 ms (13 of 24 timings slow; one range 1.455-1.461 in every timing). Cause
+#   not established; likeliest the launch path: the host takes 0.88-0.95 ms to enqueue one call (12 stage-1
+#   launches, 4 scan launches, the stream switches), 74-80 % of the device time (one range: 0.39 ms).
+#   Forward+backward was stable: 4.729-4.755 ms against one range's 5.004-5.031, hence still the default.
 # bwd_overlap_scans (default on): the backward's forward re-scan (S_n, Vn) on a side CUDA stream, concurrent
 #   with the reverse scan (dS_n, dVn), which does not read it; both are sequential over chunks and, with few
 #   B*HV, leave most SMs idle. H200, bf16, session 6: forward+backward B1 T16384 H16 K128 5.962 -> 5.475 ms,
