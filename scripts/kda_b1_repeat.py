@@ -10,6 +10,8 @@ Its overlapped ranges (chunk.TUNING fwd_segments "auto", fwd_segments_priority) 
 round times, with triton.testing.do_bench: fla, the shipped defaults, one range ("seg0") and the ranges
 without the high-priority scan stream ("noprio"). Half-way, the torch reference's forward and backward
 run once (as between `bench-kernel` rows), to see whether what it leaves in the allocator moves the figures.
+Each figure is followed by the host's time to enqueue one call, measured right after (bench.host_ms): near
+the figure, the round was launch-bound.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import triton
 
 from k3cli.ops.kda import chunk as chunk_mod
 from k3cli.ops.kda import chunk_kda
-from k3cli.ops.kda.bench import _fla_chunk_kda, _fwd_bwd_fns, _inputs
+from k3cli.ops.kda.bench import _fla_chunk_kda, _fwd_bwd_fns, _inputs, host_ms
 from k3cli.ops.kda.naive import naive_chunk_kda
 
 VARIANTS = {"shipped": {}, "seg0": {"fwd_segments": 0}, "noprio": {"fwd_segments_priority": False}}
@@ -76,7 +78,8 @@ def main() -> None:
             fn()   # compile / autotune on the first round
             t = triton.testing.do_bench(fn)
             times[name].append(t)
-            row.append(f"{name} {t:.3f}")
+            # the host's enqueue time right after, to tell a launch-bound round from a device-bound one
+            row.append(f"{name} {t:.3f} (host {host_ms(fn, dev):.3f})")
         print(f"round {r}: " + ", ".join(row), flush=True)
     chunk_mod.TUNING.clear()
     chunk_mod.TUNING.update(base)
