@@ -760,6 +760,57 @@ def test_chunk_kda_segmented_forward_gpu_is_exact():
         chunk_mod.TUNING.update(saved)
 
 
+def _misaligned(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of x whose data pointer is one element past a 16-byte boundary."""
+    buf = torch.empty(x.numel() + 1, device=x.device, dtype=x.dtype)
+    out = buf[1:].view(x.shape)
+    out.copy_(x)
+    assert out.data_ptr() % 16 != 0
+    return out
+
+
+@pytest.mark.gpu
+@gpu
+def test_chunk_kda_fast_launch_gpu_is_exact():
+    """TUNING fast_launch (k3cli/ops/launch.py): launches after the first call the cached compiled kernels
+    directly. Outputs and gradients must equal Triton's own launch path exactly, on the call that fills the
+    cache and on the ones that hit it, for shapes that change the specialisation (T = 1, T not a multiple of
+    the chunk, GVA, K = 16 / 64 / 128, the 4-range forward) and for misaligned inputs, which Triton compiles
+    without the 16-byte alignment hint (a cache keyed too coarsely would run the aligned kernel on them)."""
+    from k3cli.ops import launch
+    from k3cli.ops.kda import chunk as chunk_mod
+    from k3cli.ops.kda import chunk_fwd, chunk_kda
+    saved = dict(chunk_mod.TUNING)
+    try:
+        cases = [(2, 1, 2, 2, 64), (2, 63, 4, 2, 128), (3, 2048, 4, 1, 64), (1, 4000, 4, 2, 128), (2, 1000, 1, 2, 16)]
+        for B, T, H, G, K in cases:
+            inputs = make_inputs(B, T, H, G, K, K, dtype=torch.bfloat16, device="cuda")
+            chunk_mod.TUNING["fast_launch"] = False
+            base = run_with_grads(chunk_kda, *inputs)
+            chunk_mod.TUNING["fast_launch"] = True
+            for rep in range(3):   # the first fills the launch cache (or finds it filled), the others hit it
+                out = run_with_grads(chunk_kda, *inputs)
+                for name in base:
+                    assert torch.equal(out[name], base[name]), f"{(B, T, H, G, K)} call {rep}: {name} differs"
+            # the same values through misaligned input pointers, against Triton's path on those pointers
+            odd = [_misaligned(x) if x is not None and x.dtype == torch.bfloat16 else x for x in inputs]
+            results = []
+            for fast in (False, True, True):
+                chunk_mod.TUNING["fast_launch"] = fast
+                leaves = [x.detach().requires_grad_(True) for x in odd[:5]]
+                o, ht = chunk_kda(*leaves, initial_state=odd[5], output_final_state=True)
+                results.append((o, ht, *torch.autograd.grad((o.float() ** 2).sum() + ht.sum(), leaves)))
+            for fast_res in results[1:]:
+                for a, b in zip(results[0], fast_res):
+                    assert torch.equal(a, b), f"{(B, T, H, G, K)} misaligned inputs differ"
+        assert launch.configure(True), "a launch hook is set: the fast path is off"
+        cached = [k for k in vars(chunk_fwd).values() if isinstance(k, launch.FastLaunch) and k.launches]
+        assert cached, "no launch was cached: the fast path never ran"
+    finally:
+        chunk_mod.TUNING.clear()
+        chunk_mod.TUNING.update(saved)
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("tuning", [{}, {"fwd_scores": "pairs"}, {"fwd_scores": "chunk"}],

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from k3cli.layers.norm import l2norm
+from k3cli.ops import launch
 from k3cli.ops.kda.checks import check_kda_inputs
 from k3cli.ops.kda.chunk_bwd import kda_bwd_intra, kda_bwd_state
 from k3cli.ops.kda.chunk_fwd import Intra, dot_precision, kda_fwd_intra, kda_fwd_o, kda_fwd_state
@@ -151,6 +152,12 @@ _CHUNK_SIZES = (16, 32, 64)
 #   reference; at the toy shape (B8 T2048 H8 K16) they made the forward slower, 0.266 ms against
 #   0.209 ms with fp32 buffers (session 1), because 2-byte Q e^Γ / K e^(γ-Γ) need the key-blocked
 #   stage-1 kernel. K in between (e.g. 64) is not measured; it keeps fp32.
+# fast_launch (default on): the kernels' launches after the first with a given specialisation call the compiled
+#   kernel's launcher directly (k3cli/ops/launch.py), not Triton's per-launch binding and specialisation, and
+#   the launch grids use plain Python arithmetic. Same compiled kernels, same values (GPU test: bit-equal).
+#   Why (H200, session 9, scripts/kda_host_profile.py): an empty Triton launch with 20 tensor arguments took
+#   32 us of host time, and the 4-range forward at B1 T16384 H16 K=V=128 (16 launches) 0.75-1.0 ms per call
+#   of ~1.18 on the device.
 # Measured and dropped (session 8, notes/session8_gpu.md): one scan launch for all ranges that waits in the
 #   kernel for per-chunk flags set by stage 1's tail (release / acquire atomics). Enqueued after stage 1 it
 #   gained nothing (B1 T16384 forward 1.200 against 1.195); enqueued before stage 1 it hung on the H200 (likely
@@ -168,14 +175,20 @@ TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None,
           "bwd_overlap_scans": True,
           "fwd_output": "scan", "fwd_scan_parallel": 0, "dot16_scan": True,
           "fwd_scores_per_pair": "auto", "fwd_scores_stages": "auto", "fwd_tail_kg": True,
-          "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32", "aqk_dtype": "auto"}
+          "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32", "aqk_dtype": "auto",
+          "fast_launch": True}
 _DTYPE_CHOICES = ("auto", "fp32", "input")
 _FWD_SCORES = ("sub", "pairs", "chunk")
 _AUTO_INPUT_MIN_K = 65
 
 
+_CHECKED: dict = {}   # the last TUNING that passed check_tuning (chunk_kda checks on every call)
+
+
 def check_tuning(tuning: dict) -> None:
     """Reject unknown keys and values a launcher would silently misread."""
+    if tuning is TUNING and tuning == _CHECKED:
+        return
     unknown = set(tuning) - set(TUNING)
     if unknown:
         raise ValueError(f"chunk_kda TUNING: unknown keys {sorted(unknown)}; valid: {sorted(TUNING)}")
@@ -211,7 +224,7 @@ def check_tuning(tuning: dict) -> None:
     stages = tuning.get("fwd_scores_stages", "auto")
     if stages != "auto" and (not isinstance(stages, int) or isinstance(stages, bool) or stages not in (1, 2, 3, 4)):
         raise ValueError(f"chunk_kda TUNING: fwd_scores_stages={stages!r} must be 'auto', 1, 2, 3 or 4")
-    for name in ("dot16_scan", "fwd_tail_kg", "fwd_segments_priority"):
+    for name in ("dot16_scan", "fwd_tail_kg", "fwd_segments_priority", "fast_launch"):
         if not isinstance(tuning.get(name, False), bool):
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]!r} must be False or True")
     per_pair = tuning.get("fwd_scores_per_pair", "auto")
@@ -226,6 +239,9 @@ def check_tuning(tuning: dict) -> None:
                  "fwd_intra_sub_warps", "fwd_tail_warps"):
         if tuning.get(name, 8) not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]} must be a power of two <= 32")
+    if tuning is TUNING:
+        _CHECKED.clear()
+        _CHECKED.update(tuning)
 
 
 def _stage_prec(name: str, prec: str, dtype: torch.dtype) -> str:
@@ -413,6 +429,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         h0 = None if initial_state is None else initial_state.contiguous()
         check_tuning(TUNING)   # before any entry is read (fwd_intra checks again for the scripts' direct calls)
+        launch.configure(TUNING["fast_launch"])
         B, T, HV = v.shape[:3]
         prec = dot_precision(v.dtype)
         scan_prec = scan_precision(prec, v)
@@ -454,6 +471,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         HV = v.shape[2]
         do = do.contiguous()
         dht = None if dht is None else dht.contiguous().float()
+        check_tuning(TUNING)
+        launch.configure(TUNING["fast_launch"])
         main = side = None
         if h is None and TUNING["bwd_overlap_scans"] and q.is_cuda:
             # the re-scan (S_n, Vn) and the reverse scan (dS_n, dVn) do not read each other's outputs: run the

@@ -35,6 +35,7 @@ from k3cli.ops.kda.chunk_fwd import (
     pick_configs,
     prune_state_configs,
 )
+from k3cli.ops.launch import cdiv, fast_launch, next_pow2
 
 
 @triton.jit
@@ -63,6 +64,7 @@ def _kda_bwd_state_step(qg, kd, eg, w, aqk, do, dh, dvn, b_ds, i_b, i_hv, i_bh, 
     return b_ds - _dot(tl.trans(b_w), b_dvn, PREC)
 
 
+@fast_launch
 @triton.autotune(
     configs=pick_configs(STATE_CONFIGS),
     key=["BK", "BT", "NBH", "V", "PREC"],
@@ -188,6 +190,7 @@ def _bwd_key_side(q, k, g, mkk, dq, dk, dg, dbeta, b_dqg, b_dkd, b_dx, b_dgam, b
     tl.store(dbeta + slot.to(tl.int64) * NBT * HV + tok * HV + i_hv, b_dbeta, mask=m_t)
 
 
+@fast_launch
 @triton.jit
 def _kda_bwd_intra_kernel(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, dq, dk, dv, dg, dbeta, scale, T, NT, NBT,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -244,6 +247,7 @@ def _kda_bwd_intra_kernel(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, dq, dk,
                   dq, dq, dq, False, dq, False)
 
 
+@fast_launch
 @triton.jit
 def _kda_bwd_vside_kernel(v, beta, tm, do, vn, dvn, dv, dy, dqk, dkk, dbeta_v, T, NT,
                           HV: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
@@ -284,6 +288,7 @@ def _kda_bwd_vside_kernel(v, beta, tm, do, vn, dvn, dv, dy, dqk, dkk, dbeta_v, T
     tl.store(dbeta_v + tok * HV + i_hv, b_dbeta, mask=m_t)
 
 
+@fast_launch
 @triton.jit
 def _kda_bwd_kside_kernel(q, k, g, gc, beta, mkk, h, dh, do, vn, dy, dqk, dkk, dqs, dks, dgs, dq, dk, dg, dbeta,
                           scale, T, NT, NBT,
@@ -344,6 +349,7 @@ def _dm_blocks(dqk, dkk, p_blk, i_row, j_col, b_beta_rows, scale):
     return b_dmq, b_dmk
 
 
+@fast_launch
 @triton.jit
 def _kda_bwd_scores_subchunk_kernel(q, k, g, gc, beta, dqk, dkk, dqs, dks, dgs, scale, T, NT,
                                     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
@@ -431,14 +437,14 @@ def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, 
     dVn [B*HV, Tp, V] fp32, dh0 [B, HV, K, V] fp32 or None."""
     K, V = it.w.shape[-1], it.u.shape[-1]
     BT = chunk_size
-    NT = triton.cdiv(T, BT)
-    BK = max(16, triton.next_power_of_2(K))
+    NT = cdiv(T, BT)
+    BK = max(16, next_pow2(K))
     dev = do.device
     dh = torch.empty(B * HV, NT, K, V, device=dev, dtype=dh_dtype)
     dvn = torch.empty(B * HV, NT * BT, V, device=dev, dtype=torch.float32)
     dh0 = torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) if need_dh0 else None
-    _kda_bwd_state_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), B * HV)](
-        it.qg, it.kd, it.eg, it.w, it.aqk, do, dht, dh, dvn, dh0, T, NT, triton.next_power_of_2(B * HV),
+    _kda_bwd_state_kernel[lambda meta: (cdiv(V, meta["BV"]), B * HV)](
+        it.qg, it.kd, it.eg, it.w, it.aqk, do, dht, dh, dvn, dh0, T, NT, next_pow2(B * HV),
         HV=HV, K=K, V=V, BT=BT, BK=BK, USE_DHT=dht is not None, STORE_DH0=need_dh0, INTERPRET=interpreting(do),
         PREC=precision)
     return dh, dvn, dh0
@@ -463,13 +469,13 @@ def kda_bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale: float, c
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
-    NT = triton.cdiv(T, BT)
+    NT = cdiv(T, BT)
     # key blocks of <= 64 columns: at K = 128 one program holding all key columns spilled ~4 KB of
     # registers per thread (ptxas -v, sm_90a) and took 6.4 ms at B8 T2048 H16 (run 2)
-    BK = BK or min(64, max(16, triton.next_power_of_2(K)))
-    NK = triton.cdiv(K, BK)
+    BK = BK or min(64, max(16, next_pow2(K)))
+    NK = cdiv(K, BK)
     # BV 32 at K = 128 spills less (ptxas) but ran slower on the H200 (4.07 vs 3.86 ms, runs 4 / 3)
-    BV = BV or min(64, max(16, triton.next_power_of_2(V)))
+    BV = BV or min(64, max(16, next_pow2(V)))
     dev = q.device
     dq = torch.empty(B, T, HV, K, device=dev, dtype=grad_dtype)
     dk = torch.empty_like(dq)
@@ -488,9 +494,9 @@ def kda_bwd_intra(q, k, v, g, beta, tm, mkk, h, dh, do, vn, dvn, scale: float, c
         if scores_done:
             # the score gradients per (chunk, 16-row sub-chunk, key block) in [16, BKS] tiles
             BC = min(16, BT)
-            BKS = min(max(16, triton.next_power_of_2(K)), subchunk_key_block)
+            BKS = min(max(16, next_pow2(K)), subchunk_key_block)
             dqs, dks, dgs = (torch.empty(B, T, HV, K, device=dev, dtype=torch.float32) for _ in range(3))
-            _kda_bwd_scores_subchunk_kernel[(NT * (BT // BC), B * HV, triton.cdiv(K, BKS))](
+            _kda_bwd_scores_subchunk_kernel[(NT * (BT // BC), B * HV, cdiv(K, BKS))](
                 q, k, g, dq if gc is None else gc, beta, dqk, dkk, dqs, dks, dgs, scale, T, NT, H=H, HV=HV, K=K,
                 BT=BT, BC=BC, BK=BKS, PREC=precision, GC=gc is not None, num_warps=subchunk_warps, num_stages=1)
         else:

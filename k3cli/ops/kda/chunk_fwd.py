@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3cli.ops.launch import cdiv, fast_launch, next_pow2
+
 
 def interpreting(x: torch.Tensor | None = None) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" or (x is not None and x.device.type != "cuda")
@@ -60,7 +62,7 @@ def _bv_configs(configs, named_args, kwargs, fits=None):
     16-bit dot operands (chunk.TUNING dot16_scan: at BV 32 they hit an illegal memory access on the H200,
     sessions 4 and 6; Triton 3.6 wgmma with N = 32 tiles); `fits(config, BV)` may drop more."""
     V = named_args.get("V", kwargs.get("V"))
-    cap = max(16, triton.next_power_of_2(V))
+    cap = max(16, next_pow2(V))
     min_bv = 64 if named_args.get("PREC", kwargs.get("PREC")) in ("bf16", "fp16") and not interpreting() else 16
     out, seen = [], set()
     for c in configs:
@@ -254,6 +256,7 @@ def _store_u(v, u, b_tm, b_beta, i_b, i_hv, i_n, base, T, HV: tl.constexpr, V: t
         tl.store(u + (base + o_t)[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_v[None, :])
 
 
+@fast_launch
 @triton.jit
 def _kda_fwd_intra_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk, scale, T, NT,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -324,6 +327,7 @@ def _store_score_block(aqk, tm, mkk, p_blk, i_row, j_col, b_sq, b_sk, b_beta, sc
     tl.store(tm + p_blk, b_sk * b_beta[:, None])
 
 
+@fast_launch
 @triton.jit
 def _kda_fwd_scores_pairs_kernel(q, k, g, beta, qg, kd, eg, aqk, tm, mkk, scale, T, NT,
                                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
@@ -386,6 +390,7 @@ def _kda_fwd_scores_pairs_kernel(q, k, g, beta, qg, kd, eg, aqk, tm, mkk, scale,
         a += 1
 
 
+@fast_launch
 @triton.jit
 def _kda_fwd_gamma_kernel(q, k, g, beta, gc, qg, kd, eg, w, scale, T, NT, N0, H: tl.constexpr, HV: tl.constexpr,
                           K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, KG: tl.constexpr = False):
@@ -443,6 +448,7 @@ def _score_pair(q_h, k_h, gc_n, a, c, t_a, t_c, T, H: tl.constexpr, K: tl.conste
     return b_sq, b_sk
 
 
+@fast_launch
 @triton.jit
 def _kda_fwd_scores_sub_kernel(q, k, gc, beta, aqk, tm, mkk, scale, T, NT, N0, H: tl.constexpr, HV: tl.constexpr,
                                K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
@@ -513,6 +519,7 @@ def _store_zero_blocks(aqk, tm, mkk, p_row, i_row, c, o_c, b_beta, scale, NC: tl
         c += 1
 
 
+@fast_launch
 @triton.jit
 def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mkk, scale, T, NT,
                                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -628,6 +635,7 @@ def _scan_start(s0, i_bh, i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexp
     return b_s, p_state, m_kv
 
 
+@fast_launch
 @triton.autotune(
     configs=pick_configs(STATE_CONFIGS),
     key=["BK", "BT", "NBH", "V", "PREC"],
@@ -684,6 +692,7 @@ def _carry_step(kd, eg, w, u, b_s, i_bh, i_n, o_c, m_u, NT, K: tl.constexpr, V: 
     return b_s * b_eg[:, None] + _dot(tl.trans(b_kd), b_vn, PREC)
 
 
+@fast_launch
 @triton.autotune(
     configs=pick_configs(STATE_CONFIGS),
     key=["BK", "BT", "NBH", "V", "PREC"],
@@ -739,6 +748,7 @@ def prune_o_configs(configs, named_args, **kwargs):
     return _bv_configs(configs, named_args, kwargs)
 
 
+@fast_launch
 @triton.autotune(
     configs=pick_configs(O_CONFIGS),
     key=["BK", "BT", "NPROG", "V", "PREC"],
@@ -839,9 +849,9 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
-    NT = triton.cdiv(T, BT)
-    BK = max(16, triton.next_power_of_2(K))
-    BV = min(64, max(16, triton.next_power_of_2(V)))
+    NT = cdiv(T, BT)
+    BK = max(16, next_pow2(K))
+    BV = min(64, max(16, next_pow2(V)))
     dev = q.device
     w = torch.empty(B * HV, NT * BT, K, device=dev, dtype=inter_dtype)
     u = torch.empty(B * HV, NT * BT, V, device=dev, dtype=inter_dtype)
@@ -902,13 +912,13 @@ def launch_intra_sub(it: Intra, q, k, v, g, beta, scale: float, BT: int, n0: int
     HV = v.shape[2]
     NT = it.eg.shape[1]
     n = n1 - n0
-    BK = max(16, triton.next_power_of_2(K))
+    BK = max(16, next_pow2(K))
     BC = min(16, BT)
     store_mkk = it.mkk is not None
     mkk_arg = it.tm if it.mkk is None else it.mkk   # any fp32 buffer when STORE_MKK is off (never written)
     # 64 key columns at 4 warps: 0.145 ms against 0.190 with 32 (H200, B8 T2048 H16 K128, session 5)
     BKg = min(BK, 64)
-    _kda_fwd_gamma_kernel[(n, B * HV, triton.cdiv(K, BKg))](
+    _kda_fwd_gamma_kernel[(n, B * HV, cdiv(K, BKg))](
         q, k, g, beta, it.gc, it.qg, it.kd, it.eg, it.w, scale, T, NT, n0, H=H, HV=HV, K=K, BT=BT, BK=BKg, KG=kg,
         num_warps=4, num_stages=1)
     NC = BT // BC
@@ -928,8 +938,8 @@ def launch_intra_tail(it: Intra, q, k, v, g, beta, scale: float, BT: int, n0: in
     buffer holds β K e^Γ already (the "sub" Γ launch with kg)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    BK = max(16, triton.next_power_of_2(K))
-    BV = min(64, max(16, triton.next_power_of_2(V)))
+    BK = max(16, next_pow2(K))
+    BV = min(64, max(16, next_pow2(V)))
     mkk_arg = it.tm if it.mkk is None else it.mkk
     tail = {"num_warps": tail_warps, "num_stages": 1, **({} if maxnreg is None else {"maxnreg": maxnreg})}
     for part in (2, 3) if split else (4,):
@@ -944,8 +954,8 @@ def parallel_runs(NT: int, n: int) -> tuple[int, int]:
     empty; (1, NT) when off."""
     if n < 2 or NT < 2:
         return 1, NT
-    L = triton.cdiv(NT, min(n, NT))
-    return triton.cdiv(NT, L), L
+    L = cdiv(NT, min(n, NT))
+    return cdiv(NT, L), L
 
 
 def scan_run_starts(it: Intra, B: int, HV: int, chunk_size: int, initial_state, runs: int, L: int,
@@ -959,9 +969,9 @@ def scan_run_starts(it: Intra, B: int, HV: int, chunk_size: int, initial_state, 
     dev = it.w.device
     m = torch.empty(runs - 1, NBH, K, K, device=dev, dtype=torch.float32)
     e = torch.empty(runs - 1, NBH, K, V, device=dev, dtype=torch.float32)
-    _kda_fwd_seg_summary_kernel[lambda meta: (triton.cdiv(V, meta["BV"]) + triton.cdiv(K, meta["BV"]), NBH, runs - 1)](
-        it.kd, it.eg, it.w, it.u, m, e, NT, triton.next_power_of_2(NBH * (runs - 1)), L, NBH * K * K, NBH * K * V,
-        K=K, V=V, BT=chunk_size, BK=max(16, triton.next_power_of_2(K)), INTERPRET=interpreting(it.w), PREC=precision)
+    _kda_fwd_seg_summary_kernel[lambda meta: (cdiv(V, meta["BV"]) + cdiv(K, meta["BV"]), NBH, runs - 1)](
+        it.kd, it.eg, it.w, it.u, m, e, NT, next_pow2(NBH * (runs - 1)), L, NBH * K * K, NBH * K * V,
+        K=K, V=V, BT=chunk_size, BK=max(16, next_pow2(K)), INTERPRET=interpreting(it.w), PREC=precision)
     starts = torch.empty(runs, NBH, K, V, device=dev, dtype=torch.float32)
     if initial_state is None:
         starts[0].zero_()
@@ -984,8 +994,8 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
     scanned at once from start states computed first (`scan_run_starts`)."""
     K, V = it.w.shape[-1], it.u.shape[-1]
     BT = chunk_size
-    NT = triton.cdiv(T, BT)
-    BK = max(16, triton.next_power_of_2(K))
+    NT = cdiv(T, BT)
+    BK = max(16, next_pow2(K))
     dev = it.w.device
     o = torch.empty(B, T, HV, V, device=dev, dtype=out_dtype) if store_o else None
     ht = torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
@@ -1012,9 +1022,9 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
     for n0, n1, s_in, s_out, nrun, run_len, stride in launches:
         if on_segment is not None:
             on_segment(n0, n1, "start")
-        _kda_fwd_state_kernel[lambda meta, nrun=nrun: (triton.cdiv(V, meta["BV"]), B * HV, nrun)](
+        _kda_fwd_state_kernel[lambda meta, nrun=nrun: (cdiv(V, meta["BV"]), B * HV, nrun)](
             it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, s_in, s_out, h, vn, T, NT,
-            triton.next_power_of_2(B * HV * nrun), n0, n1, run_len, stride, HV=HV, K=K, V=V, BT=BT, BK=BK,
+            next_pow2(B * HV * nrun), n0, n1, run_len, stride, HV=HV, K=K, V=V, BT=BT, BK=BK,
             USE_H0=s_in is not None, STORE_HT=s_out is not None, STORE_O=store_o, STORE_H=store_h,
             INTERPRET=interpreting(it.w), PREC=precision)
     if dev.type == "cuda":
@@ -1031,10 +1041,10 @@ def kda_fwd_o(it: Intra, h: torch.Tensor, vn: torch.Tensor, B: int, T: int, HV: 
               out_dtype, precision: str = "tf32") -> torch.Tensor:
     """O [B, T, HV, V] from stage 1's Q e^Γ, Aqk and the scan's stored S_n, Vn (TUNING fwd_output "split")."""
     K, V = it.w.shape[-1], it.u.shape[-1]
-    NT = triton.cdiv(T, chunk_size)
+    NT = cdiv(T, chunk_size)
     o = torch.empty(B, T, HV, V, device=it.w.device, dtype=out_dtype)
     # chunks on grid axis 0 (axes 1, 2 stop at 65535)
-    _kda_fwd_o_kernel[lambda meta: (NT, triton.cdiv(V, meta["BV"]), B * HV)](
-        it.qg, it.aqk, h, vn, o, T, NT, triton.next_power_of_2(NT * B * HV), HV=HV, K=K, V=V, BT=chunk_size,
-        BK=max(16, triton.next_power_of_2(K)), PREC=precision)
+    _kda_fwd_o_kernel[lambda meta: (NT, cdiv(V, meta["BV"]), B * HV)](
+        it.qg, it.aqk, h, vn, o, T, NT, next_pow2(NT * B * HV), HV=HV, K=K, V=V, BT=chunk_size,
+        BK=max(16, next_pow2(K)), PREC=precision)
     return o

@@ -1,0 +1,52 @@
+"""k3cli/ops/launch.py: the host-side grid arithmetic, the switch, and the pass-through where direct launches
+do not apply (Triton's interpreter, as in CI). The direct launches themselves need a GPU: the GPU tier's
+test_chunk_kda_fast_launch_gpu_is_exact compares them with Triton's path bit for bit."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+from k3cli.ops import launch
+
+
+def test_grid_arithmetic_matches_triton():
+    assert all(launch.next_pow2(n) == triton.next_power_of_2(n) for n in range(0, 4097))
+    assert all(launch.cdiv(a, b) == triton.cdiv(a, b) for a in range(0, 300) for b in range(1, 70))
+
+
+@launch.fast_launch
+@triton.jit
+def _scale_kernel(x, y, n, s, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y + o, tl.load(x + o, mask=o < n) * s, mask=o < n)
+
+
+def test_wrapped_kernel_runs_and_exposes_the_kernel():
+    x = torch.arange(37, dtype=torch.float32)
+    for _ in range(2):
+        y = torch.empty_like(x)
+        _scale_kernel[(launch.cdiv(37, 16),)](x, y, 37, 2.0, BLOCK=16)
+        assert torch.equal(y, 2 * x)
+    assert _scale_kernel.fn is not None   # attribute reads reach the wrapped kernel
+    if not torch.cuda.is_available():
+        # CPU: the interpreter's kernels are not JITFunctions, so every launch takes Triton's path
+        assert not _scale_kernel.usable and not _scale_kernel.launches
+
+
+def test_configure_follows_switch_and_launch_hooks():
+    try:
+        assert launch.configure(True)
+        assert not launch.configure(False)
+        hooks = knobs.runtime.launch_enter_hook
+        if not hasattr(hooks, "add"):
+            pytest.skip("this Triton keeps launch hooks as a plain callable")
+        hook = lambda metadata: None  # noqa: E731
+        hooks.add(hook)
+        try:
+            assert not launch.configure(True), "a launch hook is set: launches must go through Triton's path"
+        finally:
+            hooks.remove(hook)
+        assert launch.configure(True)
+    finally:
+        launch.configure(True)
