@@ -1,14 +1,15 @@
 """Cheaper Triton launches for kernels launched many times per call (chunk_kda's ranges and stages).
 
 `kernel[grid](*args, **meta)` through Triton's JITFunction.run (and Autotuner.run) re-binds and re-specialises
-every argument on every launch: on the H200's host about 32 us for an empty kernel with 20 tensor arguments
-(session 9, scripts/kda_host_profile.py), so chunk_kda's 16-launch forward at B1 T16384 spent ~0.8-1.0 ms of
-host time per ~1.2 ms on the device. `fast_launch` wraps a kernel (JITFunction or Autotuner) so that, after
-the first launch with a given specialisation has gone through Triton's own path (compile, autotune), later
-launches with the same one call the compiled kernel's launcher directly.
+every argument on every launch, and its C launcher asks the driver about every tensor's pointer: on the H200
+machine's host 32-42 us for an empty kernel with 20 tensor arguments (session 9, scripts/kda_host_profile.py),
+so chunk_kda's 16-launch forward at B1 T16384 spent 0.75-1.35 ms of host time per ~1.2 ms on the device.
+`fast_launch` wraps a kernel (JITFunction or Autotuner) so that, after the first launch with a given
+specialisation has gone through Triton's own path (compile, autotune, pointer checks), later launches with
+the same one call the compiled kernel's C launch function directly, tensors passed as their data pointers.
 
 The cache key is finer than Triton's specialisation, so a hit always means the kernel Triton would run:
-tensors by (dtype, 16-byte alignment of the data pointer); every other argument (ints, floats, None, the
+tensors by (dtype, on CUDA or not, 16-byte alignment of the data pointer); every other argument (ints, floats, None, the
 constexpr meta-parameters, num_warps / num_stages) by value; the current device. An Autotuner's choice is a
 function of its key arguments' values and the tensors' dtypes, both in the key. Where that does not hold the
 wrapper steps aside: Triton's interpreter, a launch hook set (profilers; checked by `configure`), an autotuner
@@ -19,6 +20,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+import triton
 from triton import knobs
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction
@@ -27,13 +29,18 @@ _ON = True   # configure(): chunk.TUNING fast_launch, and no launch hook set
 _MAX_ENTRIES = 512   # per kernel; cleared when full (ints are keyed by value, so varying T adds entries)
 
 
+def _current_device() -> int:
+    return torch.cuda.current_device()
+
+
 def _raw_stream(device: int) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-try:   # the call Triton itself uses for the current stream
+try:   # the calls Triton itself uses for the current stream and device (without torch's lazy-init check)
     from torch._C import _cuda_getCurrentRawStream as _raw_stream  # noqa: F811
-except ImportError:   # pragma: no cover - CPU-only torch builds
+    from torch._C import _cuda_getDevice as _current_device  # noqa: F811
+except ImportError:   # CPU-only torch builds: launches never reach these
     pass
 
 
@@ -44,9 +51,10 @@ class FastLaunch:
         jit = fn
         while not isinstance(jit, JITFunction) and hasattr(jit, "fn"):
             jit = jit.fn
-        # Triton's interpreter (TRITON_INTERPRET=1) makes InterpretedFunction, not JITFunction: not usable
+        # Triton's interpreter (TRITON_INTERPRET=1) makes InterpretedFunction, not JITFunction: not usable; the
+        # launcher's calling convention used here is Triton 3.6's (pyproject allows older: their path instead)
         self.__dict__.update(fn=fn, jit=jit, tuner=fn if isinstance(fn, Autotuner) else None, launches={},
-                             usable=isinstance(jit, JITFunction))
+                             usable=isinstance(jit, JITFunction) and triton.__version__.startswith("3.6."))
         if self.usable:
             self.names = tuple(jit.arg_names)
             self.defaults = {n: p.default for n, p in inspect.signature(jit.fn).parameters.items()
@@ -61,18 +69,27 @@ class FastLaunch:
         return lambda *args, **kw: self._launch(grid, args, kw)
 
     def _launch(self, grid, args, kw):
-        device = torch.cuda.current_device()
-        key = (device, tuple([(a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor) else a for a in args]),
-               tuple(kw.items()))
+        device = _current_device()
+        # tensors go to the launcher as their data pointers (ints): it then skips calling data_ptr() again and
+        # the driver's pointer query per tensor (the first launch, through Triton, has checked them already)
+        spec, vals = [], []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                p = a.data_ptr()
+                spec.append((a.dtype, a.is_cuda, not p & 15))
+                vals.append(p)
+            else:
+                spec.append(a)
+                vals.append(a)
+        key = (device, tuple(spec), tuple(kw.items()))
         hit = self.launches.get(key)
         if hit is None:
             return self._miss(grid, args, kw, key)
-        kernel, tail, meta = hit
+        kernel, run, tail, meta = hit
         if callable(grid):
             grid = grid({**dict(zip(self.names, args)), **meta})
         n = len(grid)
-        kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _raw_stream(device), kernel.function,
-                   kernel.packed_metadata, None, None, None, *args, *tail)
+        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _raw_stream(device), *vals, *tail)
         return kernel
 
     def _miss(self, grid, args, kw, key):
@@ -94,8 +111,25 @@ class FastLaunch:
             return kernel
         if len(self.launches) >= _MAX_ENTRIES:
             self.launches.clear()
-        self.launches[key] = (kernel, tail, meta)
+        self.launches[key] = (kernel, _direct_run(kernel), tail, meta)
         return kernel
+
+
+def _direct_run(kernel):
+    """run(gx, gy, gz, stream, *kernel_args) for a compiled kernel whose handles are loaded: its C launch
+    function itself where the launcher needs no scratch buffers, else the launcher object; no launch hooks."""
+    launcher, function, packed = kernel.run, kernel.function, kernel.packed_metadata
+    raw = getattr(launcher, "launch", None)
+    if raw is not None and not getattr(launcher, "global_scratch_size", 1) \
+            and not getattr(launcher, "profile_scratch_size", 1):
+        coop, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
+
+        def run(gx, gy, gz, stream, *args):
+            raw(gx, gy, gz, stream, function, coop, pdl, None, None, packed, None, None, None, *args)
+    else:
+        def run(gx, gy, gz, stream, *args):
+            launcher(gx, gy, gz, stream, function, packed, None, None, None, *args)
+    return run
 
 
 def _hooks_set() -> bool:
