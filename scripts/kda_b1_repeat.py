@@ -1,6 +1,8 @@
 """The B1 T16384 H16 K=V=128 forward, repeated in one process next to fla's (CUDA, bf16).
 
-    python scripts/kda_b1_repeat.py [ROUNDS] [--fwd-bwd] [--no-fla] [--host]   # default 8 rounds, forward only
+    python scripts/kda_b1_repeat.py [ROUNDS] [--fwd-bwd] [--no-fla] [--host] [--ranges=8,12]   # default 8 rounds, forward only
+
+--ranges=N,M,...: instead of the variants below, the shipped defaults against TUNING fwd_segments N, M, ...
 
 --host: instead, three samples each of the host time to enqueue one call (20 calls back to back) against the
 wall time per call once the device has finished them (launch-bound or not).
@@ -49,7 +51,11 @@ def main() -> None:
     if fla is not None:
         fns["fla"] = (_fwd_bwd_fns(lambda *a: fla(*a), args, dev)[which], None)
     base = dict(chunk_mod.TUNING)
-    for name, over in VARIANTS.items():
+    variants = VARIANTS
+    ranges = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--ranges=")]
+    if ranges:
+        variants = {"shipped": {}, **{f"seg{n}": {"fwd_segments": int(n)} for n in ranges[0].split(",")}}
+    for name, over in variants.items():
         fns[name] = (_fwd_bwd_fns(chunk_kda, args, dev)[which], over)
     if "--host" in sys.argv:
         # host time to enqueue one call (no synchronisation inside; 20 calls stay below the launch queue's depth),

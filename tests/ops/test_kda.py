@@ -221,6 +221,11 @@ TUNING_CASES = [
     pytest.param({"fwd_segments": 2}, 1, 1, 1, 1, 24, 16, 64, id="fwd-segments2-T1-one-chunk-unsegmented"),
     pytest.param({"fwd_segments": 4, "fwd_store_states": True, "bwd_stored_gamma": True}, 1, 90, 2, 1, 40, 24, 16,
                  id="fwd-segments4-C16-store-states"),
+    # range i's scan enqueued right after range i's stage 1 (chunk_fwd.StateScan from the stage-1 hook)
+    pytest.param({"fwd_segments": 3, "fwd_segments_interleave": True}, 2, 200, 1, 2, 40, 24, 64,
+                 id="fwd-segments3-interleave-T200-G2"),
+    pytest.param({"fwd_segments": 4, "fwd_segments_interleave": True, "fwd_output": "split", "fwd_store_states": True},
+                 1, 90, 2, 1, 40, 24, 16, id="fwd-segments4-interleave-split-store-states-C16"),
     pytest.param({"bwd_overlap_scans": False}, 1, 70, 1, 2, 40, 24, 64, id="bwd-no-overlap-scans"),
     # the parallel scan: runs of chunks from start states computed by the run summaries (M, E)
     pytest.param({"fwd_scan_parallel": 3}, 2, 200, 1, 2, 40, 24, 64, id="scan-parallel3-T200-G2"),
@@ -346,6 +351,8 @@ LONG_MEMORY_CASES = [
     pytest.param({"fwd_scan_parallel": 8}, 1, 150, 2, 1, 40, 16, 16, id="scan-parallel8-C16-H2"),
     pytest.param({"fwd_scan_parallel": 4, "fwd_output": "split"}, 1, 150, 1, 2, 96, 40, 32, id="scan-parallel4-split-K96"),
     pytest.param({"fwd_segments": 3}, 1, 200, 1, 1, 24, 16, 64, id="fwd-segments3"),
+    pytest.param({"fwd_segments": 3, "fwd_segments_interleave": True}, 1, 200, 1, 1, 24, 16, 64,
+                 id="fwd-segments3-interleave"),
     pytest.param({"fwd_output": "split"}, 1, 130, 1, 1, 24, 16, 32, id="fwd-output-split"),
 ]
 
@@ -471,7 +478,8 @@ def test_check_tuning_rejects_bad_entries():
                      ({"fwd_scores_per_pair": "yes"}, "False or True"), ({"fwd_scores_stages": True}, "1, 2, 3 or 4"),
                      ({"fwd_scores_stages": 2.0}, "1, 2, 3 or 4"), ({"dot16_scan": 1}, "False or True"),
                      ({"fwd_scores_per_pair": True, "fwd_scores": "pairs"}, "score launch of fwd_scores 'sub'"),
-                     ({"fwd_tail_kg": 1}, "False or True"), ({"fwd_segments_priority": "on"}, "False or True")):
+                     ({"fwd_tail_kg": 1}, "False or True"), ({"fwd_segments_priority": "on"}, "False or True"),
+                     ({"fwd_segments_interleave": 1}, "False or True"), ({"fast_launch": "yes"}, "False or True")):
         with pytest.raises(ValueError, match=msg):
             check_tuning(bad)
 
@@ -728,7 +736,8 @@ def test_chunk_kda_segmented_forward_gpu_is_exact():
     after that range's event, or with fwd_segments_priority (the default) stage 1 on the current stream and
     the scans on a high-priority side stream. Same kernels, the state carried through fp32 buffers: the
     outputs and the gradients must equal the unsegmented run exactly (a missing stream wait shows as a
-    mismatch). Then TUNING bwd_overlap_scans (the backward's re-scan on a side stream) likewise."""
+    mismatch), also with each range's scan enqueued right after its stage 1 (fwd_segments_interleave). Then
+    TUNING bwd_overlap_scans (the backward's re-scan on a side stream) likewise."""
     from k3cli.ops.kda import chunk as chunk_mod
     from k3cli.ops.kda import chunk_kda
     inputs = make_inputs(1, 4000, 4, 2, 128, 128, dtype=torch.bfloat16, device="cuda")
@@ -738,11 +747,14 @@ def test_chunk_kda_segmented_forward_gpu_is_exact():
         assert chunk_mod.auto_segments(inputs[0], 1, 8, 128, 63) == 4
         chunk_mod.TUNING.update(fwd_segments=0, bwd_overlap_scans=False)
         base = run_with_grads(chunk_kda, *inputs)
-        for n, first in ((2, False), (5, False), ("auto", False), (3, True), ("auto", True)):
-            chunk_mod.TUNING.update(fwd_segments=n, fwd_segments_priority=first)
+        for n, first, inter in ((2, False, False), (5, False, False), ("auto", False, False), (3, True, False),
+                                ("auto", True, False), (3, False, True), ("auto", True, True), (8, True, True)):
+            chunk_mod.TUNING.update(fwd_segments=n, fwd_segments_priority=first, fwd_segments_interleave=inter)
             out = run_with_grads(chunk_kda, *inputs)
             for name in base:
-                assert torch.equal(out[name], base[name]), f"fwd_segments={n} (scans first: {first}): {name} differs"
+                assert torch.equal(out[name], base[name]), \
+                    f"fwd_segments={n} (scans first: {first}, interleaved: {inter}): {name} differs"
+        chunk_mod.TUNING["fwd_segments_interleave"] = saved["fwd_segments_interleave"]
         # the backward's re-scan on a side stream, concurrent with the reverse scan: same kernels, same values
         chunk_mod.TUNING["fwd_segments"] = 0
         chunk_mod.TUNING["bwd_overlap_scans"] = True

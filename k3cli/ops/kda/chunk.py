@@ -18,7 +18,7 @@ from k3cli.layers.norm import l2norm
 from k3cli.ops import launch
 from k3cli.ops.kda.checks import check_kda_inputs
 from k3cli.ops.kda.chunk_bwd import kda_bwd_intra, kda_bwd_state
-from k3cli.ops.kda.chunk_fwd import Intra, dot_precision, kda_fwd_intra, kda_fwd_o, kda_fwd_state
+from k3cli.ops.kda.chunk_fwd import Intra, StateScan, dot_precision, kda_fwd_intra, kda_fwd_o, kda_fwd_state
 
 _CHUNK_SIZES = (16, 32, 64)
 
@@ -158,6 +158,12 @@ _CHUNK_SIZES = (16, 32, 64)
 #   Why (H200, session 9, scripts/kda_host_profile.py): an empty Triton launch with 20 tensor arguments took
 #   32 us of host time, and the 4-range forward at B1 T16384 H16 K=V=128 (16 launches) 0.75-1.0 ms per call
 #   of ~1.18 on the device.
+# fwd_segments_interleave (off; not yet timed on a GPU): with fwd_segments, enqueue range i's scan right after
+#   range i's stage 1 instead of after all of stage 1 (chunk_fwd.StateScan). Same kernels, streams and events;
+#   only the host's enqueue order changes, so that a host slower than the device starts the first scan early.
+#   Why (H200, session 9, notes/session9_gpu.md): the ranged forward's slow rounds coincide with a slow host
+#   (Triton's path "nofast": 1.408 / 1.427 ms in two rounds whose host enqueue took up to 1.462 ms per call,
+#   1.185-1.191 otherwise), where the first scan waits for the host to enqueue every range's stage 1.
 # Measured and dropped (session 8, notes/session8_gpu.md): one scan launch for all ranges that waits in the
 #   kernel for per-chunk flags set by stage 1's tail (release / acquire atomics). Enqueued after stage 1 it
 #   gained nothing (B1 T16384 forward 1.200 against 1.195); enqueued before stage 1 it hung on the H200 (likely
@@ -176,7 +182,7 @@ TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None,
           "fwd_output": "scan", "fwd_scan_parallel": 0, "dot16_scan": True,
           "fwd_scores_per_pair": "auto", "fwd_scores_stages": "auto", "fwd_tail_kg": True,
           "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32", "aqk_dtype": "auto",
-          "fast_launch": True}
+          "fast_launch": True, "fwd_segments_interleave": False}
 _DTYPE_CHOICES = ("auto", "fp32", "input")
 _FWD_SCORES = ("sub", "pairs", "chunk")
 _AUTO_INPUT_MIN_K = 65
@@ -224,7 +230,7 @@ def check_tuning(tuning: dict) -> None:
     stages = tuning.get("fwd_scores_stages", "auto")
     if stages != "auto" and (not isinstance(stages, int) or isinstance(stages, bool) or stages not in (1, 2, 3, 4)):
         raise ValueError(f"chunk_kda TUNING: fwd_scores_stages={stages!r} must be 'auto', 1, 2, 3 or 4")
-    for name in ("dot16_scan", "fwd_tail_kg", "fwd_segments_priority", "fast_launch"):
+    for name in ("dot16_scan", "fwd_tail_kg", "fwd_segments_priority", "fast_launch", "fwd_segments_interleave"):
         if not isinstance(tuning.get(name, False), bool):
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]!r} must be False or True")
     per_pair = tuning.get("fwd_scores_per_pair", "auto")
@@ -350,7 +356,7 @@ class _Overlap:
             self.side.wait_stream(self.main)   # the inputs and buffers were made on the main stream
             self.events = {}
 
-    def stage1(self, n0, n1, what):
+    def stage1(self, n0, n1, what, it=None):
         if not self.cuda:
             return
         if self.scan_first:
@@ -372,6 +378,11 @@ class _Overlap:
             self.side.wait_event(self.events[n0])
         else:
             self.main.wait_event(self.events[n0])
+
+    def after_scan(self):
+        """Back to stage 1's stream after a scan launch (the interleaved order, fwd_segments_interleave)."""
+        if self.cuda and self.scan_first:
+            torch.cuda.set_stream(self.main)
 
     def join(self):
         if self.cuda:
@@ -441,13 +452,30 @@ class ChunkKDAFunction(torch.autograd.Function):
         keep = TUNING["fwd_store_states"] and need_grad
         split_o = TUNING["fwd_output"] == "split"   # the scan stores S_n, Vn and O comes from them after
         sd = _tuned_dtype("states_dtype", v.dtype, q.shape[-1])
+        scan_args = dict(out_dtype=v.dtype, output_final_state=output_final_state, store_o=not split_o,
+                         store_h=keep or split_o, h_dtype=sd, precision=scan_prec, segments=segs)
         try:
-            it = fwd_intra(q, k, v, g, beta, scale, chunk_size, prec, segments=segs, on_segment=ov and ov.stage1,
-                           need_grad=need_grad)
-            o, ht, h, vn = kda_fwd_state(it, B, T, HV, chunk_size, h0, v.dtype, output_final_state,
-                                         store_o=not split_o, store_h=keep or split_o, h_dtype=sd, precision=scan_prec,
-                                         segments=segs, on_segment=ov and ov.scan,
-                                         parallel=TUNING["fwd_scan_parallel"])
+            if segs and TUNING["fwd_segments_interleave"]:
+                # enqueue range i's scan right after range i's stage 1 (not after all of stage 1), so that a
+                # host slower than the device still starts the first scan early
+                scans = []
+
+                def stage1_then_scan(n0, n1, what, it=None):
+                    ov.stage1(n0, n1, what)
+                    if what == "done":
+                        if not scans:
+                            scans.append(StateScan(it, B, T, HV, chunk_size, h0, **scan_args))
+                        scans[0].launch(segs.index((n0, n1)), ov.scan)
+                        ov.after_scan()
+
+                it = fwd_intra(q, k, v, g, beta, scale, chunk_size, prec, segments=segs, on_segment=stage1_then_scan,
+                               need_grad=need_grad)
+                o, ht, h, vn = scans[0].finish()
+            else:
+                it = fwd_intra(q, k, v, g, beta, scale, chunk_size, prec, segments=segs,
+                               on_segment=ov and ov.stage1, need_grad=need_grad)
+                o, ht, h, vn = kda_fwd_state(it, B, T, HV, chunk_size, h0, on_segment=ov and ov.scan,
+                                             parallel=TUNING["fwd_scan_parallel"], **scan_args)
         finally:
             if ov is not None:
                 ov.join()   # the current stream again, after all of stage 1 (also when a launch raised)

@@ -844,8 +844,8 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
     stages; `sub_kg`: the Γ launch also stores β K e^Γ into the W buffer for the tail, chunk.TUNING
     fwd_tail_kg), then the solve and W, U (PART 4): small programs, many per SM.
     `segments` (with `sub`): launch stage 1 one chunk range [n0, n1) after another, calling
-    `on_segment(n0, n1, "start" | "done")` around each (chunk_kda's segmented forward switches CUDA
-    streams and records events there)."""
+    `on_segment(n0, n1, "start")` before each and `on_segment(n0, n1, "done", it)` after (chunk_kda's
+    segmented forward switches CUDA streams and records events there, and may enqueue that range's scan)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
@@ -879,7 +879,7 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, inter_dtype: 
                              tail_warps, tail_key_block, maxnreg, per_pair=sub_per_pair, sub_stages=sub_stages,
                              kg=sub_kg)
             if on_segment is not None:
-                on_segment(n0, n1, "done")
+                on_segment(n0, n1, "done", it)
         return it
     if segments is not None:
         raise ValueError("kda_fwd_intra: segments need the sub-chunk stage 1 (sub=True)")
@@ -982,6 +982,71 @@ def scan_run_starts(it: Intra, B: int, HV: int, chunk_size: int, initial_state, 
     return starts
 
 
+class StateScan:
+    """Stage 2 as its launches: the buffers are allocated here, `launch(i)` enqueues the scan of the i-th chunk
+    range (or the parallel scan's one launch), `finish()` returns (o, final state, h, Vn) as kda_fwd_state.
+    chunk_kda's interleaved segmented forward (chunk.TUNING fwd_segments_interleave) enqueues range i's scan
+    right after range i's stage 1 instead of after all of stage 1."""
+
+    def __init__(self, it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_state, out_dtype,
+                 output_final_state: bool, store_o: bool = True, store_h: bool = False,
+                 h_dtype: torch.dtype = torch.float32, precision: str = "tf32", segments=None, parallel: int = 0):
+        K, V = it.w.shape[-1], it.u.shape[-1]
+        BT = chunk_size
+        NT = cdiv(T, BT)
+        dev = it.w.device
+        self.it, self.B, self.T, self.HV, self.BT, self.NT, self.K, self.V = it, B, T, HV, BT, NT, K, V
+        self.dev, self.precision, self.store_o, self.store_h = dev, precision, store_o, store_h
+        self.o = torch.empty(B, T, HV, V, device=dev, dtype=out_dtype) if store_o else None
+        self.ht = ht = torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
+        self.h = torch.empty(B * HV, NT, K, V, device=dev, dtype=h_dtype) if store_h else None
+        self.vn = torch.empty(B * HV, NT * BT, V, device=dev, dtype=torch.float32) if store_h else None
+        runs, L = parallel_runs(NT, parallel)
+        self.carry = [None, None]
+        self.streams = []   # the CUDA streams the launches ran on (for the carry buffers' record_stream)
+        if runs > 1:
+            if segments:
+                raise ValueError("kda_fwd_state: parallel runs and sequential segments do not combine")
+            # one launch: `runs` programs per (value block, head), each from its start state
+            starts = scan_run_starts(it, B, HV, BT, initial_state, runs, L, precision)
+            self.launches = [(0, NT, starts, ht, runs, L, B * HV * K * V)]
+        else:
+            # one launch per segment, the carry alternating between two fp32 buffers
+            segments = segments or [(0, NT)]
+            if len(segments) > 1:
+                self.carry = [torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) for _ in range(2)]
+            self.launches, s_in = [], initial_state
+            for i, (n0, n1) in enumerate(segments):
+                s_out = ht if i == len(segments) - 1 else self.carry[i % 2]
+                self.launches.append((n0, n1, s_in, s_out, 1, n1 - n0, 0))
+                s_in = s_out
+
+    def launch(self, i: int, on_segment=None) -> None:
+        """Enqueue launch i, calling `on_segment(n0, n1, "start")` first (chunk_kda's stream switch)."""
+        n0, n1, s_in, s_out, nrun, run_len, stride = self.launches[i]
+        it, B, HV, V = self.it, self.B, self.HV, self.V
+        if on_segment is not None:
+            on_segment(n0, n1, "start")
+        _kda_fwd_state_kernel[lambda meta: (cdiv(V, meta["BV"]), B * HV, nrun)](
+            it.qg, it.kd, it.eg, it.w, it.u, it.aqk, self.o, s_in, s_out, self.h, self.vn, self.T, self.NT,
+            next_pow2(B * HV * nrun), n0, n1, run_len, stride, HV=HV, K=self.K, V=V, BT=self.BT,
+            BK=max(16, next_pow2(self.K)), USE_H0=s_in is not None, STORE_HT=s_out is not None,
+            STORE_O=self.store_o, STORE_H=self.store_h, INTERPRET=interpreting(it.w), PREC=self.precision)
+        if self.dev.type == "cuda" and self.carry[0] is not None:
+            stream = torch.cuda.current_stream(self.dev)
+            if stream not in self.streams:
+                self.streams.append(stream)
+
+    def finish(self):
+        # with chunk.TUNING fwd_segments_priority the scans ran on a side stream (on_segment switched to it), and
+        # the carry buffers, made on the allocating stream, are freed on return: keep them from reuse until
+        # that stream's work is done
+        for t in self.carry:
+            for stream in self.streams if t is not None else ():
+                t.record_stream(stream)
+        return self.o, self.ht, self.h, self.vn
+
+
 def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_state, out_dtype,
                   output_final_state: bool, store_o: bool = True, store_h: bool = False,
                   h_dtype: torch.dtype = torch.float32, precision: str = "tf32", segments=None, on_segment=None,
@@ -992,49 +1057,11 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
     launches of one range read an unchanged start state), calling `on_segment(n0, n1, "start")` before
     each launch. `parallel` (>= 2; not with `segments`): the parallel scan, that many runs of chunks
     scanned at once from start states computed first (`scan_run_starts`)."""
-    K, V = it.w.shape[-1], it.u.shape[-1]
-    BT = chunk_size
-    NT = cdiv(T, BT)
-    BK = max(16, next_pow2(K))
-    dev = it.w.device
-    o = torch.empty(B, T, HV, V, device=dev, dtype=out_dtype) if store_o else None
-    ht = torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-    h = torch.empty(B * HV, NT, K, V, device=dev, dtype=h_dtype) if store_h else None
-    vn = torch.empty(B * HV, NT * BT, V, device=dev, dtype=torch.float32) if store_h else None
-    runs, L = parallel_runs(NT, parallel)
-    carry = [None, None]
-    if runs > 1:
-        if segments:
-            raise ValueError("kda_fwd_state: parallel runs and sequential segments do not combine")
-        # one launch: `runs` programs per (value block, head), each from its start state
-        starts = scan_run_starts(it, B, HV, BT, initial_state, runs, L, precision)
-        launches = [(0, NT, starts, ht, runs, L, B * HV * K * V)]
-    else:
-        # one launch per segment, the carry alternating between two fp32 buffers
-        segments = segments or [(0, NT)]
-        if len(segments) > 1:
-            carry = [torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) for _ in range(2)]
-        launches, s_in = [], initial_state
-        for i, (n0, n1) in enumerate(segments):
-            s_out = ht if i == len(segments) - 1 else carry[i % 2]
-            launches.append((n0, n1, s_in, s_out, 1, n1 - n0, 0))
-            s_in = s_out
-    for n0, n1, s_in, s_out, nrun, run_len, stride in launches:
-        if on_segment is not None:
-            on_segment(n0, n1, "start")
-        _kda_fwd_state_kernel[lambda meta, nrun=nrun: (cdiv(V, meta["BV"]), B * HV, nrun)](
-            it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, s_in, s_out, h, vn, T, NT,
-            next_pow2(B * HV * nrun), n0, n1, run_len, stride, HV=HV, K=K, V=V, BT=BT, BK=BK,
-            USE_H0=s_in is not None, STORE_HT=s_out is not None, STORE_O=store_o, STORE_H=store_h,
-            INTERPRET=interpreting(it.w), PREC=precision)
-    if dev.type == "cuda":
-        # with chunk.TUNING fwd_segments_priority the scans ran on a side stream (on_segment switched to it), and
-        # the carry buffers, made on the allocating stream, are freed on return: keep them from reuse until
-        # that stream's work is done
-        for t in carry:
-            if t is not None:
-                t.record_stream(torch.cuda.current_stream(dev))
-    return o, ht, h, vn
+    scan = StateScan(it, B, T, HV, chunk_size, initial_state, out_dtype, output_final_state, store_o, store_h,
+                     h_dtype, precision, segments, parallel)
+    for i in range(len(scan.launches)):
+        scan.launch(i, on_segment)
+    return scan.finish()
 
 
 def kda_fwd_o(it: Intra, h: torch.Tensor, vn: torch.Tensor, B: int, T: int, HV: int, chunk_size: int,
