@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
-# The next session's device call (nvidia-h200; session 8 spent its device time, notes/session8_gpu.md):
-#   run(command="bash scripts/gpu_next.sh", kind="nvidia-h200", carry=[".whl"], timeout_s=590)
-# 1. Whether the B1 T16384 forward's slow mode (1.56-1.85 ms against ~1.19) is launch-bound: each round's
-#    do_bench figure next to the host's enqueue time measured right after (scripts/kda_b1_repeat.py, with fla).
-# 2. `k3 bench-kernel` at the toy, B1 and B8 shapes with its new host-enqueue column (not yet run on a GPU).
-# Rows print as they finish; fla's first calls at B1 take ~84 s (forward) and ~170 s (forward+backward).
+# The next session's device call (session 9 spent its device time, notes/session9_gpu.md):
+#   run(command="bash scripts/gpu_next.sh", kind="nvidia-h200-x2", carry=[".whl"], timeout_s=590)
+# GPU 0: the GPU tests session 9 did not run on its final code: the segmented / overlapped forward bit-equal to
+#        one range (now also with TUNING fwd_segments_interleave, never run on a GPU), fp32 accuracy, long memory,
+#        and the direct launches (fast_launch) against Triton's path.
+# GPU 1: the B1 T16384 forward repeated next to fla's: whether enqueuing each range's scan right after its
+#        stage 1 ("inter4", "inter8") removes the slow rounds that 8 ranges had in 4 of 18 rounds (session 9),
+#        then forward+backward for the same variants.
+# Then, if inter8 is both faster than fla and free of slow rounds, make it the "auto" plan (chunk.auto_segment_count,
+# TUNING fwd_segments_interleave) and re-run `k3 bench-kernel --shapes k3 --against fla` for the closing table.
 set -uo pipefail
 source scripts/gpu_env.sh
-timeout 300 python3 scripts/kda_b1_repeat.py 12 > "$OUT/b1_repeat_host.txt" 2>&1
-timeout 250 python3 -m k3cli.cli bench-kernel --kernel chunk_kda --shape 8,2048,8,8,16 --shape 1,16384,16,16,128 \
-  --shape 8,2048,16,16,128 --json > "$OUT/bench_host.txt" 2>&1
-grep -v Warning "$OUT/b1_repeat_host.txt" | tail -20; grep -h "\[bench" "$OUT/bench_host.txt" | grep -v compiling
+CUDA_VISIBLE_DEVICES=0 timeout 560 python3 -m pytest -q -m gpu tests/ops/test_kda.py \
+  -k "segmented or fp32 or long_memory or fast_launch" > "$OUT/gpu_tests.txt" 2>&1 &
+p0=$!
+( CUDA_VISIBLE_DEVICES=1 timeout 300 python3 scripts/kda_b1_repeat.py 12 > "$OUT/b1_repeat.txt" 2>&1
+  CUDA_VISIBLE_DEVICES=1 timeout 200 python3 scripts/kda_b1_repeat.py 5 --fwd-bwd --no-fla > "$OUT/b1_fwd_bwd.txt" 2>&1 ) &
+p1=$!
+wait $p0 $p1
+tail -4 "$OUT/gpu_tests.txt"; grep -v Warning "$OUT/b1_repeat.txt" | tail -8; grep -v Warning "$OUT/b1_fwd_bwd.txt" | tail -7

@@ -10,8 +10,8 @@ wall time per call once the device has finished them (launch-bound or not).
 Its overlapped ranges (chunk.TUNING fwd_segments "auto", fwd_segments_priority) moved between 1.19 and
 1.85 ms across `k3 bench-kernel` rows of one process (session 8), where fla's stayed at 1.18-1.21. Each
 round times, with triton.testing.do_bench: fla, the shipped defaults, Triton's own launch path ("nofast",
-TUNING fast_launch off), one range ("seg0"), 6 and 8 ranges ("seg6", "seg8") and the scan without O, which a
-parallel launch forms after it ("split", TUNING fwd_output "split"). Half-way, the torch reference's forward and backward
+TUNING fast_launch off), one range ("seg0"), 8 ranges ("seg8"), and 4 and 8 ranges with each range's scan
+enqueued right after its stage 1 ("inter4", "inter8": TUNING fwd_segments_interleave). Half-way, the torch reference's forward and backward
 run once (as between `bench-kernel` rows), to see whether what it leaves in the allocator moves the figures.
 Each figure is followed by the host's time to enqueue one call, measured right after (bench.host_ms): near
 the figure, the round was launch-bound.
@@ -30,7 +30,8 @@ from k3cli.ops.kda.bench import _fla_chunk_kda, _fwd_bwd_fns, _inputs, host_ms
 from k3cli.ops.kda.naive import naive_chunk_kda
 
 VARIANTS = {"shipped": {}, "nofast": {"fast_launch": False}, "seg0": {"fwd_segments": 0},
-            "seg6": {"fwd_segments": 6}, "seg8": {"fwd_segments": 8}, "split": {"fwd_output": "split"}}
+            "seg8": {"fwd_segments": 8}, "inter4": {"fwd_segments_interleave": True},
+            "inter8": {"fwd_segments": 8, "fwd_segments_interleave": True}}
 
 
 def _set_tuning(base: dict, over: dict | None) -> None:

@@ -72,6 +72,8 @@ _CHUNK_SIZES = (16, 32, 64)
 #   not established; likeliest the launch path: the host takes 0.88-0.95 ms to enqueue one call (12 stage-1
 #   launches, 4 scan launches, the stream switches), 74-80 % of the device time (one range: 0.39 ms).
 #   Forward+backward was stable: 4.729-4.755 ms against one range's 5.004-5.031, hence still the default.
+#   Session 9, with fast_launch: 18 rounds at 1.175-1.194 ms (fla 1.18 in the same processes); 8 ranges
+#   1.139-1.167 in 14 of 18 rounds but 1.24-1.46 in 4 (fwd+bwd 4.698-4.715 against 4.726-4.745), so still 4.
 # bwd_overlap_scans (default on): the backward's forward re-scan (S_n, Vn) on a side CUDA stream, concurrent
 #   with the reverse scan (dS_n, dVn), which does not read it; both are sequential over chunks and, with few
 #   B*HV, leave most SMs idle. H200, bf16, session 6: forward+backward B1 T16384 H16 K128 5.962 -> 5.475 ms,
@@ -155,15 +157,17 @@ _CHUNK_SIZES = (16, 32, 64)
 # fast_launch (default on): the kernels' launches after the first with a given specialisation call the compiled
 #   kernel's launcher directly (k3cli/ops/launch.py), not Triton's per-launch binding and specialisation, and
 #   the launch grids use plain Python arithmetic. Same compiled kernels, same values (GPU test: bit-equal).
-#   Why (H200, session 9, scripts/kda_host_profile.py): an empty Triton launch with 20 tensor arguments took
-#   32 us of host time, and the 4-range forward at B1 T16384 H16 K=V=128 (16 launches) 0.75-1.0 ms per call
-#   of ~1.18 on the device.
+#   Why (H200, session 9, scripts/kda_host_profile.py, notes/session9_gpu.md): an empty Triton launch with 20
+#   tensor arguments took 32-44 us of host time (25.9 us this way), and the 4-range forward at B1 T16384 H16
+#   K=V=128 (16 launches) 0.75-1.35 ms per call of ~1.19 on the device; with fast_launch 0.55 against 0.89 in
+#   one process (0.42-0.87 over 18 rounds of scripts/kda_b1_repeat.py; forward 1.175-1.194 ms, fla 1.18).
 # fwd_segments_interleave (off; not yet timed on a GPU): with fwd_segments, enqueue range i's scan right after
 #   range i's stage 1 instead of after all of stage 1 (chunk_fwd.StateScan). Same kernels, streams and events;
 #   only the host's enqueue order changes, so that a host slower than the device starts the first scan early.
-#   Why (H200, session 9, notes/session9_gpu.md): the ranged forward's slow rounds coincide with a slow host
-#   (Triton's path "nofast": 1.408 / 1.427 ms in two rounds whose host enqueue took up to 1.462 ms per call,
-#   1.185-1.191 otherwise), where the first scan waits for the host to enqueue every range's stage 1.
+#   Why (H200, session 9, notes/session9_gpu.md): a slow host is the likeliest cause of the ranged forward's
+#   slow rounds (Triton's launch path: 1.408 / 1.427 ms in two of 8 rounds, host enqueue measured right after
+#   1.462 / 0.769 ms per call; 1.185-1.191 otherwise). When the host is the bottleneck, the first scan waits
+#   until the host has enqueued every range's stage 1, and the time tends to one range's (1.46 ms).
 # Measured and dropped (session 8, notes/session8_gpu.md): one scan launch for all ranges that waits in the
 #   kernel for per-chunk flags set by stage 1's tail (release / acquire atomics). Enqueued after stage 1 it
 #   gained nothing (B1 T16384 forward 1.200 against 1.195); enqueued before stage 1 it hung on the H200 (likely
