@@ -10,7 +10,7 @@ the same one call the compiled kernel's C launch function directly, tensors pass
 
 The cache key is finer than Triton's specialisation, so a hit always means the kernel Triton would run:
 tensors by (dtype, on CUDA or not, 16-byte alignment of the data pointer); every other argument (ints, floats, None, the
-constexpr meta-parameters, num_warps / num_stages) by value; the current device. An Autotuner's choice is a
+constexpr meta-parameters, num_warps / num_stages) by type and value; the current device. An Autotuner's choice is a
 function of its key arguments' values and the tensors' dtypes, both in the key. Where that does not hold the
 wrapper steps aside: Triton's interpreter, a launch hook set (profilers; checked by `configure`), an autotuner
 config with a pre-hook. `configure(False)` (chunk.TUNING fast_launch) sends every launch through Triton's path.
@@ -70,18 +70,7 @@ class FastLaunch:
 
     def _launch(self, grid, args, kw):
         device = _current_device()
-        # tensors go to the launcher as their data pointers (ints): it then skips calling data_ptr() again and
-        # the driver's pointer query per tensor (the first launch, through Triton, has checked them already)
-        spec, vals = [], []
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                p = a.data_ptr()
-                spec.append((a.dtype, a.is_cuda, not p & 15))
-                vals.append(p)
-            else:
-                spec.append(a)
-                vals.append(a)
-        key = (device, tuple(spec), tuple(kw.items()))
+        key, vals = launch_key(device, args, kw)
         hit = self.launches.get(key)
         if hit is None:
             return self._miss(grid, args, kw, key)
@@ -113,6 +102,24 @@ class FastLaunch:
             self.launches.clear()
         self.launches[key] = (kernel, _direct_run(kernel), tail, meta)
         return kernel
+
+
+def launch_key(device: int, args: tuple, kw: dict) -> tuple[tuple, list]:
+    """(cache key, launch arguments) of one launch. Tensors go to the launcher as their data pointers (ints): it
+    then skips calling data_ptr() again and the driver's pointer query per tensor (the first launch, through
+    Triton, has checked them already); in the key as (dtype, on CUDA, 16-byte aligned). Everything else by type
+    and value: True == 1 == 1.0 as dict keys, but Triton specialises them apart."""
+    spec, vals = [], []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            p = a.data_ptr()
+            spec.append((a.dtype, a.is_cuda, not p & 15))
+            vals.append(p)
+        else:
+            spec.append(a.__class__)
+            spec.append(a)
+            vals.append(a)
+    return (device, tuple(spec), tuple(kw.items()), tuple(map(type, kw.values()))), vals
 
 
 def _direct_run(kernel):

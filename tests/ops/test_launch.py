@@ -50,3 +50,22 @@ def test_configure_follows_switch_and_launch_hooks():
         assert launch.configure(True)
     finally:
         launch.configure(True)
+
+
+def test_launch_key_separates_what_triton_specialises_apart():
+    """The cache key must be at least as fine as Triton's specialisation: a hit reuses the compiled kernel."""
+    buf = torch.zeros(64)
+    a, b = torch.zeros(16), torch.ones(16)
+    key = lambda *args, **kw: launch.launch_key(0, args, kw)[0]  # noqa: E731
+    # same dtype, device and alignment: one key, whatever the values or the pointer
+    assert key(a, 3, BLOCK=16) == key(b, 3, BLOCK=16)
+    # 16-byte alignment (Triton's "D" hint), dtype, int value (Triton: 1 is a constexpr, % 16 a hint)
+    assert key(buf[4:20], 3) != key(buf[1:17], 3)
+    assert key(a, 3) != key(a.half(), 3)
+    assert key(a, 3) != key(a, 1) and key(a, 16) != key(a, 17)
+    # True == 1 == 1.0 as Python keys; Triton: bool -> u1, 1 -> constexpr 1, 1.0 -> fp32
+    assert len({key(a, True), key(a, 1), key(a, 1.0)}) == 3
+    assert len({key(a, FLAG=True), key(a, FLAG=1), key(a, FLAG=1.0)}) == 3
+    assert key(a, None) != key(a, 0) and key(a, BV=32) != key(a, BV=64)
+    # tensors reach the launcher as their data pointers
+    assert launch.launch_key(0, (a, 3), {})[1] == [a.data_ptr(), 3]
