@@ -30,6 +30,7 @@ SCALARS = {"scale": "fp32", "T": "i32", "NT": "i32", "NBT": "i32", "NBH": "i32",
 
 
 def compile_report(fn, const: dict, num_warps: int, maxnreg: int | None = None) -> tuple[int, int]:
+    fn = getattr(fn, "jit", fn)   # launch.FastLaunch wraps the (autotuned) kernel; .jit is its JITFunction
     fn = fn.fn if isinstance(fn, Autotuner) else fn   # autotuned kernels wrap the JITFunction
     const = dict(const)
     stages = const.pop("_stages", 1)   # a launch option, not a kernel parameter

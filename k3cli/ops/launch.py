@@ -2,8 +2,8 @@
 
 `kernel[grid](*args, **meta)` through Triton's JITFunction.run (and Autotuner.run) re-binds and re-specialises
 every argument on every launch, and its C launcher asks the driver about every tensor's pointer: on the H200
-machine's host 32-42 us for an empty kernel with 20 tensor arguments (session 9, scripts/kda_host_profile.py),
-so chunk_kda's 16-launch forward at B1 T16384 spent 0.75-1.35 ms of host time per ~1.2 ms on the device.
+machine's host 32-44 us for an empty kernel with 20 tensor arguments (session 9, scripts/kda_host_profile.py),
+so chunk_kda's 16-launch forward at B1 T16384 spent 0.73-1.46 ms of host time per ~1.2 ms on the device.
 `fast_launch` wraps a kernel (JITFunction or Autotuner) so that, after the first launch with a given
 specialisation has gone through Triton's own path (compile, autotune, pointer checks), later launches with
 the same one call the compiled kernel's C launch function directly, tensors passed as their data pointers.
@@ -12,8 +12,11 @@ The cache key is finer than Triton's specialisation, so a hit always means the k
 tensors by (dtype, on CUDA or not, 16-byte alignment of the data pointer); every other argument (ints, floats, None, the
 constexpr meta-parameters, num_warps / num_stages) by type and value; the current device. An Autotuner's choice is a
 function of its key arguments' values and the tensors' dtypes, both in the key. Where that does not hold the
-wrapper steps aside: Triton's interpreter, a launch hook set (profilers; checked by `configure`), an autotuner
-config with a pre-hook. `configure(False)` (chunk.TUNING fast_launch) sends every launch through Triton's path.
+wrapper steps aside: Triton's interpreter, Triton other than 3.6 (whose launcher convention this uses), a launch
+hook set (profilers) or Triton's debug / instrumentation mode (checked by `configure`), pre-run hooks on the
+kernel, an autotuner config with a pre-hook, tensors passed by keyword. Skipped on a hit, as the key cannot
+change them: Triton's check that the kernel's global constants have not changed since it was compiled.
+`configure(False)` (chunk.TUNING fast_launch) sends every launch through Triton's path.
 """
 from __future__ import annotations
 
@@ -53,7 +56,7 @@ class FastLaunch:
             jit = jit.fn
         # Triton's interpreter (TRITON_INTERPRET=1) makes InterpretedFunction, not JITFunction: not usable; the
         # launcher's calling convention used here is Triton 3.6's (pyproject allows older: their path instead)
-        self.__dict__.update(fn=fn, jit=jit, tuner=fn if isinstance(fn, Autotuner) else None, launches={},
+        self.__dict__.update(wrapped=fn, jit=jit, tuner=fn if isinstance(fn, Autotuner) else None, launches={},
                              usable=isinstance(jit, JITFunction) and triton.__version__.startswith("3.6."))
         if self.usable:
             self.names = tuple(jit.arg_names)
@@ -61,11 +64,11 @@ class FastLaunch:
                              if p.default is not inspect.Parameter.empty}
 
     def __getattr__(self, name):   # .fn, .cache, .configs, ... of the wrapped kernel (reads only)
-        return getattr(self.__dict__["fn"], name)
+        return getattr(self.__dict__["wrapped"], name)
 
     def __getitem__(self, grid):
         if not (_ON and self.usable):
-            return self.fn[grid]
+            return self.wrapped[grid]
         return lambda *args, **kw: self._launch(grid, args, kw)
 
     def _launch(self, grid, args, kw):
@@ -82,9 +85,9 @@ class FastLaunch:
         return kernel
 
     def _miss(self, grid, args, kw, key):
-        kernel = self.fn[grid](*args, **kw)   # Triton's own path: compiles and autotunes where needed
-        if kernel is None:
-            return kernel
+        kernel = self.wrapped[grid](*args, **kw)   # Triton's own path: compiles and autotunes where needed
+        if kernel is None or self.jit.pre_run_hooks or any(isinstance(v, torch.Tensor) for v in kw.values()):
+            return kernel   # what the direct launch would skip (pre-run hooks), or keys it cannot hold (tensors)
         cfg = {}
         if self.tuner is not None:
             best = self.tuner.best_config
@@ -148,9 +151,11 @@ def _hooks_set() -> bool:
 
 def configure(enabled: bool = True) -> bool:
     """Turn the direct launches on or off (chunk_kda calls this with chunk.TUNING fast_launch on every call);
-    they stay off while a launch hook is set, which only Triton's path calls. Returns whether they are on."""
+    they stay off while a launch hook is set, which only Triton's path calls, and in Triton's debug or
+    instrumentation modes, which select other binaries than the cached ones. Returns whether they are on."""
     global _ON
-    _ON = enabled and not _hooks_set()
+    _ON = (enabled and not _hooks_set() and not knobs.runtime.debug
+           and not getattr(knobs.compilation, "instrumentation_mode", ""))
     return _ON
 
 

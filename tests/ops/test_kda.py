@@ -858,3 +858,15 @@ def test_chunk_kda_batch_invariance_bf16_gpu():
                         output_final_state=True)
     assert_close("o", o1, o[2:3])
     assert_close("ht", ht1, ht[2:3])
+
+
+def test_check_tuning_shortcut_does_not_pass_retyped_values(monkeypatch):
+    """check_tuning skips a TUNING equal to the last one it passed; True == 1 and 4 == 4.0 must not count."""
+    from k3cli.ops.kda import chunk as chunk_mod
+    for name, good, bad in (("fwd_tail_kg", True, 1), ("fwd_segments", 4, 4.0), ("fast_launch", True, 1)):
+        monkeypatch.setitem(chunk_mod.TUNING, name, good)
+        chunk_mod.check_tuning(chunk_mod.TUNING)   # passes, and is remembered
+        monkeypatch.setitem(chunk_mod.TUNING, name, bad)   # equal as a dict value, not of a valid type
+        with pytest.raises(ValueError, match=name):
+            chunk_mod.check_tuning(chunk_mod.TUNING)
+        monkeypatch.setitem(chunk_mod.TUNING, name, good)

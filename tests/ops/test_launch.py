@@ -22,15 +22,20 @@ def _scale_kernel(x, y, n, s, BLOCK: tl.constexpr):
     tl.store(y + o, tl.load(x + o, mask=o < n) * s, mask=o < n)
 
 
+@pytest.mark.triton
 def test_wrapped_kernel_runs_and_exposes_the_kernel():
-    x = torch.arange(37, dtype=torch.float32)
-    for _ in range(2):
+    dev = "cuda" if torch.cuda.is_available() else "cpu"   # CPU: Triton's interpreter (TRITON_INTERPRET=1)
+    x = torch.arange(37, dtype=torch.float32, device=dev)
+    for _ in range(3):
         y = torch.empty_like(x)
         _scale_kernel[(launch.cdiv(37, 16),)](x, y, 37, 2.0, BLOCK=16)
         assert torch.equal(y, 2 * x)
-    assert _scale_kernel.fn is not None   # attribute reads reach the wrapped kernel
-    if not torch.cuda.is_available():
-        # CPU: the interpreter's kernels are not JITFunctions, so every launch takes Triton's path
+    assert list(_scale_kernel.arg_names) == ["x", "y", "n", "s", "BLOCK"]   # reads reach the wrapped kernel
+    if dev == "cuda":
+        # the first launch went through Triton and filled the cache; the next two hit it
+        assert launch.configure(True) and len(_scale_kernel.launches) == 1
+    else:
+        # the interpreter's kernels are not JITFunctions, so every launch takes Triton's path
         assert not _scale_kernel.usable and not _scale_kernel.launches
 
 

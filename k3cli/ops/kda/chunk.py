@@ -156,18 +156,20 @@ _CHUNK_SIZES = (16, 32, 64)
 #   stage-1 kernel. K in between (e.g. 64) is not measured; it keeps fp32.
 # fast_launch (default on): the kernels' launches after the first with a given specialisation call the compiled
 #   kernel's launcher directly (k3cli/ops/launch.py), not Triton's per-launch binding and specialisation, and
-#   the launch grids use plain Python arithmetic. Same compiled kernels, same values (GPU test: bit-equal).
+#   the launch grids use plain Python arithmetic. Same compiled kernels, same values (GPU test: bit-equal, run at
+#   b0a72db; the key's argument types since are CPU-tested).
 #   Why (H200, session 9, scripts/kda_host_profile.py, notes/session9_gpu.md): an empty Triton launch with 20
 #   tensor arguments took 32-44 us of host time (25.9 us this way), and the 4-range forward at B1 T16384 H16
-#   K=V=128 (16 launches) 0.75-1.35 ms per call of ~1.19 on the device; with fast_launch 0.55 against 0.89 in
+#   K=V=128 (16 launches) 0.73-1.46 ms per call of ~1.19 on the device; with fast_launch 0.55 against 0.89 in
 #   one process (0.42-0.87 over 18 rounds of scripts/kda_b1_repeat.py; forward 1.175-1.194 ms, fla 1.18).
 # fwd_segments_interleave (off; not yet timed on a GPU): with fwd_segments, enqueue range i's scan right after
 #   range i's stage 1 instead of after all of stage 1 (chunk_fwd.StateScan). Same kernels, streams and events;
 #   only the host's enqueue order changes, so that a host slower than the device starts the first scan early.
-#   Why (H200, session 9, notes/session9_gpu.md): a slow host is the likeliest cause of the ranged forward's
-#   slow rounds (Triton's launch path: 1.408 / 1.427 ms in two of 8 rounds, host enqueue measured right after
-#   1.462 / 0.769 ms per call; 1.185-1.191 otherwise). When the host is the bottleneck, the first scan waits
-#   until the host has enqueued every range's stage 1, and the time tends to one range's (1.46 ms).
+#   Why (H200, session 9, notes/session9_gpu.md): a slow host would explain some of the ranged forward's slow
+#   rounds (not established; Triton's launch path: 1.408 / 1.427 ms in two of 8 rounds, the host enqueue
+#   measured right after 1.462 / 0.769 ms per call; 1.185-1.191 otherwise). When the host is the bottleneck,
+#   the first scan waits until the host has enqueued every range's stage 1, and the time tends to one range's
+#   (1.46 ms).
 # Measured and dropped (session 8, notes/session8_gpu.md): one scan launch for all ranges that waits in the
 #   kernel for per-chunk flags set by stage 1's tail (release / acquire atomics). Enqueued after stage 1 it
 #   gained nothing (B1 T16384 forward 1.200 against 1.195); enqueued before stage 1 it hung on the H200 (likely
@@ -192,12 +194,12 @@ _FWD_SCORES = ("sub", "pairs", "chunk")
 _AUTO_INPUT_MIN_K = 65
 
 
-_CHECKED: dict = {}   # the last TUNING that passed check_tuning (chunk_kda checks on every call)
+_CHECKED: dict = {}   # the last TUNING that passed check_tuning, as {key: (type, value)} (checked on every call)
 
 
 def check_tuning(tuning: dict) -> None:
     """Reject unknown keys and values a launcher would silently misread."""
-    if tuning is TUNING and tuning == _CHECKED:
+    if tuning is TUNING and _CHECKED == {k: (v.__class__, v) for k, v in tuning.items()}:
         return
     unknown = set(tuning) - set(TUNING)
     if unknown:
@@ -249,9 +251,9 @@ def check_tuning(tuning: dict) -> None:
                  "fwd_intra_sub_warps", "fwd_tail_warps"):
         if tuning.get(name, 8) not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]} must be a power of two <= 32")
-    if tuning is TUNING:
+    if tuning is TUNING:   # by type and value: True == 1 and 4 == 4.0 as dict values
         _CHECKED.clear()
-        _CHECKED.update(tuning)
+        _CHECKED.update({k: (v.__class__, v) for k, v in tuning.items()})
 
 
 def _stage_prec(name: str, prec: str, dtype: torch.dtype) -> str:
