@@ -65,37 +65,40 @@ def building_blocks(dev) -> None:
         print(f"  {name:45s} {_per_call_us(fn):7.1f} us/call", flush=True)
 
 
+def _profile(shape, dev, base: dict) -> None:
+    args = _inputs(*shape, torch.bfloat16, dev)
+    fwd, _ = _fwd_bwd_fns(chunk_kda, args, dev)
+    for name, over in VARIANTS.items():
+        chunk_mod.TUNING.clear()
+        chunk_mod.TUNING.update({**base, **over})
+        fwd()
+        torch.cuda.synchronize()
+        dev_ms = triton.testing.do_bench(fwd)
+        print(f"\n== {shape} {name}: device {dev_ms:.3f} ms, host enqueue {host_ms(fwd, dev):.3f} ms/call",
+              flush=True)
+        if name not in PROFILED:
+            continue
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(40):
+            fwd()
+        prof.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
 def main() -> None:
     shapes = [tuple(int(x) for x in a.split(",")) for a in sys.argv[1:]] or [(1, 16384, 16, 16, 128)]
     dev = torch.device("cuda")
     base = dict(chunk_mod.TUNING)
     print("building blocks (host time per call):", flush=True)
     building_blocks(dev)
-    for shape in shapes:
-        args = _inputs(*shape, torch.bfloat16, dev)
-        fwd, _ = _fwd_bwd_fns(chunk_kda, args, dev)
-        for name, over in VARIANTS.items():
-            chunk_mod.TUNING.clear()
-            chunk_mod.TUNING.update(base)
-            chunk_mod.TUNING.update(over)
-            fwd()
-            torch.cuda.synchronize()
-            dev_ms = triton.testing.do_bench(fwd)
-            print(f"\n== {shape} {name}: device {dev_ms:.3f} ms, host enqueue {host_ms(fwd, dev):.3f} ms/call",
-                  flush=True)
-            if name not in PROFILED:
-                continue
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(40):
-                fwd()
-            prof.disable()
-            torch.cuda.synchronize()
-            st = pstats.Stats(prof)
-            st.sort_stats("tottime").print_stats(18)
-    chunk_mod.TUNING.clear()
-    chunk_mod.TUNING.update(base)
-
+    try:
+        for shape in shapes:
+            _profile(shape, dev, base)
+    finally:
+        chunk_mod.TUNING.clear()
+        chunk_mod.TUNING.update(base)
 
 if __name__ == "__main__":
     main()

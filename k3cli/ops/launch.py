@@ -14,7 +14,7 @@ constexpr meta-parameters, num_warps / num_stages) by type and value; the curren
 function of its key arguments' values and the tensors' dtypes, both in the key. Where that does not hold the
 wrapper steps aside: Triton's interpreter, Triton other than 3.6 (whose launcher convention this uses), a launch
 hook set (profilers) or Triton's debug / instrumentation mode (checked by `configure`), pre-run hooks on the
-kernel, an autotuner config with a pre-hook, tensors passed by keyword. Skipped on a hit, as the key cannot
+kernel (checked per launch), an autotuner config with a pre-hook, tensors passed by keyword (never cached). Skipped on a hit, as the key cannot
 change them: Triton's check that the kernel's global constants have not changed since it was compiled.
 `configure(False)` (chunk.TUNING fast_launch) sends every launch through Triton's path.
 """
@@ -24,9 +24,13 @@ import inspect
 
 import torch
 import triton
-from triton import knobs
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction
+
+try:
+    from triton import knobs  # Triton >= 3.4; the direct launches need 3.6 anyway (FastLaunch.usable)
+except ImportError:
+    knobs = None
 
 _ON = True   # configure(): chunk.TUNING fast_launch, and no launch hook set
 _MAX_ENTRIES = 512   # per kernel; cleared when full (ints are keyed by value, so varying T adds entries)
@@ -64,10 +68,14 @@ class FastLaunch:
                              if p.default is not inspect.Parameter.empty}
 
     def __getattr__(self, name):   # .fn, .cache, .configs, ... of the wrapped kernel (reads only)
-        return getattr(self.__dict__["wrapped"], name)
+        try:
+            wrapped = self.__dict__["wrapped"]
+        except KeyError:   # not initialised (copy / pickle probing): no such attribute
+            raise AttributeError(name) from None
+        return getattr(wrapped, name)
 
     def __getitem__(self, grid):
-        if not (_ON and self.usable):
+        if not (_ON and self.usable) or self.jit.pre_run_hooks:
             return self.wrapped[grid]
         return lambda *args, **kw: self._launch(grid, args, kw)
 
@@ -86,8 +94,8 @@ class FastLaunch:
 
     def _miss(self, grid, args, kw, key):
         kernel = self.wrapped[grid](*args, **kw)   # Triton's own path: compiles and autotunes where needed
-        if kernel is None or self.jit.pre_run_hooks or any(isinstance(v, torch.Tensor) for v in kw.values()):
-            return kernel   # what the direct launch would skip (pre-run hooks), or keys it cannot hold (tensors)
+        if kernel is None or any(isinstance(v, torch.Tensor) for v in kw.values()):
+            return kernel   # keyword tensors: the key would hold them by value (and keep them alive)
         cfg = {}
         if self.tuner is not None:
             best = self.tuner.best_config
@@ -145,16 +153,20 @@ def _direct_run(kernel):
 def _hooks_set() -> bool:
     """Whether a launch hook is set (profilers: Triton's proton, torch's): Triton 3.6 keeps them in HookChain
     objects (empty when none), earlier versions as a callable or None."""
+    if knobs is None:
+        return False
     hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
     return any(h is not None and getattr(h, "calls", True) for h in hooks)
 
 
 def configure(enabled: bool = True) -> bool:
-    """Turn the direct launches on or off (chunk_kda calls this with chunk.TUNING fast_launch on every call);
-    they stay off while a launch hook is set, which only Triton's path calls, and in Triton's debug or
-    instrumentation modes, which select other binaries than the cached ones. Returns whether they are on."""
+    """Turn the direct launches on or off (chunk_kda calls this with chunk.TUNING fast_launch on every forward
+    and backward; code that launches the wrapped kernels itself, e.g. the scripts timing single stages, runs
+    with the state the last call left); they stay off while a launch hook is set, which only Triton's path
+    calls, and in Triton's debug or instrumentation modes, which select other binaries than the cached ones.
+    Returns whether they are on."""
     global _ON
-    _ON = (enabled and not _hooks_set() and not knobs.runtime.debug
+    _ON = (enabled and knobs is not None and not _hooks_set() and not knobs.runtime.debug
            and not getattr(knobs.compilation, "instrumentation_mode", ""))
     return _ON
 

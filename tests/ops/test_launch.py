@@ -1,13 +1,16 @@
 """k3cli/ops/launch.py: the host-side grid arithmetic, the switch, and the pass-through where direct launches
 do not apply (Triton's interpreter, as in CI). The direct launches themselves need a GPU: the GPU tier's
 test_chunk_kda_fast_launch_gpu_is_exact compares them with Triton's path bit for bit."""
+import types
+
 import pytest
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
 
 from k3cli.ops import launch
+
+knobs = launch.knobs
 
 
 def test_grid_arithmetic_matches_triton():
@@ -23,23 +26,109 @@ def _scale_kernel(x, y, n, s, BLOCK: tl.constexpr):
 
 
 @pytest.mark.triton
-def test_wrapped_kernel_runs_and_exposes_the_kernel():
-    dev = "cuda" if torch.cuda.is_available() else "cpu"   # CPU: Triton's interpreter (TRITON_INTERPRET=1)
+def test_wrapped_kernel_runs_and_exposes_the_kernel(monkeypatch):
+    """On CUDA (without the interpreter) the first launch goes through Triton and the next ones hit the cache."""
+    dev = "cuda" if _scale_kernel.usable and torch.cuda.is_available() else "cpu"
+    misses = []
+    miss = launch.FastLaunch._miss
+    monkeypatch.setattr(launch.FastLaunch, "_miss", lambda self, *a: misses.append(1) or miss(self, *a))
     x = torch.arange(37, dtype=torch.float32, device=dev)
-    for _ in range(3):
-        y = torch.empty_like(x)
-        _scale_kernel[(launch.cdiv(37, 16),)](x, y, 37, 2.0, BLOCK=16)
-        assert torch.equal(y, 2 * x)
+    try:
+        on = launch.configure(True)
+        for _ in range(3):
+            y = torch.empty_like(x)
+            _scale_kernel[(launch.cdiv(37, 16),)](x, y, 37, 2.0, BLOCK=16)
+            assert torch.equal(y, 2 * x)
+    finally:
+        launch.configure(True)
     assert list(_scale_kernel.arg_names) == ["x", "y", "n", "s", "BLOCK"]   # reads reach the wrapped kernel
-    if dev == "cuda":
-        # the first launch went through Triton and filled the cache; the next two hit it
-        assert launch.configure(True) and len(_scale_kernel.launches) == 1
+    if _scale_kernel.usable and on:
+        assert len(misses) == 1 and len(_scale_kernel.launches) == 1
     else:
         # the interpreter's kernels are not JITFunctions, so every launch takes Triton's path
-        assert not _scale_kernel.usable and not _scale_kernel.launches
+        assert not misses and not _scale_kernel.launches
+
+
+class _FakeLauncher:
+    """Triton 3.6's CudaLauncher as the direct path uses it: no scratch, the C launch function as .launch."""
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid = launch_pdl = False
+
+    def __init__(self):
+        self.calls = []
+
+    def launch(self, *args):
+        self.calls.append(args)
+
+
+class _FakeTriton:
+    """Stands for the wrapped kernel: `[grid](...)` is Triton's own path, counted, returning one compiled kernel."""
+
+    def __init__(self):
+        self.kernel = types.SimpleNamespace(run=_FakeLauncher(), function=7, packed_metadata="meta")
+        self.calls = 0
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            self.calls += 1
+            return self.kernel
+        return run
+
+
+def _fake_fast(monkeypatch):
+    def kernel(x, n, BLOCK=16):
+        pass
+    fl = object.__new__(launch.FastLaunch)
+    fl.__dict__.update(wrapped=_FakeTriton(), tuner=None, launches={}, usable=True, names=("x", "n", "BLOCK"),
+                       defaults={"BLOCK": 16}, jit=types.SimpleNamespace(fn=kernel, pre_run_hooks=[]))
+    monkeypatch.setattr(launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(launch, "_raw_stream", lambda device: 99)
+    return fl
+
+
+def test_direct_launch_path_with_a_stand_in_kernel(monkeypatch):
+    """The direct path's bookkeeping, without a GPU: one miss through Triton's path, then the C launch function
+    with the grid, the stream, the kernel's handle and metadata, tensors as data pointers and the constexpr tail;
+    and every case where it must step aside."""
+    fl = _fake_fast(monkeypatch)
+    x = torch.zeros(8)
+    try:
+        assert launch.configure(True)
+        for _ in range(3):
+            fl[(2,)](x, 5)
+        assert fl.wrapped.calls == 1
+        calls = fl.wrapped.kernel.run.calls
+        assert calls == [(2, 1, 1, 99, 7, False, False, None, None, "meta", None, None, None, x.data_ptr(), 5, 16)] * 2
+        fl[lambda meta: (meta["n"], meta["BLOCK"])](x, 5)   # a grid callable sees the arguments and the tail
+        assert calls[-1][:3] == (5, 16, 1) and fl.wrapped.calls == 1
+        fl[(2,)](x, True)   # True == 1 as a key, but another specialisation: a miss
+        assert fl.wrapped.calls == 2
+        # keyword tensors are never cached
+        fl[(2,)](x, 5, BLOCK=x)
+        fl[(2,)](x, 5, BLOCK=x)
+        assert fl.wrapped.calls == 4
+        # pre-run hooks run only on Triton's path
+        fl.jit.pre_run_hooks.append(lambda *a, **k: None)
+        fl[(2,)](x, 5)
+        assert fl.wrapped.calls == 5
+        fl.jit.pre_run_hooks.clear()
+        # switched off, and in Triton's debug mode: Triton's path
+        launch.configure(False)
+        fl[(2,)](x, 5)
+        assert fl.wrapped.calls == 6
+        if knobs is not None:
+            monkeypatch.setattr(knobs.runtime, "debug", True)
+            assert not launch.configure(True)
+            fl[(2,)](x, 5)
+            assert fl.wrapped.calls == 7
+    finally:
+        monkeypatch.undo()
+        launch.configure(True)
 
 
 def test_configure_follows_switch_and_launch_hooks():
+    if knobs is None:
+        pytest.skip("this Triton has no knobs (< 3.4): direct launches are off")
     try:
         assert launch.configure(True)
         assert not launch.configure(False)

@@ -157,7 +157,7 @@ _CHUNK_SIZES = (16, 32, 64)
 # fast_launch (default on): the kernels' launches after the first with a given specialisation call the compiled
 #   kernel's launcher directly (k3cli/ops/launch.py), not Triton's per-launch binding and specialisation, and
 #   the launch grids use plain Python arithmetic. Same compiled kernels, same values (GPU test: bit-equal, run at
-#   b0a72db; the key's argument types since are CPU-tested).
+#   b0a72db; the later key types and step-aside cases are CPU-tested only).
 #   Why (H200, session 9, scripts/kda_host_profile.py, notes/session9_gpu.md): an empty Triton launch with 20
 #   tensor arguments took 32-44 us of host time (25.9 us this way), and the 4-range forward at B1 T16384 H16
 #   K=V=128 (16 launches) 0.73-1.46 ms per call of ~1.19 on the device; with fast_launch 0.55 against 0.89 in
