@@ -34,13 +34,6 @@ VARIANTS = {"shipped": {}, "nofast": {"fast_launch": False}, "seg0": {"fwd_segme
             "inter8": {"fwd_segments": 8, "fwd_segments_interleave": True}}
 
 
-def _set_tuning(base: dict, over: dict | None) -> None:
-    """chunk.TUNING = the shipped defaults `base`, with a variant's overrides."""
-    chunk_mod.TUNING.clear()
-    chunk_mod.TUNING.update(base)
-    chunk_mod.TUNING.update(over or {})
-
-
 def main() -> None:
     pos = [a for a in sys.argv[1:] if not a.startswith("--")]
     rounds = max(1, int(pos[0])) if pos else 8
@@ -63,7 +56,7 @@ def main() -> None:
         # against the wall time per call once the device has finished them
         import time
         for name, (fn, over) in fns.items():
-            _set_tuning(base, over)
+            chunk_mod.set_tuning(base, over)
             fn()
             torch.cuda.synchronize()
             for _ in range(3):
@@ -86,14 +79,14 @@ def main() -> None:
             print("(torch reference forward + backward ran here)", flush=True)
         row = []
         for name, (fn, over) in fns.items():
-            _set_tuning(base, over)
+            chunk_mod.set_tuning(base, over)
             fn()   # compile / autotune on the first round
             t = triton.testing.do_bench(fn)
             times[name].append(t)
             # the host's enqueue time right after, to tell a launch-bound round from a device-bound one
             row.append(f"{name} {t:.3f} (host {host_ms(fn, dev):.3f})")
         print(f"round {r}: " + ", ".join(row), flush=True)
-    _set_tuning(base, None)
+    chunk_mod.set_tuning(base)
     for name, ts in times.items():
         print(f"{name:8s} median {statistics.median(ts):.3f} min {min(ts):.3f} max {max(ts):.3f} ms")
 

@@ -69,8 +69,7 @@ def _profile(shape, dev, base: dict) -> None:
     args = _inputs(*shape, torch.bfloat16, dev)
     fwd, _ = _fwd_bwd_fns(chunk_kda, args, dev)
     for name, over in VARIANTS.items():
-        chunk_mod.TUNING.clear()
-        chunk_mod.TUNING.update({**base, **over})
+        chunk_mod.set_tuning(base, over)
         fwd()
         torch.cuda.synchronize()
         dev_ms = triton.testing.do_bench(fwd)
@@ -97,8 +96,7 @@ def main() -> None:
         for shape in shapes:
             _profile(shape, dev, base)
     finally:
-        chunk_mod.TUNING.clear()
-        chunk_mod.TUNING.update(base)
+        chunk_mod.set_tuning(base)
 
 if __name__ == "__main__":
     main()

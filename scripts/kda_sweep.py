@@ -235,10 +235,8 @@ def main(names):
         over = VARIANTS[name]
         chunk = over.get("chunk_size", 64)
         tuning = {k: v for k, v in over.items() if k != "chunk_size"}
-        chunk_mod.TUNING.clear()
-        chunk_mod.TUNING.update(BASE)
         chunk_mod.check_tuning(tuning)
-        chunk_mod.TUNING.update(tuning)
+        chunk_mod.set_tuning(BASE, tuning)
         row = {"variant": name, "tuning": over}
         try:
             row["err"] = accuracy(ref, inputs, chunk)

@@ -9,13 +9,14 @@ specialisation has gone through Triton's own path (compile, autotune, pointer ch
 the same one call the compiled kernel's C launch function directly, tensors passed as their data pointers.
 
 The cache key is finer than Triton's specialisation, so a hit always means the kernel Triton would run:
-tensors by (dtype, on CUDA or not, 16-byte alignment of the data pointer); every other argument (ints, floats, None, the
-constexpr meta-parameters, num_warps / num_stages) by type and value; the current device. An Autotuner's choice is a
-function of its key arguments' values and the tensors' dtypes, both in the key. Where that does not hold the
-wrapper steps aside: Triton's interpreter, Triton other than 3.6 (whose launcher convention this uses), a launch
-hook set (profilers) or Triton's debug / instrumentation mode (checked by `configure`), pre-run hooks on the
-kernel (checked per launch), an autotuner config with a pre-hook, tensors passed by keyword (never cached). Skipped on a hit, as the key cannot
-change them: Triton's check that the kernel's global constants have not changed since it was compiled.
+tensors by (dtype, on CUDA or not, 16-byte alignment of the data pointer); every other argument (ints,
+floats, None, the constexpr meta-parameters, num_warps / num_stages) by type and value; the current device.
+An Autotuner's choice is a function of its key arguments' values and the tensors' dtypes, both in the key.
+Where that does not hold the wrapper steps aside: Triton's interpreter, Triton other than 3.6 (whose
+launcher convention this uses), a launch hook set (profilers) or Triton's debug / instrumentation mode
+(checked by `configure`), pre-run hooks on the kernel (checked per launch), an autotuner config with a
+pre-hook, tensors passed by keyword (never cached). Skipped on a hit, as the key cannot change them:
+Triton's check that the kernel's global constants have not changed since it was compiled.
 `configure(False)` (chunk.TUNING fast_launch) sends every launch through Triton's path.
 """
 from __future__ import annotations
@@ -153,8 +154,6 @@ def _direct_run(kernel):
 def _hooks_set() -> bool:
     """Whether a launch hook is set (profilers: Triton's proton, torch's): Triton 3.6 keeps them in HookChain
     objects (empty when none), earlier versions as a callable or None."""
-    if knobs is None:
-        return False
     hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
     return any(h is not None and getattr(h, "calls", True) for h in hooks)
 

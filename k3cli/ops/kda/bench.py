@@ -80,6 +80,18 @@ def host_ms(fn, device, calls: int = 20) -> float | None:
     return statistics.median(samples)
 
 
+def _host_note(host: float | None, device_ms: float, flag: bool = False) -> str:
+    """", host enqueue ... ms per forward" for a progress line (empty off CUDA); with `flag`, a note when the
+    host time is NEAR_LAUNCH_BOUND or more of the device time."""
+    if host is None:
+        return ""
+    note = f", host enqueue {host:.3g} ms per forward"
+    if flag and host >= NEAR_LAUNCH_BOUND * device_ms:
+        note += (f" ({host / device_ms:.0%} of the device time: near launch-bound, the fwd figure may move "
+                 "with the host's speed)")
+    return note
+
+
 def copy_ceiling_gbps(device) -> float:
     """Device-to-device copy bandwidth (read + write bytes per second), measured now."""
     n = (1 << 29) if device.type == "cuda" else (1 << 24)
@@ -145,11 +157,8 @@ def _bench_chunk(shape, device, against_fla, on_step=None):
     row["fwd_ms"], row["fwd_p20_ms"], row["fwd_p80_ms"] = time_fn(fwd, device)
     row["host_fwd_ms"] = host_ms(fwd, device)   # right after the forward's timing, in the same state
     row["fwd_bwd_ms"], row["fwd_bwd_p20_ms"], row["fwd_bwd_p80_ms"] = time_fn(fwd_bwd, device)
-    host = row["host_fwd_ms"]
     step(f"fwd {row['fwd_ms']:.4g} ms, fwd+bwd {row['fwd_bwd_ms']:.4g} ms"
-         + ("" if host is None else f", host enqueue {host:.3g} ms per forward"
-            + (f" ({host / row['fwd_ms']:.0%} of the device time: near launch-bound, the fwd figure may move "
-               "with the host's speed)" if host >= NEAR_LAUNCH_BOUND * row["fwd_ms"] else "")))
+         + _host_note(row["host_fwd_ms"], row["fwd_ms"], flag=True))
     esz = args[0].element_size()
     io_bytes = B * T * (2 * H * K * esz + HV * K * esz + HV * K * 4 + HV * esz + HV * K * esz)
     row["fwd_mtok_s"] = B * T / (row["fwd_ms"] * 1e-3) / 1e6
@@ -179,8 +188,7 @@ def _bench_chunk(shape, device, against_fla, on_step=None):
              f"fwd+bwd {row['fla_first_call_fwd_bwd_s']:.1f} s")
         row["fla_fwd_ms"] = time_fn(ff, device)[0]
         row["fla_host_fwd_ms"] = host_ms(ff, device)
-        step(f"fla fwd {row['fla_fwd_ms']:.4g} ms" + ("" if row["fla_host_fwd_ms"] is None else
-                                                     f", host enqueue {row['fla_host_fwd_ms']:.3g} ms per forward"))
+        step(f"fla fwd {row['fla_fwd_ms']:.4g} ms" + _host_note(row["fla_host_fwd_ms"], row["fla_fwd_ms"]))
         row["fla_fwd_bwd_ms"] = time_fn(ffb, device)[0]
         step(f"fla fwd+bwd {row['fla_fwd_bwd_ms']:.4g} ms")
     doc = FLA_DOC.get(shape, (None, None))

@@ -256,6 +256,14 @@ def check_tuning(tuning: dict) -> None:
         _CHECKED.update({k: (v.__class__, v) for k, v in tuning.items()})
 
 
+def set_tuning(base: dict, over: dict | None = None) -> None:
+    """TUNING = `base` (e.g. a saved copy of the shipped defaults) with `over` on top: how the scripts switch
+    between the variants they time (chunk_kda checks the result on its next call)."""
+    TUNING.clear()
+    TUNING.update(base)
+    TUNING.update(over or {})
+
+
 def _stage_prec(name: str, prec: str, dtype: torch.dtype) -> str:
     """The dot precision of one stage: `prec`, or with TUNING[name] (dot16_bwd) and 16-bit inputs,
     operands rounded to the input dtype (dot_precision)."""
