@@ -1,6 +1,7 @@
 """The B1 T16384 H16 K=V=128 forward, repeated in one process next to fla's (CUDA, bf16).
 
-    python scripts/kda_b1_repeat.py [ROUNDS] [--fwd-bwd] [--no-fla] [--host] [--ranges=8,12]   # default 8 rounds, forward only
+    python scripts/kda_b1_repeat.py [ROUNDS] [--fwd-bwd] [--no-fla] [--host] [--ranges=8,12] [--only=shipped,kdt]
+    # default 8 rounds, forward only; --only: these of the variants below
 
 --ranges=N,M,...: instead of the variants below, the shipped defaults against TUNING fwd_segments N, M, ...
 
@@ -11,7 +12,8 @@ Its overlapped ranges (chunk.TUNING fwd_segments "auto", fwd_segments_priority) 
 1.85 ms across `k3 bench-kernel` rows of one process (session 8), where fla's stayed at 1.18-1.21. Each
 round times, with triton.testing.do_bench: fla, the shipped defaults, Triton's own launch path ("nofast",
 TUNING fast_launch off), one range ("seg0"), 8 ranges ("seg8"), and 4 and 8 ranges with each range's scan
-enqueued right after its stage 1 ("inter4", "inter8": TUNING fwd_segments_interleave). Half-way, the torch reference's forward and backward
+enqueued right after its stage 1 ("inter4", "inter8": TUNING fwd_segments_interleave), and the scan reading K_d^T
+directly, which lets the autotuner try 32- and 16-column value blocks ("kdt", "kdt8", "kdt_inter8": TUNING scan_kd_t). Half-way, the torch reference's forward and backward
 run once (as between `bench-kernel` rows), to see whether what it leaves in the allocator moves the figures.
 Each figure is followed by the host's time to enqueue one call, measured right after (bench.host_ms): near
 the figure, the round was launch-bound.
@@ -31,7 +33,9 @@ from k3cli.ops.kda.naive import naive_chunk_kda
 
 VARIANTS = {"shipped": {}, "nofast": {"fast_launch": False}, "seg0": {"fwd_segments": 0},
             "seg8": {"fwd_segments": 8}, "inter4": {"fwd_segments_interleave": True},
-            "inter8": {"fwd_segments": 8, "fwd_segments_interleave": True}}
+            "inter8": {"fwd_segments": 8, "fwd_segments_interleave": True},
+            "kdt": {"scan_kd_t": True}, "kdt8": {"scan_kd_t": True, "fwd_segments": 8},
+            "kdt_inter8": {"scan_kd_t": True, "fwd_segments": 8, "fwd_segments_interleave": True}}
 
 
 def main() -> None:
@@ -49,6 +53,9 @@ def main() -> None:
     ranges = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--ranges=")]
     if ranges:
         variants = {"shipped": {}, **{f"seg{n}": {"fwd_segments": int(n)} for n in ranges[0].split(",")}}
+    only = [a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--only=")]
+    if only:
+        variants = {n: VARIANTS[n] for n in only[0].split(",")}
     for name, over in variants.items():
         fns[name] = (_fwd_bwd_fns(chunk_kda, args, dev)[which], over)
     if "--host" in sys.argv:

@@ -25,7 +25,7 @@ from k3cli.ops.kda.bench import _inputs
 EXTRA = [triton.Config({"BV": 64}, num_warps=nw, num_stages=ns) for nw, ns in ((4, 1), (4, 2), (16, 1))]
 
 
-def time_config(it, o, h, vn, B, T, HV, K, V, BT, prec, cfg, store_o: bool) -> float:
+def time_config(it, o, h, vn, B, T, HV, K, V, BT, prec, cfg, store_o: bool, kd_t: bool = False) -> float:
     NT = triton.cdiv(T, BT)
     bv, nw, ns = cfg.kwargs["BV"], cfg.num_warps, cfg.num_stages
 
@@ -34,7 +34,7 @@ def time_config(it, o, h, vn, B, T, HV, K, V, BT, prec, cfg, store_o: bool) -> f
             it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o if store_o else None, None, None,
             None if store_o else h, None if store_o else vn, T, NT, 0, 0, NT, NT, 0, HV=HV, K=K, V=V,
             BT=BT, BK=max(16, triton.next_power_of_2(K)), BV=bv, USE_H0=False, STORE_HT=False, STORE_O=store_o,
-            STORE_H=not store_o, INTERPRET=False, PREC=prec, num_warps=nw, num_stages=ns)
+            STORE_H=not store_o, INTERPRET=False, PREC=prec, KD_T=kd_t, num_warps=nw, num_stages=ns)
     return triton.testing.do_bench(launch)
 
 

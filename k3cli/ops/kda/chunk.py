@@ -188,7 +188,7 @@ TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None,
           "fwd_output": "scan", "fwd_scan_parallel": 0, "dot16_scan": True,
           "fwd_scores_per_pair": "auto", "fwd_scores_stages": "auto", "fwd_tail_kg": True,
           "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32", "aqk_dtype": "auto",
-          "fast_launch": True, "fwd_segments_interleave": False}
+          "fast_launch": True, "fwd_segments_interleave": False, "scan_kd_t": False}
 _DTYPE_CHOICES = ("auto", "fp32", "input")
 _FWD_SCORES = ("sub", "pairs", "chunk")
 _AUTO_INPUT_MIN_K = 65
@@ -236,7 +236,8 @@ def check_tuning(tuning: dict) -> None:
     stages = tuning.get("fwd_scores_stages", "auto")
     if stages != "auto" and (not isinstance(stages, int) or isinstance(stages, bool) or stages not in (1, 2, 3, 4)):
         raise ValueError(f"chunk_kda TUNING: fwd_scores_stages={stages!r} must be 'auto', 1, 2, 3 or 4")
-    for name in ("dot16_scan", "fwd_tail_kg", "fwd_segments_priority", "fast_launch", "fwd_segments_interleave"):
+    for name in ("dot16_scan", "fwd_tail_kg", "fwd_segments_priority", "fast_launch", "fwd_segments_interleave",
+                 "scan_kd_t"):
         if not isinstance(tuning.get(name, False), bool):
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]!r} must be False or True")
     per_pair = tuning.get("fwd_scores_per_pair", "auto")
@@ -428,7 +429,7 @@ def recompute_states(it: Intra, h0, B, T, HV, C, v_dtype, prec):
     """The chunk start states S_n and pseudo-values Vn for the backward (recomputed, not stored)."""
     sd = _tuned_dtype("states_dtype", v_dtype, it.w.shape[-1])
     _, _, h, vn = kda_fwd_state(it, B, T, HV, C, h0, v_dtype, False, store_o=False, store_h=True, h_dtype=sd,
-                                precision=prec, parallel=TUNING["fwd_scan_parallel"])
+                                precision=prec, parallel=TUNING["fwd_scan_parallel"], kd_t=TUNING["scan_kd_t"])
     return h, vn
 
 
@@ -467,7 +468,8 @@ class ChunkKDAFunction(torch.autograd.Function):
         split_o = TUNING["fwd_output"] == "split"   # the scan stores S_n, Vn and O comes from them after
         sd = _tuned_dtype("states_dtype", v.dtype, q.shape[-1])
         scan_args = dict(out_dtype=v.dtype, output_final_state=output_final_state, store_o=not split_o,
-                         store_h=keep or split_o, h_dtype=sd, precision=scan_prec, segments=segs)
+                         store_h=keep or split_o, h_dtype=sd, precision=scan_prec, segments=segs,
+                         kd_t=TUNING["scan_kd_t"])
         try:
             if segs and TUNING["fwd_segments_interleave"]:
                 # enqueue range i's scan right after range i's stage 1 (not after all of stage 1), so that a

@@ -63,7 +63,8 @@ def _bv_configs(configs, named_args, kwargs, fits=None):
     sessions 4 and 6; Triton 3.6 wgmma with N = 32 tiles); `fits(config, BV)` may drop more."""
     V = named_args.get("V", kwargs.get("V"))
     cap = max(16, next_pow2(V))
-    min_bv = 64 if named_args.get("PREC", kwargs.get("PREC")) in ("bf16", "fp16") and not interpreting() else 16
+    narrow = named_args.get("PREC", kwargs.get("PREC")) in ("bf16", "fp16") and not interpreting()
+    min_bv = 64 if narrow and not named_args.get("KD_T", kwargs.get("KD_T")) else 16
     out, seen = [], set()
     for c in configs:
         key = (min(c.kwargs["BV"], cap), c.num_warps, c.num_stages)
@@ -592,8 +593,9 @@ def _kda_fwd_intra_kblock_kernel(q, k, v, g, beta, w, u, qg, kd, eg, aqk, tm, mk
 def _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i_v, i_n, T, NT,
                         HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                        STORE_O: tl.constexpr, STORE_H: tl.constexpr, PREC: tl.constexpr):
-    """One chunk of the state scan: emit O (and S, Vn for the backward), return the next S."""
+                        STORE_O: tl.constexpr, STORE_H: tl.constexpr, PREC: tl.constexpr, KD_T: tl.constexpr):
+    """One chunk of the state scan: emit O (and S, Vn for the backward), return the next S. KD_T: read
+    K_d^T as a [BK, BT] tile straight from memory instead of transposing the loaded [BT, BK] tile."""
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -615,9 +617,12 @@ def _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i
         m_t = (i_n * BT + o_t) < T
         p_o = o + (i_b * T + i_n * BT + o_t).to(tl.int64)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
         tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-    b_kd = tl.load(kd + p_rk, mask=m_k[None, :], other=0.).to(tl.float32)
+    if KD_T:
+        b_kdt = tl.load(kd + row[None, :] * K + o_k[:, None], mask=m_k[:, None], other=0.).to(tl.float32)
+    else:
+        b_kdt = tl.trans(tl.load(kd + p_rk, mask=m_k[None, :], other=0.).to(tl.float32))
     b_eg = tl.load(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, mask=m_k, other=0.)
-    return b_s * b_eg[:, None] + _dot(tl.trans(b_kd), b_vn, PREC)
+    return b_s * b_eg[:, None] + _dot(b_kdt, b_vn, PREC)
 
 
 @triton.jit
@@ -638,7 +643,7 @@ def _scan_start(s0, i_bh, i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexp
 @fast_launch
 @triton.autotune(
     configs=pick_configs(STATE_CONFIGS),
-    key=["BK", "BT", "NBH", "V", "PREC"],
+    key=["BK", "BT", "NBH", "V", "PREC", "KD_T"],
     prune_configs_by={"early_config_prune": prune_state_configs},
 )
 @triton.jit
@@ -646,7 +651,8 @@ def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, T, NT, NBH, N
                           HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_O: tl.constexpr,
-                          STORE_H: tl.constexpr, INTERPRET: tl.constexpr, PREC: tl.constexpr):
+                          STORE_H: tl.constexpr, INTERPRET: tl.constexpr, PREC: tl.constexpr,
+                          KD_T: tl.constexpr):
     """The state scan over chunks [N0, N1), cut into runs of L chunks, one per program_id(2) (the
     parallel scan of chunk.TUNING fwd_scan_parallel; one run covering all when it is off). Run i_p starts
     from h0's block i_p (SEG_STRIDE elements apart: the start states that `scan_run_starts` computed
@@ -663,12 +669,12 @@ def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, T, NT, NBH, N
         i_n = n0
         while i_n < n1:
             b_s = _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i_v, i_n, T, NT,
-                                      HV, K, V, BT, BK, BV, STORE_O, STORE_H, PREC)
+                                      HV, K, V, BT, BK, BV, STORE_O, STORE_H, PREC, KD_T)
             i_n += 1
     else:
         for i_n in range(n0, n1):
             b_s = _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i_v, i_n, T, NT,
-                                      HV, K, V, BT, BK, BV, STORE_O, STORE_H, PREC)
+                                      HV, K, V, BT, BK, BV, STORE_O, STORE_H, PREC, KD_T)
     if STORE_HT:
         if n1 == N1:
             tl.store(ht + p_state, b_s, mask=m_kv)
@@ -990,8 +996,10 @@ class StateScan:
 
     def __init__(self, it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_state, out_dtype,
                  output_final_state: bool, store_o: bool = True, store_h: bool = False,
-                 h_dtype: torch.dtype = torch.float32, precision: str = "tf32", segments=None, parallel: int = 0):
+                 h_dtype: torch.dtype = torch.float32, precision: str = "tf32", segments=None, parallel: int = 0,
+                 kd_t: bool = False):
         K, V = it.w.shape[-1], it.u.shape[-1]
+        self.kd_t = kd_t
         BT = chunk_size
         NT = cdiv(T, BT)
         dev = it.w.device
@@ -1031,7 +1039,8 @@ class StateScan:
             it.qg, it.kd, it.eg, it.w, it.u, it.aqk, self.o, s_in, s_out, self.h, self.vn, self.T, self.NT,
             next_pow2(B * HV * nrun), n0, n1, run_len, stride, HV=HV, K=self.K, V=V, BT=self.BT,
             BK=max(16, next_pow2(self.K)), USE_H0=s_in is not None, STORE_HT=s_out is not None,
-            STORE_O=self.store_o, STORE_H=self.store_h, INTERPRET=interpreting(it.w), PREC=self.precision)
+            STORE_O=self.store_o, STORE_H=self.store_h, INTERPRET=interpreting(it.w), PREC=self.precision,
+            KD_T=self.kd_t)
         if self.dev.type == "cuda" and self.carry[0] is not None:
             stream = torch.cuda.current_stream(self.dev)
             if stream not in self.streams:
@@ -1050,7 +1059,7 @@ class StateScan:
 def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_state, out_dtype,
                   output_final_state: bool, store_o: bool = True, store_h: bool = False,
                   h_dtype: torch.dtype = torch.float32, precision: str = "tf32", segments=None, on_segment=None,
-                  parallel: int = 0):
+                  parallel: int = 0, kd_t: bool = False):
     """Launch stage 2. Returns (o [B,T,HV,V] or None, final state or None, h [B*HV,NT,K,V] or None,
     Vn [B*HV,Tp,V] fp32 or None). `segments`: scan chunk range [n0, n1) after range, each starting from
     the previous one's end state (two fp32 carry buffers, alternating, so that the autotuner's repeated
@@ -1058,7 +1067,7 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
     each launch. `parallel` (>= 2; not with `segments`): the parallel scan, that many runs of chunks
     scanned at once from start states computed first (`scan_run_starts`)."""
     scan = StateScan(it, B, T, HV, chunk_size, initial_state, out_dtype, output_final_state, store_o, store_h,
-                     h_dtype, precision, segments, parallel)
+                     h_dtype, precision, segments, parallel, kd_t)
     for i in range(len(scan.launches)):
         scan.launch(i, on_segment)
     return scan.finish()
