@@ -188,7 +188,7 @@ TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None,
           "fwd_output": "scan", "fwd_scan_parallel": 0, "dot16_scan": True,
           "fwd_scores_per_pair": "auto", "fwd_scores_stages": "auto", "fwd_tail_kg": True,
           "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32", "aqk_dtype": "auto",
-          "fast_launch": True, "fwd_segments_interleave": False, "scan_kd_t": False}
+          "fast_launch": True, "fwd_segments_interleave": False, "scan_kd_t": True}
 _DTYPE_CHOICES = ("auto", "fp32", "input")
 _FWD_SCORES = ("sub", "pairs", "chunk")
 _AUTO_INPUT_MIN_K = 65

@@ -44,7 +44,7 @@ def pick_configs(gpu_configs: list[triton.Config]) -> list[triton.Config]:
 # estimates each config's bytes and drops what cannot fit.
 STATE_CONFIGS = [triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
                  for bv, nw, ns in ((64, 8, 1), (32, 8, 1), (32, 4, 1), (16, 4, 1), (32, 8, 2), (16, 4, 2),
-                                    (64, 8, 2))]
+                                    (64, 8, 2), (64, 4, 2), (32, 4, 2))]
 _SHARED_BYTES = 220 * 1024   # of the H100/H200's 227 KB per block, with room for the compiler's own
 
 
