@@ -13,7 +13,8 @@ Its overlapped ranges (chunk.TUNING fwd_segments "auto", fwd_segments_priority) 
 round times, with triton.testing.do_bench: fla, the shipped defaults, Triton's own launch path ("nofast",
 TUNING fast_launch off), one range ("seg0"), 8 ranges ("seg8"), and 4 and 8 ranges with each range's scan
 enqueued right after its stage 1 ("inter4", "inter8": TUNING fwd_segments_interleave), and the scan reading K_d^T
-directly, which lets the autotuner try 32- and 16-column value blocks ("kdt", "kdt8", "kdt_inter8": TUNING scan_kd_t; on by default since session 10, "nokdt" off). Half-way, the torch reference's forward and backward
+directly, which lets the autotuner try 32- and 16-column value blocks ("kdt", "kdt8", "kdt_inter8": TUNING scan_kd_t; on by default since session 10, "nokdt" off;
+"kdt_all" also in the backward's re-scan, TUNING rescan_kd_t). Half-way, the torch reference's forward and backward
 run once (as between `bench-kernel` rows), to see whether what it leaves in the allocator moves the figures.
 Each figure is followed by the host's time to enqueue one call, measured right after (bench.host_ms): near
 the figure, the round was launch-bound.
@@ -34,7 +35,7 @@ from k3cli.ops.kda.naive import naive_chunk_kda
 VARIANTS = {"shipped": {}, "nofast": {"fast_launch": False}, "seg0": {"fwd_segments": 0},
             "seg8": {"fwd_segments": 8}, "inter4": {"fwd_segments_interleave": True},
             "inter8": {"fwd_segments": 8, "fwd_segments_interleave": True},
-            "kdt": {"scan_kd_t": True}, "nokdt": {"scan_kd_t": False}, "kdt8": {"scan_kd_t": True, "fwd_segments": 8},
+            "kdt": {"scan_kd_t": True}, "nokdt": {"scan_kd_t": False}, "kdt_all": {"rescan_kd_t": True}, "kdt8": {"scan_kd_t": True, "fwd_segments": 8},
             "kdt_inter8": {"scan_kd_t": True, "fwd_segments": 8, "fwd_segments_interleave": True}}
 
 

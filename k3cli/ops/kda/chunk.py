@@ -188,7 +188,8 @@ TUNING = {"fwd_intra_warps": 8, "fwd_intra_BK": None, "fwd_intra_maxnreg": None,
           "fwd_output": "scan", "fwd_scan_parallel": 0, "dot16_scan": True,
           "fwd_scores_per_pair": "auto", "fwd_scores_stages": "auto", "fwd_tail_kg": True,
           "inter_dtype": "auto", "gated_dtype": "auto", "states_dtype": "fp32", "aqk_dtype": "auto",
-          "fast_launch": True, "fwd_segments_interleave": False, "scan_kd_t": True}
+          "fast_launch": True, "fwd_segments_interleave": False, "scan_kd_t": True,
+          "rescan_kd_t": False}
 _DTYPE_CHOICES = ("auto", "fp32", "input")
 _FWD_SCORES = ("sub", "pairs", "chunk")
 _AUTO_INPUT_MIN_K = 65
@@ -237,7 +238,7 @@ def check_tuning(tuning: dict) -> None:
     if stages != "auto" and (not isinstance(stages, int) or isinstance(stages, bool) or stages not in (1, 2, 3, 4)):
         raise ValueError(f"chunk_kda TUNING: fwd_scores_stages={stages!r} must be 'auto', 1, 2, 3 or 4")
     for name in ("dot16_scan", "fwd_tail_kg", "fwd_segments_priority", "fast_launch", "fwd_segments_interleave",
-                 "scan_kd_t"):
+                 "scan_kd_t", "rescan_kd_t"):
         if not isinstance(tuning.get(name, False), bool):
             raise ValueError(f"chunk_kda TUNING: {name}={tuning[name]!r} must be False or True")
     per_pair = tuning.get("fwd_scores_per_pair", "auto")
@@ -429,7 +430,7 @@ def recompute_states(it: Intra, h0, B, T, HV, C, v_dtype, prec):
     """The chunk start states S_n and pseudo-values Vn for the backward (recomputed, not stored)."""
     sd = _tuned_dtype("states_dtype", v_dtype, it.w.shape[-1])
     _, _, h, vn = kda_fwd_state(it, B, T, HV, C, h0, v_dtype, False, store_o=False, store_h=True, h_dtype=sd,
-                                precision=prec, parallel=TUNING["fwd_scan_parallel"], kd_t=TUNING["scan_kd_t"])
+                                precision=prec, parallel=TUNING["fwd_scan_parallel"], kd_t=TUNING["rescan_kd_t"])
     return h, vn
 
 
