@@ -230,6 +230,7 @@ TUNING_CASES = [
     pytest.param({"scan_kd_t": True}, 2, 70, 1, 2, 40, 24, 64, id="scan-kd-t-K40-V24-G2-T70"),
     pytest.param({"scan_kd_t": True, "fwd_segments": 3, "fwd_output": "split"}, 1, 130, 1, 1, 24, 40, 32,
                  id="scan-kd-t-segments3-split-C32"),
+    pytest.param({"scan_kd_t": False, "rescan_kd_t": True}, 1, 1, 2, 1, 40, 24, 64, id="rescan-kd-t-only-T1-H2"),
     pytest.param({"bwd_overlap_scans": False}, 1, 70, 1, 2, 40, 24, 64, id="bwd-no-overlap-scans"),
     # the parallel scan: runs of chunks from start states computed by the run summaries (M, E)
     pytest.param({"fwd_scan_parallel": 3}, 2, 200, 1, 2, 40, 24, 64, id="scan-parallel3-T200-G2"),
@@ -484,7 +485,8 @@ def test_check_tuning_rejects_bad_entries():
                      ({"fwd_scores_stages": 2.0}, "1, 2, 3 or 4"), ({"dot16_scan": 1}, "False or True"),
                      ({"fwd_scores_per_pair": True, "fwd_scores": "pairs"}, "score launch of fwd_scores 'sub'"),
                      ({"fwd_tail_kg": 1}, "False or True"), ({"fwd_segments_priority": "on"}, "False or True"),
-                     ({"fwd_segments_interleave": 1}, "False or True"), ({"fast_launch": "yes"}, "False or True")):
+                     ({"fwd_segments_interleave": 1}, "False or True"), ({"fast_launch": "yes"}, "False or True"),
+                     ({"scan_kd_t": None}, "False or True"), ({"rescan_kd_t": 0}, "False or True")):
         with pytest.raises(ValueError, match=msg):
             check_tuning(bad)
 
@@ -875,3 +877,25 @@ def test_check_tuning_shortcut_does_not_pass_retyped_values(monkeypatch):
         with pytest.raises(ValueError, match=name):
             chunk_mod.check_tuning(chunk_mod.TUNING)
         monkeypatch.setitem(chunk_mod.TUNING, name, good)
+
+
+@needs_triton
+def test_prune_state_configs_narrow_blocks_with_16bit_operands_need_kd_t(monkeypatch):
+    """With 16-bit scan operands on a GPU, BV 32 / 16 configs stay only when the scan reads K_d^T directly
+    (TUNING scan_kd_t); TF32 operands keep every width; BV is clamped to the padded value width."""
+    from k3cli.ops.kda import chunk_fwd
+
+    monkeypatch.setattr(chunk_fwd, "interpreting", lambda x=None: False)
+    two = {n: torch.empty(1, dtype=torch.bfloat16) for n in ("w", "kd", "qg", "aqk")}
+    base = {"V": 128, "BK": 128, "BT": 64, **two}
+
+    def widths(**named):
+        return sorted({c.kwargs["BV"] for c in chunk_fwd.prune_state_configs(chunk_fwd.STATE_CONFIGS, {**base, **named})})
+
+    assert widths(PREC="bf16", KD_T=False) == [64]
+    assert widths(PREC="bf16", KD_T=True) == [16, 32, 64]
+    assert widths(PREC="tf32", KD_T=False) == [16, 32, 64]
+    assert widths(PREC="bf16", KD_T=True, V=16) == [16]
+    # 2-stage configs are kept where two stages of 2-byte [BT, BK] tiles fit in shared memory
+    kept = chunk_fwd.prune_state_configs(chunk_fwd.STATE_CONFIGS, {**base, "PREC": "bf16", "KD_T": True})
+    assert any(c.num_stages == 2 and c.kwargs["BV"] == 16 and c.num_warps == 4 for c in kept)

@@ -117,9 +117,10 @@ _CHUNK_SIZES = (16, 32, 64)
 #   as in fla's state scan) instead of fp32 operands at TF32. Session 7, alone: forward 1.073 -> 0.981 ms at B8,
 #   1.487 -> 1.285 at B1 (fwd+bwd 3.937, 5.594: the B1 backward slower until Aqk is 2-byte, below); o's error
 #   2.75e-3 -> 3.07e-3. Session 6 hit an illegal memory access at BV 32 with 16-bit operands (also seen in
-#   session 4; Triton has open reports of wgmma illegal accesses with 32-wide tiles on Hopper), so the scan's
-#   autotuner keeps only BV 64 configs for them and V < 64 keeps the TF32 products (scan_precision). fp32
-#   inputs keep their fp32 products.
+#   session 4; Triton has open reports of wgmma illegal accesses with 32-wide tiles on Hopper), so with the
+#   register-transposed K_d (scan_kd_t off) the scan's autotuner keeps only BV 64 configs for them; with
+#   scan_kd_t (the default) it also times BV 32 and 16 (below). V < 64 keeps the TF32 products
+#   (scan_precision). fp32 inputs keep their fp32 products.
 # fwd_scan_parallel: 0 (off), or n >= 2: the forward scan (and the backward's re-scan) as n runs of chunks
 #   scanned at once. The scan step is affine in the state, S' = (diag(e^γ) - K_d^T W) S + K_d^T U, so each
 #   run's map S_end = M S_start + E comes first from a parallel launch (E: the run scanned from 0; the
@@ -162,7 +163,8 @@ _CHUNK_SIZES = (16, 32, 64)
 #   tensor arguments took 32-44 us of host time (25.9 us this way), and the 4-range forward at B1 T16384 H16
 #   K=V=128 (16 launches) 0.73-1.46 ms per call of ~1.19 on the device; with fast_launch 0.55 against 0.89 in
 #   one process (0.42-0.87 over 18 rounds of scripts/kda_b1_repeat.py; forward 1.175-1.194 ms, fla 1.18).
-# fwd_segments_interleave (off; not yet timed on a GPU): with fwd_segments, enqueue range i's scan right after
+# fwd_segments_interleave (off; session 10: 8 ranges interleaved 1.147-1.495 ms over 6 rounds, fla 1.177, see
+#   below; 4 ranges not timed): with fwd_segments, enqueue range i's scan right after
 #   range i's stage 1 instead of after all of stage 1 (chunk_fwd.StateScan). Same kernels, streams and events;
 #   only the host's enqueue order changes, so that a host slower than the device starts the first scan early.
 #   Why (H200, session 9, notes/session9_gpu.md): a slow host would explain some of the ranged forward's slow
@@ -170,6 +172,19 @@ _CHUNK_SIZES = (16, 32, 64)
 #   measured right after 1.462 / 0.769 ms per call; 1.185-1.191 otherwise). When the host is the bottleneck,
 #   the first scan waits until the host has enqueued every range's stage 1, and the time tends to one range's
 #   (1.46 ms).
+# scan_kd_t (default on): the forward state scan reads K_d^T for its K_d^T Vn product as a [BK, BT] tile straight
+#   from memory (KD_T) instead of transposing the loaded [BT, BK] tile, and its autotuner may then pick 32- and
+#   16-column value blocks with 16-bit operands (2-4x the programs: 64 / 128 at B1 H16 V128 instead of 32).
+#   H200, bf16, session 10 (notes/session10_gpu.md, scripts/kda_scan_bv.py, each config in its own process): the
+#   B1 T16384 H16 K=V=128 scan alone 0.868 ms (BV 64, 8 warps, 2 stages: the old pick) -> 0.548 (BV 16, 4 warps,
+#   2 stages), 0.597 at BV 32; O bit-equal to the old pick's at every config tried; no illegal access in 10
+#   configs at BV 16-64, K_d^T either way (the session-4/6 access is not reproduced). B1 forward, 4 ranges,
+#   same process: 1.001 ms against 1.209 off and fla's 1.320 (5 rounds each, scripts/kda_b1_repeat.py).
+# rescan_kd_t (default off): the same for the backward's re-scan (TF32 operands, all value widths already
+#   allowed). B1 fwd+bwd, one process, 3 rounds (session 10): 4.624 ms with scan_kd_t only, 4.826 with both,
+#   4.797 with neither; off.
+# Measured and dropped (session 10): 8 ranges with scan_kd_t (1.038-1.536 ms over 6 rounds against 4 ranges'
+#   0.988-0.990), also interleaved (1.037-1.546); without scan_kd_t interleaved 8 ranges 1.147-1.495 (fla 1.177).
 # Measured and dropped (session 8, notes/session8_gpu.md): one scan launch for all ranges that waits in the
 #   kernel for per-chunk flags set by stage 1's tail (release / acquire atomics). Enqueued after stage 1 it
 #   gained nothing (B1 T16384 forward 1.200 against 1.195); enqueued before stage 1 it hung on the H200 (likely
@@ -275,8 +290,9 @@ def _stage_prec(name: str, prec: str, dtype: torch.dtype) -> str:
 
 
 def scan_precision(prec: str, v: torch.Tensor) -> str:
-    """The forward scan's dot precision: `prec`, or with TUNING dot16_scan 16-bit operands, which on CUDA
-    run at 64-column value blocks only (chunk_fwd.prune_state_configs), so a narrower V keeps `prec`."""
+    """The forward scan's dot precision: `prec`, or with TUNING dot16_scan 16-bit operands at V >= 64 (which on
+    CUDA run at 64-column value blocks only unless TUNING scan_kd_t, chunk_fwd.prune_state_configs), so a
+    narrower V keeps `prec`."""
     return _stage_prec("dot16_scan", prec, v.dtype) if v.shape[-1] >= 64 or not v.is_cuda else prec
 
 
