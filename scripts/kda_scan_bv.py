@@ -4,11 +4,11 @@
 
 At K = 128 the scan has B*HV*V/BV programs (32 at B1 H16 BV 64), sequential over the chunks. Narrower value
 blocks give more programs, but with 16-bit operands BV 32 hit an illegal memory access on the H200 (sessions
-4 and 6), so prune_state_configs keeps BV 64 there. The scan transposes the loaded K_d tile for K_d^T Vn;
-chunk.TUNING scan_kd_t loads K_d^T directly as a [BK, BT] tile instead (KD_T). This script asks whether either
-form runs at BV 32 / 16, how fast, and whether O matches the shipped scan's: each variant runs in a child
-process (an illegal access poisons the CUDA context), which prints the scan time (with O stored, as the
-forward runs it) and O's max abs and relative RMS difference from the shipped scan (autotuned, BV 64).
+4 and 6), so with the register-transposed K_d tile (chunk.TUNING scan_kd_t off) prune_state_configs keeps BV 64
+there; scan_kd_t (KD_T) loads K_d^T directly as a [BK, BT] tile and lets BV 32 / 16 through. This script asks
+whether either form runs at BV 32 / 16, how fast, and whether O matches: each variant runs in a child process
+(an illegal access poisons the CUDA context), which prints the scan time (with O stored, as the forward runs
+it) and O's max abs and relative RMS difference from the autotuned scan with scan_kd_t off (BV 64).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def one(shape, variant) -> None:
     sprec = C_.scan_precision(prec, v)
     NT = triton.cdiv(T, BT)
     it = C_.fwd_intra(q, k, v, g, b, K ** -0.5, BT, prec)
-    o_ref = F.kda_fwd_state(it, B, T, HV, BT, None, v.dtype, False, precision=sprec)[0].float()
+    o_ref = F.kda_fwd_state(it, B, T, HV, BT, None, v.dtype, False, precision=sprec, kd_t=False)[0].float()
     o = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
 
     def launch():

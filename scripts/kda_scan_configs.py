@@ -4,12 +4,14 @@
 
 For each shape: stage 1 once (chunk.TUNING as shipped), then each STATE_CONFIGS entry that fits (BV,
 warps, stages) timed with triton.testing.do_bench on the same buffers, with O stored (the forward) and
-without O but storing S_n, Vn (the backward's re-scan, and TUNING fwd_output "split"); the config the
+without O but storing S_n, Vn (the backward's re-scan, and TUNING fwd_output "split"), both with K_d^T read
+as chunk.TUNING scan_kd_t says (the forward scan's setting; the re-scan's own is rescan_kd_t); the config the
 autotuner picked; the stage-1 total. The scan's products at the shipped precision (chunk.scan_precision:
-16-bit operands for bf16 inputs at V >= 64, whose configs keep BV 64 only: at BV 32 they hit an illegal
-memory access on the H200, sessions 4 and 6). Also a few configs outside STATE_CONFIGS (EXTRA: BV 64 at 4
-and 16 warps), candidates for the few-program scans (B1 T16384 H16: 32 programs, each about an SM's
-registers at 8 warps).
+16-bit operands for bf16 inputs at V >= 64, whose configs keep BV 64 only unless scan_kd_t: at BV 32 they
+hit an illegal memory access on the H200 with the register transpose, sessions 4 and 6). Also a few configs
+outside STATE_CONFIGS (EXTRA: BV 64 at 4 and 16 warps), candidates for the few-program scans (B1 T16384 H16:
+32 programs at BV 64, each about an SM's registers at 8 warps). scripts/kda_scan_bv.py runs narrower blocks
+each in its own process.
 """
 from __future__ import annotations
 
@@ -51,14 +53,15 @@ def bench_shape(shape) -> None:
     h = torch.empty(B * HV, NT, K, V, device=dev, dtype=torch.float32)
     vn = torch.empty(B * HV, NT * BT, V, device=dev, dtype=torch.float32)
     t1 = triton.testing.do_bench(lambda: C_.fwd_intra(q, k, v, g, b, K ** -0.5, BT, prec))
+    kd_t = C_.TUNING["scan_kd_t"]   # the forward scan as chunk_kda runs it (the re-scan: TUNING rescan_kd_t)
     seen = set(F._kda_fwd_state_kernel.cache)
-    F.kda_fwd_state(it, B, T, HV, BT, None, v.dtype, False, precision=sprec)
+    F.kda_fwd_state(it, B, T, HV, BT, None, v.dtype, False, precision=sprec, kd_t=kd_t)
     picked = [str(c) for key, c in F._kda_fwd_state_kernel.cache.items() if key not in seen]
     print(f"{shape}: stage 1 {t1:.3f} ms; autotuner picked {picked}", flush=True)
     named = {"w": it.w, "kd": it.kd, "qg": it.qg, "aqk": it.aqk, "V": V, "BK": max(16, triton.next_power_of_2(K)),
-             "BT": BT, "PREC": sprec}
+             "BT": BT, "PREC": sprec, "KD_T": kd_t}
     for cfg in F.prune_state_configs(F.STATE_CONFIGS + EXTRA, named):
-        t = [time_config(it, o, h, vn, B, T, HV, K, V, BT, sprec, cfg, s) for s in (True, False)]
+        t = [time_config(it, o, h, vn, B, T, HV, K, V, BT, sprec, cfg, s, kd_t) for s in (True, False)]
         print(f"  BV{cfg.kwargs['BV']:3d} w{cfg.num_warps} s{cfg.num_stages}: with O {t[0]:7.3f} / "
               f"S,Vn only {t[1]:7.3f} ms", flush=True)
 

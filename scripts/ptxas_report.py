@@ -97,14 +97,18 @@ def main() -> None:
         cases.append((f"fwd_intra split {what} BK32", F._kda_fwd_intra_kblock_kernel,
                       dict(base, BK=min(32, BKf), BV=min(64, BKf), PART=part, STORE_MKK=False)))
     state = dict(HV=16, K=K, V=V, BT=BT, BK=BKf, PREC=args.prec)
+    for bv in (64, 32, 16):
+        for kd_t in (True, False):   # K_d^T loaded as a [BK, BT] tile (TUNING scan_kd_t, the default) or transposed
+            cases.append((f"fwd_state BV{bv}{'' if kd_t else ' K_d transposed'}", F._kda_fwd_state_kernel,
+                          dict(state, BV=bv, USE_H0=False, STORE_HT=False, STORE_O=True, STORE_H=False,
+                               INTERPRET=False, KD_T=kd_t)))
     for bv in (64, 32):
-        cases.append((f"fwd_state BV{bv}", F._kda_fwd_state_kernel,
-                      dict(state, BV=bv, USE_H0=False, STORE_HT=False, STORE_O=True, STORE_H=False, INTERPRET=False)))
         cases.append((f"bwd_state BV{bv}", B._kda_bwd_state_kernel,
                       dict(state, BV=bv, USE_DHT=False, STORE_DH0=False, INTERPRET=False)))
     for bv in (64, 32):
         cases.append((f"fwd_state BV{bv} no O, store S", F._kda_fwd_state_kernel,
-                      dict(state, BV=bv, USE_H0=False, STORE_HT=False, STORE_O=False, STORE_H=True, INTERPRET=False)))
+                      dict(state, BV=bv, USE_H0=False, STORE_HT=False, STORE_O=False, STORE_H=True, INTERPRET=False,
+                           KD_T=False)))
         cases.append((f"fwd run summary BV{bv}", F._kda_fwd_seg_summary_kernel,
                       dict(K=K, V=V, BT=BT, BK=BKf, BV=bv, INTERPRET=False, PREC=args.prec)))
         cases.append((f"fwd O BV{bv}", F._kda_fwd_o_kernel, dict(HV=16, K=K, V=V, BT=BT, BK=BKf, BV=bv, PREC=args.prec)))

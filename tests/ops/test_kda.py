@@ -226,11 +226,12 @@ TUNING_CASES = [
                  id="fwd-segments3-interleave-T200-G2"),
     pytest.param({"fwd_segments": 4, "fwd_segments_interleave": True, "fwd_output": "split", "fwd_store_states": True},
                  1, 90, 2, 1, 40, 24, 16, id="fwd-segments4-interleave-split-store-states-C16"),
-    # the scans read K_d^T as a [BK, BT] tile (no register transpose), also in the backward's re-scan
-    pytest.param({"scan_kd_t": True}, 2, 70, 1, 2, 40, 24, 64, id="scan-kd-t-K40-V24-G2-T70"),
-    pytest.param({"scan_kd_t": True, "fwd_segments": 3, "fwd_output": "split"}, 1, 130, 1, 1, 24, 40, 32,
-                 id="scan-kd-t-segments3-split-C32"),
-    pytest.param({"scan_kd_t": False, "rescan_kd_t": True}, 1, 1, 2, 1, 40, 24, 64, id="rescan-kd-t-only-T1-H2"),
+    # the forward scan reads K_d^T as a [BK, BT] tile by default (scan_kd_t); the register transpose, and the
+    # backward's re-scan reading it as a tile (rescan_kd_t; T spans chunks, so the re-scan's carry is used)
+    pytest.param({"scan_kd_t": False}, 2, 70, 1, 2, 40, 24, 64, id="scan-kd-transposed-K40-V24-G2-T70"),
+    pytest.param({"scan_kd_t": False, "fwd_segments": 3, "fwd_output": "split"}, 1, 130, 1, 1, 24, 40, 32,
+                 id="scan-kd-transposed-segments3-split-C32"),
+    pytest.param({"scan_kd_t": False, "rescan_kd_t": True}, 1, 130, 2, 1, 40, 24, 64, id="rescan-kd-t-only-T130-H2"),
     pytest.param({"bwd_overlap_scans": False}, 1, 70, 1, 2, 40, 24, 64, id="bwd-no-overlap-scans"),
     # the parallel scan: runs of chunks from start states computed by the run summaries (M, E)
     pytest.param({"fwd_scan_parallel": 3}, 2, 200, 1, 2, 40, 24, 64, id="scan-parallel3-T200-G2"),
@@ -359,7 +360,8 @@ LONG_MEMORY_CASES = [
     pytest.param({"fwd_segments": 3, "fwd_segments_interleave": True}, 1, 200, 1, 1, 24, 16, 64,
                  id="fwd-segments3-interleave"),
     pytest.param({"fwd_output": "split"}, 1, 130, 1, 1, 24, 16, 32, id="fwd-output-split"),
-    pytest.param({"scan_kd_t": True}, 1, 200, 1, 2, 40, 24, 64, id="scan-kd-t-T200-G2"),
+    pytest.param({"scan_kd_t": False, "rescan_kd_t": True}, 1, 200, 1, 2, 40, 24, 64,
+                 id="scan-kd-transposed-rescan-kd-t-T200-G2"),
 ]
 
 

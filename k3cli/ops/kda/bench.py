@@ -271,7 +271,8 @@ def bench_stages(shape, chunk_size: int = 64) -> dict:
     return {
         "fwd_intra": bench(lambda: C_.fwd_intra(q, k, v, g, b, sc, C, prec)),
         "fwd_state": bench(lambda: kda_fwd_state(it, B, T, HV, C, None, v.dtype, False, precision=sprec,
-                                                 parallel=C_.TUNING["fwd_scan_parallel"])),
+                                                 parallel=C_.TUNING["fwd_scan_parallel"],
+                                                 kd_t=C_.TUNING["scan_kd_t"])),
         "fwd_state_recompute": bench(lambda: C_.recompute_states(it, None, B, T, HV, C, v.dtype, sprec)),
         "bwd_state": bench(lambda: C_.bwd_state(it, do, None, B, T, HV, C, False, v.dtype, prec)),
         "bwd_intra": bench(lambda: C_.bwd_intra(q, k, v, g, b, it.tm, it.mkk, h, dh, do, vn, dvn, sc, C, prec)),

@@ -158,7 +158,7 @@ _CHUNK_SIZES = (16, 32, 64)
 # fast_launch (default on): the kernels' launches after the first with a given specialisation call the compiled
 #   kernel's launcher directly (k3cli/ops/launch.py), not Triton's per-launch binding and specialisation, and
 #   the launch grids use plain Python arithmetic. Same compiled kernels, same values (GPU test: bit-equal, run at
-#   b0a72db; the later key types and step-aside cases are CPU-tested only).
+#   b0a72db, and with the later key types and step-aside cases at b892d83, session 10).
 #   Why (H200, session 9, scripts/kda_host_profile.py, notes/session9_gpu.md): an empty Triton launch with 20
 #   tensor arguments took 32-44 us of host time (25.9 us this way), and the 4-range forward at B1 T16384 H16
 #   K=V=128 (16 launches) 0.73-1.46 ms per call of ~1.19 on the device; with fast_launch 0.55 against 0.89 in
@@ -176,13 +176,18 @@ _CHUNK_SIZES = (16, 32, 64)
 #   from memory (KD_T) instead of transposing the loaded [BT, BK] tile, and its autotuner may then pick 32- and
 #   16-column value blocks with 16-bit operands (2-4x the programs: 64 / 128 at B1 H16 V128 instead of 32).
 #   H200, bf16, session 10 (notes/session10_gpu.md, scripts/kda_scan_bv.py, each config in its own process): the
-#   B1 T16384 H16 K=V=128 scan alone 0.868 ms (BV 64, 8 warps, 2 stages: the old pick) -> 0.548 (BV 16, 4 warps,
-#   2 stages), 0.597 at BV 32; O bit-equal to the old pick's at every config tried; no illegal access in 10
-#   configs at BV 16-64, K_d^T either way (the session-4/6 access is not reproduced). B1 forward, 4 ranges,
-#   same process: 1.001 ms against 1.209 off and fla's 1.320 (5 rounds each, scripts/kda_b1_repeat.py).
-# rescan_kd_t (default off): the same for the backward's re-scan (TF32 operands, all value widths already
-#   allowed). B1 fwd+bwd, one process, 3 rounds (session 10): 4.624 ms with scan_kd_t only, 4.826 with both,
-#   4.797 with neither; off.
+#   B1 T16384 H16 K=V=128 scan alone 0.868 ms at BV 64, 8 warps, 2 stages (the autotuner's pick in session 8),
+#   0.752 at 4 warps (now in STATE_CONFIGS, for either form) -> 0.548 at BV 16, 4 warps, 2 stages, 0.597 at BV 32; O bit-equal at every config
+#   tried. No illegal access in 11 configs: BV 16-64 with K_d^T loaded, BV 32 and 64 with the register transpose
+#   (the session-4/6 access is not reproduced; BV 16 with the transpose was not run, so prune_state_configs
+#   still keeps BV 64 for it). B1 forward, 4 ranges, same process: 1.001 ms against 1.209 off (whose autotuner
+#   had the new 4-warp configs too) and fla's 1.320 (5 rounds each, scripts/kda_b1_repeat.py). One range with
+#   scan_kd_t, and the ranges rule (auto_segment_count, counted at 64-column blocks), were not re-timed.
+# rescan_kd_t (default off): the same for the backward's re-scan, which takes the forward scan's precision
+#   (16-bit operands under dot16_scan, so off it also keeps BV 64). B1 fwd+bwd, one process, 3 rounds (session
+#   10): 4.624 ms with scan_kd_t only, 4.826 with both, 4.797 with neither; off.
+#   STATE_CONFIGS is shared with the backward's reverse scan and the parallel scan's summaries: the 4-warp,
+#   2-stage entries added in session 10 are in their autotuners too (not timed separately there).
 # Measured and dropped (session 10): 8 ranges with scan_kd_t (1.038-1.536 ms over 6 rounds against 4 ranges'
 #   0.988-0.990), also interleaved (1.037-1.546); without scan_kd_t interleaved 8 ranges 1.147-1.495 (fla 1.177).
 # Measured and dropped (session 8, notes/session8_gpu.md): one scan launch for all ranges that waits in the
@@ -290,9 +295,10 @@ def _stage_prec(name: str, prec: str, dtype: torch.dtype) -> str:
 
 
 def scan_precision(prec: str, v: torch.Tensor) -> str:
-    """The forward scan's dot precision: `prec`, or with TUNING dot16_scan 16-bit operands at V >= 64 (which on
-    CUDA run at 64-column value blocks only unless TUNING scan_kd_t, chunk_fwd.prune_state_configs), so a
-    narrower V keeps `prec`."""
+    """The forward scan's dot precision: `prec`, or with TUNING dot16_scan 16-bit operands at V >= 64. A narrower
+    V keeps `prec`: 16-bit operands there would need value blocks below 64, which with the register-transposed
+    K_d (TUNING scan_kd_t off) chunk_fwd.prune_state_configs drops; with scan_kd_t they would run, but V < 64
+    with 16-bit operands has not been timed or checked on a GPU."""
     return _stage_prec("dot16_scan", prec, v.dtype) if v.shape[-1] >= 64 or not v.is_cuda else prec
 
 

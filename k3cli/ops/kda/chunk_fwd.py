@@ -37,8 +37,10 @@ def pick_configs(gpu_configs: list[triton.Config]) -> list[triton.Config]:
 
 # sequential state scans: value-block width trades parallelism (B*HV*V/BV programs) for per-program
 # work (BV 16 for few long sequences: at B1 T16384 H16 K=V=128 the forward scan alone took 0.548 ms at BV 16,
-# 4 warps, 2 stages against 0.868 at BV 64, 8 warps, 2 stages; session 10). At K = 128, BV 64 spills (255
-# registers + 232 B stack for the forward scan, scripts/ptxas_report.py), BV 32 does not; the autotuner times both. Two pipeline
+# 4 warps, 2 stages against 0.868 at BV 64, 8 warps, 2 stages; session 10). At K = 128 with TF32 operands BV 64
+# spills (255 registers + 232 B stack for the forward scan, scripts/ptxas_report.py), BV 32 does not; with bf16
+# operands at one stage (`ptxas_report.py 128 --prec bf16 --only fwd_state`) BV 64 spills at 4 and 8 warps, BV 32
+# at 4 warps, BV 16 not; the autotuner times them all. Two pipeline
 # stages (the next chunk's tiles loaded while this one computes) need the per-chunk [BT, K] operand
 # tiles twice in shared memory: at K = 128 that fits when W, Q e^Γ, K e^(γ-Γ) are stored 2-byte
 # (TUNING inter_dtype / gated_dtype "input"; with only W 2-byte, for BV 16); prune_state_configs
@@ -62,7 +64,8 @@ def _bv_configs(configs, named_args, kwargs, fits=None):
     """Configs with BV clamped to the padded value width, duplicates dropped, and BV < 64 dropped for
     16-bit dot operands unless the scan reads K_d^T directly (KD_T, chunk.TUNING scan_kd_t): with the register
     transpose they hit an illegal memory access at BV 32 on the H200 in sessions 4 and 6 (Triton 3.6 wgmma with
-    N = 32 tiles; not reproduced in session 10, where BV 16-64 ran either way); `fits(config, BV)` may drop more."""
+    N = 32 tiles; not reproduced in session 10, where BV 32 and 64 ran with the transpose and BV 16-64 with KD_T;
+    BV 16 with the transpose was not run); `fits(config, BV)` may drop more."""
     V = named_args.get("V", kwargs.get("V"))
     cap = max(16, next_pow2(V))
     narrow = named_args.get("PREC", kwargs.get("PREC")) in ("bf16", "fp16") and not interpreting()
