@@ -9,7 +9,7 @@ as chunk.TUNING scan_kd_t says (the forward scan's setting; the re-scan's own is
 autotuner picked; the stage-1 total. The scan's products at the shipped precision (chunk.scan_precision:
 16-bit operands for bf16 inputs at V >= 64, whose configs keep BV 64 only unless scan_kd_t: at BV 32 they
 hit an illegal memory access on the H200 with the register transpose, sessions 4 and 6). Also a few configs
-outside STATE_CONFIGS (EXTRA: BV 64 at 4 and 16 warps), candidates for the few-program scans (B1 T16384 H16:
+outside STATE_CONFIGS (EXTRA: BV 64 at 4 warps / 1 stage and at 16 warps), candidates for the few-program scans (B1 T16384 H16:
 32 programs at BV 64, each about an SM's registers at 8 warps). scripts/kda_scan_bv.py runs narrower blocks
 each in its own process.
 """
@@ -57,7 +57,7 @@ def bench_shape(shape) -> None:
     seen = set(F._kda_fwd_state_kernel.cache)
     F.kda_fwd_state(it, B, T, HV, BT, None, v.dtype, False, precision=sprec, kd_t=kd_t)
     picked = [str(c) for key, c in F._kda_fwd_state_kernel.cache.items() if key not in seen]
-    print(f"{shape}: stage 1 {t1:.3f} ms; autotuner picked {picked}", flush=True)
+    print(f"{shape}: stage 1 {t1:.3f} ms; autotuner picked {picked} (scan_kd_t {kd_t})", flush=True)
     named = {"w": it.w, "kd": it.kd, "qg": it.qg, "aqk": it.aqk, "V": V, "BK": max(16, triton.next_power_of_2(K)),
              "BT": BT, "PREC": sprec, "KD_T": kd_t}
     for cfg in F.prune_state_configs(F.STATE_CONFIGS + EXTRA, named):

@@ -106,7 +106,7 @@ def main() -> None:
         cases.append((f"bwd_state BV{bv}", B._kda_bwd_state_kernel,
                       dict(state, BV=bv, USE_DHT=False, STORE_DH0=False, INTERPRET=False)))
     for bv in (64, 32):
-        cases.append((f"fwd_state BV{bv} no O, store S", F._kda_fwd_state_kernel,
+        cases.append((f"fwd_state BV{bv} no O, store S, K_d transposed", F._kda_fwd_state_kernel,
                       dict(state, BV=bv, USE_H0=False, STORE_HT=False, STORE_O=False, STORE_H=True, INTERPRET=False,
                            KD_T=False)))
         cases.append((f"fwd run summary BV{bv}", F._kda_fwd_seg_summary_kernel,

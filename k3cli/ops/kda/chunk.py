@@ -177,12 +177,13 @@ _CHUNK_SIZES = (16, 32, 64)
 #   16-column value blocks with 16-bit operands (2-4x the programs: 64 / 128 at B1 H16 V128 instead of 32).
 #   H200, bf16, session 10 (notes/session10_gpu.md, scripts/kda_scan_bv.py, each config in its own process): the
 #   B1 T16384 H16 K=V=128 scan alone 0.868 ms at BV 64, 8 warps, 2 stages (the autotuner's pick in session 8),
-#   0.752 at 4 warps (now in STATE_CONFIGS, for either form) -> 0.548 at BV 16, 4 warps, 2 stages, 0.597 at BV 32; O bit-equal at every config
-#   tried. No illegal access in 11 configs: BV 16-64 with K_d^T loaded, BV 32 and 64 with the register transpose
-#   (the session-4/6 access is not reproduced; BV 16 with the transpose was not run, so prune_state_configs
+#   0.752 at 4 warps (now in STATE_CONFIGS; 0.696 with K_d^T loaded) -> 0.548 at BV 16, 4 warps, 2 stages,
+#   0.597 at BV 32; O bit-equal at every config tried. No illegal access in 11 configs: BV 16-64 with K_d^T
+#   loaded, BV 32 and 64 with the register transpose (the session-4/6 access is not reproduced; BV 16 with the transpose was not run, so prune_state_configs
 #   still keeps BV 64 for it). B1 forward, 4 ranges, same process: 1.001 ms against 1.209 off (whose autotuner
-#   had the new 4-warp configs too) and fla's 1.320 (5 rounds each, scripts/kda_b1_repeat.py). One range with
-#   scan_kd_t, and the ranges rule (auto_segment_count, counted at 64-column blocks), were not re-timed.
+#   had the new 4-warp configs too) and fla's 1.320 (5 rounds each, scripts/kda_b1_repeat.py). At B1 T16384 H16
+#   (the only `k3` bench shape in 4 ranges) one range with scan_kd_t was not timed against 4, nor the ranges
+#   rule's threshold (auto_segment_count, counted at 64-column blocks); the other shapes ran in one range.
 # rescan_kd_t (default off): the same for the backward's re-scan, which takes the forward scan's precision
 #   (16-bit operands under dot16_scan, so off it also keeps BV 64). B1 fwd+bwd, one process, 3 rounds (session
 #   10): 4.624 ms with scan_kd_t only, 4.826 with both, 4.797 with neither; off.
@@ -295,10 +296,10 @@ def _stage_prec(name: str, prec: str, dtype: torch.dtype) -> str:
 
 
 def scan_precision(prec: str, v: torch.Tensor) -> str:
-    """The forward scan's dot precision: `prec`, or with TUNING dot16_scan 16-bit operands at V >= 64. A narrower
-    V keeps `prec`: 16-bit operands there would need value blocks below 64, which with the register-transposed
-    K_d (TUNING scan_kd_t off) chunk_fwd.prune_state_configs drops; with scan_kd_t they would run, but V < 64
-    with 16-bit operands has not been timed or checked on a GPU."""
+    """The forward scan's dot precision: `prec`, or with TUNING dot16_scan 16-bit operands (on CUDA at V >= 64
+    only). On CUDA a narrower V keeps `prec`: at V <= 32 16-bit operands would need value blocks below 64, which
+    with the register-transposed K_d (TUNING scan_kd_t off) chunk_fwd.prune_state_configs drops; with scan_kd_t
+    they would run, but V < 64 with 16-bit scan operands has not been timed or checked on a GPU."""
     return _stage_prec("dot16_scan", prec, v.dtype) if v.shape[-1] >= 64 or not v.is_cuda else prec
 
 

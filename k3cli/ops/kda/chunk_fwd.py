@@ -38,9 +38,10 @@ def pick_configs(gpu_configs: list[triton.Config]) -> list[triton.Config]:
 # sequential state scans: value-block width trades parallelism (B*HV*V/BV programs) for per-program
 # work (BV 16 for few long sequences: at B1 T16384 H16 K=V=128 the forward scan alone took 0.548 ms at BV 16,
 # 4 warps, 2 stages against 0.868 at BV 64, 8 warps, 2 stages; session 10). At K = 128 with TF32 operands BV 64
-# spills (255 registers + 232 B stack for the forward scan, scripts/ptxas_report.py), BV 32 does not; with bf16
-# operands at one stage (`ptxas_report.py 128 --prec bf16 --only fwd_state`) BV 64 spills at 4 and 8 warps, BV 32
-# at 4 warps, BV 16 not; the autotuner times them all. Two pipeline
+# spills (255 registers + 232 B stack at 8 warps with the register transpose, session 2, scripts/ptxas_report.py),
+# BV 32 does not. With bf16 dots at one stage (session 10, `ptxas_report.py 128 --prec bf16 --only fwd_state`,
+# its buffers fp32 where the shipped K = 128 path stores them 2-byte) BV 64 spills at 4 and 8 warps either
+# way, BV 32 at 4 warps, BV 16 not. The autotuner times them all. Two pipeline
 # stages (the next chunk's tiles loaded while this one computes) need the per-chunk [BT, K] operand
 # tiles twice in shared memory: at K = 128 that fits when W, Q e^Γ, K e^(γ-Γ) are stored 2-byte
 # (TUNING inter_dtype / gated_dtype "input"; with only W 2-byte, for BV 16); prune_state_configs
