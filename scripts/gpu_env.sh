@@ -8,3 +8,5 @@ else
   export PYTHONPATH=.
 fi
 export PYTHONUNBUFFERED=1
+# `k3 bench-kernel` against fla, JSON rows (the session scripts add --shape ...)
+BENCH="python3 -m k3cli.cli bench-kernel --kernel chunk_kda --against fla --json"

@@ -9,7 +9,6 @@
 #        repeated next to fla, then its forward+backward.
 set -uo pipefail
 source scripts/gpu_env.sh
-BENCH="python3 -m k3cli.cli bench-kernel --kernel chunk_kda --against fla --json"
 ( export CUDA_VISIBLE_DEVICES=0
   timeout 40 python3 -m pytest -q tests/ops/test_launch.py > "$OUT/launch_tests.txt" 2>&1
   timeout 300 python3 -m pytest -q -m gpu tests/ops/test_kda.py -p no:cacheprovider -rf -k "fp32 or fast_launch" \

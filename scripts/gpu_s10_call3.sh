@@ -7,7 +7,6 @@
 #   run(command="bash scripts/gpu_s10_call3.sh", kind="nvidia-h200-x2", carry=[".whl"], timeout_s=590)
 set -uo pipefail
 source scripts/gpu_env.sh
-BENCH="python3 -m k3cli.cli bench-kernel --kernel chunk_kda --against fla --json"
 ( export CUDA_VISIBLE_DEVICES=0
   timeout 565 $BENCH --shape 1,16384,16,16,128 --shape 8,2048,16,16,128 > "$OUT/bench_gpu0.txt" 2>&1 ) &
 p0=$!

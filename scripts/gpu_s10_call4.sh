@@ -7,7 +7,6 @@
 #   run(command="bash scripts/gpu_s10_call4.sh", kind="nvidia-h200-x2", carry=[".whl"], timeout_s=540)
 set -uo pipefail
 source scripts/gpu_env.sh
-BENCH="python3 -m k3cli.cli bench-kernel --kernel chunk_kda --against fla --json"
 ( export CUDA_VISIBLE_DEVICES=0
   timeout 200 $BENCH --shape 1,16384,16,16,128 > "$OUT/bench_gpu0.txt" 2>&1
   timeout 150 python3 scripts/kda_b1_repeat.py 5 --only=shipped,nokdt > "$OUT/b1_repeat.txt" 2>&1

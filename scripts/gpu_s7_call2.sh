@@ -7,7 +7,6 @@
 # Rows print as each shape finishes ([bench chunk_kda] lines), the JSON at the end of each process.
 set -uo pipefail
 source scripts/gpu_env.sh
-BENCH="python3 -m k3cli.cli bench-kernel --kernel chunk_kda --against fla --json"
 ( export CUDA_VISIBLE_DEVICES=0 TRITON_CACHE_DIR=$(mktemp -d)
   timeout 575 $BENCH --shape 8,2048,8,8,16 --shape 16,2048,8,8,32 --shape 8,2048,16,16,128 \
     --shape 1,16384,16,16,128 > "$OUT/bench_gpu0.txt" 2>&1 ) &

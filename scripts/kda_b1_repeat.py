@@ -29,7 +29,7 @@ import triton
 
 from k3cli.ops.kda import chunk as chunk_mod
 from k3cli.ops.kda import chunk_kda
-from k3cli.ops.kda.bench import _fla_chunk_kda, _fwd_bwd_fns, _inputs, host_ms
+from k3cli.ops.kda.bench import _fla_chunk_kda, _fwd_bwd_fns, _inputs, enqueue_samples, host_ms
 from k3cli.ops.kda.naive import naive_chunk_kda
 
 VARIANTS = {"shipped": {}, "nofast": {"fast_launch": False}, "seg0": {"fwd_segments": 0},
@@ -62,20 +62,10 @@ def main() -> None:
     if "--host" in sys.argv:
         # host time to enqueue one call (no synchronisation inside; 20 calls stay below the launch queue's depth),
         # against the wall time per call once the device has finished them
-        import time
         for name, (fn, over) in fns.items():
             chunk_mod.set_tuning(base, over)
-            fn()
-            torch.cuda.synchronize()
-            for _ in range(3):
-                t0 = time.perf_counter()
-                for _ in range(20):
-                    fn()
-                t1 = time.perf_counter()
-                torch.cuda.synchronize()
-                t2 = time.perf_counter()
-                print(f"{name:8s} host enqueue {(t1 - t0) / 20 * 1e3:.3f} ms/call, wall {(t2 - t0) / 20 * 1e3:.3f} ms/call",
-                      flush=True)
+            for host, wall in enqueue_samples(fn, dev):
+                print(f"{name:8s} host enqueue {host:.3f} ms/call, wall {wall:.3f} ms/call", flush=True)
         return
     times = {n: [] for n in fns}
     for r in range(rounds):

@@ -22,6 +22,8 @@ DEFAULT = "64:8:2:0,64:4:2:0,64:8:2:1,64:4:2:1,32:4:1:1,32:4:2:1,32:8:2:1,32:2:2
 
 
 def one(shape, variant) -> None:
+    from kda_scan_configs import time_config  # scripts/ is on sys.path when run as a script
+
     from k3cli.ops.kda import chunk as C_
     from k3cli.ops.kda import chunk_fwd as F
     from k3cli.ops.kda.bench import _inputs
@@ -33,22 +35,14 @@ def one(shape, variant) -> None:
     q, k, v, g, b = _inputs(*shape, torch.bfloat16, dev)
     prec = F.dot_precision(v.dtype)
     sprec = C_.scan_precision(prec, v)
-    NT = triton.cdiv(T, BT)
     it = C_.fwd_intra(q, k, v, g, b, K ** -0.5, BT, prec)
     o_ref = F.kda_fwd_state(it, B, T, HV, BT, None, v.dtype, False, precision=sprec, kd_t=False)[0].float()
     o = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
-
-    def launch():
-        F._kda_fwd_state_kernel.fn[(triton.cdiv(V, bv), B * HV, 1)](
-            it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, None, None, None, None, T, NT, 0, 0, NT, NT, 0,
-            HV=HV, K=K, V=V, BT=BT, BK=max(16, triton.next_power_of_2(K)), BV=bv, USE_H0=False, STORE_HT=False,
-            STORE_O=True, STORE_H=False, INTERPRET=False, PREC=sprec, KD_T=bool(kdt), num_warps=nw, num_stages=ns)
-
-    launch()
-    torch.cuda.synchronize()
+    cfg = triton.Config({"BV": bv}, num_warps=nw, num_stages=ns)
+    # timed first: every launch writes the same O, compared after
+    t = time_config(it, o, None, None, B, T, HV, K, V, BT, sprec, cfg, True, bool(kdt))
     d = o.float() - o_ref
     rms = (d.pow(2).mean() / o_ref.pow(2).mean()).sqrt().item()
-    t = triton.testing.do_bench(launch)
     print(f"BV{bv:3d} w{nw} s{ns} kd_t={kdt}: {t:.3f} ms, O max|d| {d.abs().max().item():.3e} rel rms {rms:.2e} "
           f"({sprec} operands)", flush=True)
 

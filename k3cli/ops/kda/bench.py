@@ -68,16 +68,23 @@ def host_ms(fn, device, calls: int = 20) -> float | None:
     ~1.56-1.85 ms)."""
     if device.type != "cuda":
         return None
+    return statistics.median(host for host, _ in enqueue_samples(fn, device, calls))
+
+
+def enqueue_samples(fn, device, calls: int = 20, samples: int = 3) -> list[tuple[float, float]]:
+    """CUDA only: `samples` times, `calls` calls enqueued back to back after a synchronize, as (host ms to
+    enqueue one call, wall ms per call once the device has finished them)."""
     fn()
     torch.cuda.synchronize(device)
-    samples = []
-    for _ in range(3):
+    out = []
+    for _ in range(samples):
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
-        samples.append((time.perf_counter() - t0) / calls * 1e3)
+        t1 = time.perf_counter()
         torch.cuda.synchronize(device)
-    return statistics.median(samples)
+        out.append(((t1 - t0) / calls * 1e3, (time.perf_counter() - t0) / calls * 1e3))
+    return out
 
 
 def _host_note(host: float | None, device_ms: float, flag: bool = False) -> str:

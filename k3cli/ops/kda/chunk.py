@@ -498,19 +498,19 @@ class ChunkKDAFunction(torch.autograd.Function):
             if segs and TUNING["fwd_segments_interleave"]:
                 # enqueue range i's scan right after range i's stage 1 (not after all of stage 1), so that a
                 # host slower than the device still starts the first scan early
-                scans = []
+                scan = None   # made on range 0's "done", the first point where stage 1's buffers exist
 
                 def stage1_then_scan(n0, n1, what, it=None):
+                    nonlocal scan
                     ov.stage1(n0, n1, what)
                     if what == "done":
-                        if not scans:
-                            scans.append(StateScan(it, B, T, HV, chunk_size, h0, **scan_args))
-                        scans[0].launch(segs.index((n0, n1)), ov.scan)
+                        scan = scan or StateScan(it, B, T, HV, chunk_size, h0, **scan_args)
+                        scan.launch(segs.index((n0, n1)), ov.scan)
                         ov.after_scan()
 
                 it = fwd_intra(q, k, v, g, beta, scale, chunk_size, prec, segments=segs, on_segment=stage1_then_scan,
                                need_grad=need_grad)
-                o, ht, h, vn = scans[0].finish()
+                o, ht, h, vn = scan.finish()
             else:
                 it = fwd_intra(q, k, v, g, beta, scale, chunk_size, prec, segments=segs,
                                on_segment=ov and ov.stage1, need_grad=need_grad)

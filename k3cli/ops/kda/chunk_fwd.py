@@ -1005,12 +1005,11 @@ class StateScan:
                  h_dtype: torch.dtype = torch.float32, precision: str = "tf32", segments=None, parallel: int = 0,
                  kd_t: bool = False):
         K, V = it.w.shape[-1], it.u.shape[-1]
-        self.kd_t = kd_t
         BT = chunk_size
         NT = cdiv(T, BT)
         dev = it.w.device
         self.it, self.B, self.T, self.HV, self.BT, self.NT, self.K, self.V = it, B, T, HV, BT, NT, K, V
-        self.dev, self.precision, self.store_o, self.store_h = dev, precision, store_o, store_h
+        self.dev, self.precision, self.store_o, self.store_h, self.kd_t = dev, precision, store_o, store_h, kd_t
         self.o = torch.empty(B, T, HV, V, device=dev, dtype=out_dtype) if store_o else None
         self.ht = ht = torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
         self.h = torch.empty(B * HV, NT, K, V, device=dev, dtype=h_dtype) if store_h else None
