@@ -1,12 +1,16 @@
-"""Per-token decode latency of k3-toy (random weights, B = 1) at several context lengths: with the
-decode cache (prefill the context, then time single-token `decode_step`s) and without it (the
-baseline: a full forward over context + 1 tokens for every new token).
+"""Per-token decode latency of k3-toy (random weights, B = 1) at several context lengths, with and
+without the decode cache.
+
+With the cache: prefill the context once, then time single-token `CausalLM.decode_step` calls (median,
+after one warm-up step). Without it (the baseline): a full forward over the context plus the new
+token, for every new token. The cached figure should stay flat as the context grows; the baseline
+grows with it. Also prints the prefill time (on CUDA the first context includes compilation).
 
     .venv/bin/python scripts/bench_decode.py [--contexts 128 512 2048 8192] [--steps 16]
         [--baseline-max 2048] [--attnres off|full|block] [--threads 1] [--device cpu|cuda]
 
-The no-cache baseline runs at every context unless capped with --baseline-max (on a 2-core CPU the
-whole default table takes about 15 s: the 8192-token forward is ~2 s and runs twice).
+The baseline runs at every context unless capped with --baseline-max; on a 2-core CPU the default
+table takes about 15 s (the 8192-token forward takes about 2 s and runs twice).
 """
 from __future__ import annotations
 

@@ -1,11 +1,13 @@
-"""Where a k3-toy training step spends host and device time, AttnRes off vs block (CUDA, bf16 autocast).
+"""Where a k3-toy training step spends host and device time, per AttnRes mode (CUDA, bf16 autocast).
 
-    python scripts/profile_step.py [--batch 8] [--seq 256] [--modes off block] [--device cuda]
+For each mode: 3 warm-up steps, then torch.profiler over 3 steps of forward, backward and AdamW on
+random tokens. Prints the step's wall time (inflated by the profiler), the CUDA kernel launches per
+step, the device-busy time per step, and the top ops by self CPU time. A step whose device-busy
+time is far below its wall time is host-bound.
 
-For each mode: 3 warm-up steps, then torch.profiler over 3 steps (forward, backward, AdamW). Prints
-the step's wall time, the number of CUDA kernel launches per step, total device-busy time per step,
-and the top ops by self CPU time — the block-vs-off difference in launches and host time is what
-`scripts/time_k3_toy.py` (session 2: +21 % for block) could not explain.
+    .venv/bin/python scripts/profile_step.py [--batch 8] [--seq 256] [--modes off block] [--device cuda]
+
+`--device cpu` runs fp32 without device figures (a smoke test of the script).
 """
 from __future__ import annotations
 

@@ -1,10 +1,15 @@
-"""Time one training step of k3-toy (forward+backward, plus an AdamW step with --optim) for AttnRes
-off / full / block, and print total / active parameter counts of kda-toy, k3-toy and k3-0.5b.
-CPU runs fp32 (median of 3 after a warm-up); CUDA runs under bf16 autocast like `k3 train`
-(median of --repeats after 3 warm-ups). The variants run interleaved, round by round, and
-the host column is the time until the step's last launch returned.
+"""Time one k3-toy training step for AttnRes off / full / block, and print the parameter counts
+(total and active per token) of kda-toy, k3-toy and k3-0.5b.
+
+The step is forward+backward on random tokens, plus an AdamW step with --optim. CPU runs fp32
+(median of 3 rounds after one warm-up); CUDA runs under bf16 autocast like `k3 train`, with the
+Triton kernels (median of --repeats rounds, default 20, after 3 warm-ups), and adds "block/torch-mix"
+(block mode with the AttnRes mix in torch). The variants run interleaved, round by round, so drift
+hits them alike. "host" is the time until the step's last launch returned; the last column is the
+ratio to AttnRes off.
 
     .venv/bin/python scripts/time_k3_toy.py [--batch 8] [--seq 256] [--threads N] [--device cuda] [--optim]
+        [--repeats N]
 """
 from __future__ import annotations
 
