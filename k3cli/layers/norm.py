@@ -1,30 +1,15 @@
-"""RMSNorm (SPEC §1): y = x / sqrt(mean(x²) + eps) · weight, computed in fp32 and cast back."""
+"""RMSNorm (SPEC §1): y = x / sqrt(mean(x²) + eps) · weight, computed in fp32 and cast back.
+
+The functions live in k3cli.ops.norm (the kernels' references use them too); re-exported here.
+"""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from k3cli.ops.norm import l2norm, rms_norm
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
-    """RMS-normalise the last dim of x [..., D]; weight [D] or None (no gain). Returns x.dtype.
-
-    fp32 for half inputs (the mean of squares underflows/overflows in bf16); fp64 stays fp64.
-    """
-    xf = x if x.dtype == torch.float64 else x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * weight.to(y.dtype)
-    return y.to(x.dtype)
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(Σ x² + eps) over the last dim in fp32 (fp64 stays fp64), cast back to x.dtype.
-
-    KDA's q / k normalisation (SPEC §2.1), shared by the layer and the kernels' torch paths; explicit
-    dtypes so that under autocast q and k keep v's dtype (F.normalize's norm would promote them).
-    """
-    xf = x if x.dtype == torch.float64 else x.float()
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+__all__ = ["RMSNorm", "l2norm", "rms_norm"]
 
 
 class RMSNorm(nn.Module):

@@ -12,9 +12,9 @@ import os
 
 import torch
 
-from k3cli.layers.norm import l2norm
 from k3cli.ops.kda.bench import copy_ceiling_gbps, time_fn
 from k3cli.ops.kda.naive import naive_kda_gate, naive_recurrent_kda
+from k3cli.ops.norm import l2norm
 
 # (B, H, HV, K = V)
 SHAPES = {"gpu": [(1, 32, 32, 128), (32, 32, 32, 128), (256, 32, 32, 128)],

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from k3cli.ops.kda.checks import check_kda_inputs
 from k3cli.ops.kda.chunk_fwd import interpreting, pick_configs
+from k3cli.ops.norm import l2norm
 
 # GPU candidates, not yet measured on an H200 (no device time in this session): narrow value blocks
 # give B*HV*V/BV programs for the small-batch case, wide ones fewer, longer-lived programs at B = 256.
@@ -170,8 +171,7 @@ def _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_ga
 
 def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                use_gate_in_kernel, A_log, dt_bias, lower_bound):
-    """The same computation in torch (differentiable): the layers' l2norm, the torch gate, the recurrence."""
-    from k3cli.layers.norm import l2norm
+    """The same computation in torch (differentiable): the torch l2norm and gate, then the recurrence."""
     from k3cli.ops.kda.naive import naive_kda_gate, naive_recurrent_kda
 
     if use_qk_l2norm_in_kernel:
