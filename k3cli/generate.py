@@ -1,5 +1,5 @@
 """`k3 generate`: sample text from a trained model with the decode cache (prefill once, then one
-recurrent step per new token; SPEC §2.5).
+recurrent step per new token; docs/math.md §2.5).
 
 Sampling: greedy at temperature 0; otherwise softmax(logits / temperature) restricted to the top-k
 tokens and then to the smallest set whose probability reaches top-p (nucleus), drawn from a seeded

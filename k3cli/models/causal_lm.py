@@ -1,14 +1,14 @@
-"""CausalLM: the whole K3 / pure-KDA model (SPEC §1, §5) in one sitting.
+"""CausalLM: the whole K3 / pure-KDA model (docs/math.md §1, §5) in one sitting.
 
     Embedding → DecoderBlock × L (or the AttnRes mixer over their 2L sublayers) → RMSNorm → LM head
 
 Notable features:
 - layer kinds come from `config.layer_specs()` (KDA/MLA attention, SwiGLU/LatentMoE FFN);
 - `attnres.mode != "off"` replaces the residual sum by softmax mixes over depth, including a final
-  mix before the last norm (K3, SPEC §5);
+  mix before the last norm (K3, docs/math.md §5);
 - loss is the shifted next-token cross-entropy in fp32, labels = -100 ignored;
 - `num_active_parameters()` drops the (n_r − k) unchosen routed experts of every MoE layer;
-- decode (SPEC §2.5, §7.3): `prefill(ids) -> (logits, DecodeCache)`, then `decode_step(next_ids, cache)`;
+- decode (docs/math.md §2.5, §7.3): `prefill(ids) -> (logits, DecodeCache)`, then `decode_step(next_ids, cache)`;
   the cache holds a KDA state + conv windows or an MLA latent per block; AttnRes and FFNs need none.
 """
 from __future__ import annotations

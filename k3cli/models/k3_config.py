@@ -2,7 +2,7 @@
 
 `KDAConfig` is the pure-KDA model (every block KDA + SwiGLU); `K3Config` is the hybrid
 (3 KDA : 1 MLA, last block MLA, every FFN a LatentMoE). Both share `ModelConfig`'s fields; the
-preset's `model.arch` (`kda` | `k3`) picks the class. See SPEC §1 and §6.
+preset's `model.arch` (`kda` | `k3`) picks the class. See docs/math.md §1 and §6.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Prefill + token-by-token decode == the full forward (SPEC §2.5, §5, §7.3), fp32 on CPU.
+"""Prefill + token-by-token decode == the full forward (docs/math.md §2.5, §5, §7.3), fp32 on CPU.
 
 Small model dims (config overrides) keep each case to a second or two; the AttnRes queries and the
 KDA gate parameters are randomised so that every path carries signal (zero-init AttnRes is uniform).
@@ -13,13 +13,11 @@ from k3cli.layers.kda import KDAAttention, KDACache
 from k3cli.layers.mla import MLACache
 from k3cli.models import CausalLM
 
-# max |decoded − full| over all logits: fp32 (SPEC §7.3 asks ≤ 1e-4); fp64 shows the paths agree
-# exactly up to rounding (measured ≤ 3e-13; the gate runs in fp32 even for fp64 inputs)
-# layer_triton: scaled max error of the Triton prefill+decode vs the torch forward, fp32; the
-# interpreter computes in fp32 (measured ≤ 1e-6). On the H200 with chunk_kda's dots in TF32 the
-# whole-model check measured 2.9e-3 (AttnRes off) and 1.4e-2 (block) — the decode recurrence is exact
-# fp32, the full forward was not (notes/session2_gpu.md). fp32 inputs now get fp32-accurate dots
-# (chunk_fwd.dot_precision); the torch-backend run of the same check measured ≤ 3.6e-6, hence 1e-4.
+# max |decoded − full| over all logits, fp32 (docs/math.md §7.3); fp64 shows the paths agree up to
+# rounding (measured ≤ 3e-13; the gate runs in fp32 even for fp64 inputs)
+# layer_triton: scaled max error of the Triton prefill+decode vs the torch forward in fp32 (the
+# interpreter computes in fp32: measured ≤ 1e-6); on CUDA the decode recurrence is elementwise fp32
+# and the chunked prefill's fp32 dots are tf32x3 (chunk.plan), hence 1e-4
 TOL = {"logits": 1e-4, "logits_fp64": 1e-10, "layer_triton": 1e-4 if torch.cuda.is_available() else 1e-5}
 
 SMALL = [

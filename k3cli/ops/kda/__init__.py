@@ -1,4 +1,4 @@
-"""Kimi Delta Attention ops: torch references, Triton chunked kernel, fused gate (SPEC §2)."""
+"""Kimi Delta Attention ops: torch references, Triton chunked kernel, fused gate (docs/math.md §2)."""
 from k3cli.ops.kda.chunk import chunk_kda
 from k3cli.ops.kda.fused_recurrent import fused_recurrent_kda
 from k3cli.ops.kda.gate import kda_gate

@@ -1,4 +1,4 @@
-"""Fused KDA gate (SPEC §2.3): bias add -> lower-bound sigmoid -> chunk-local cumsum, one pass.
+"""Fused KDA gate (docs/math.md §2.3): bias add -> lower-bound sigmoid -> chunk-local cumsum, one pass.
 
 g = L * sigmoid(exp(A_log) * (g_raw + dt_bias)), then optionally the inclusive cumsum inside each
 chunk of `chunk_size` tokens. Backward gives d g_raw, dA_log (sum over B, T, K) and d dt_bias

@@ -1,4 +1,4 @@
-"""Pure-torch references for Kimi Delta Attention (SPEC §2; derivation in README.md).
+"""Pure-torch references for Kimi Delta Attention (docs/math.md §2; derivation in README.md).
 
 Shapes: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] log-decay (<= 0); beta [B, T, HV];
 state [B, HV, K, V] fp32; HV = G * H, value head hv reads q/k head hv // G.
@@ -21,7 +21,7 @@ def _expand_groups(x: torch.Tensor, hv: int) -> torch.Tensor:
 
 
 def naive_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
-    """Token-by-token KDA recurrence (SPEC §2.1), the definition every kernel is tested against.
+    """Token-by-token KDA recurrence (docs/math.md §2.1), the definition every kernel is tested against.
 
     Args:
         q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K] log-decay; beta: [B, T, HV].
@@ -62,7 +62,7 @@ def chunk_local_cumsum(g: torch.Tensor, chunk_size: int, reverse: bool = False) 
 
 
 def naive_kda_gate(g_raw, A_log, dt_bias=None, lower_bound=-5.0):
-    """Lower-bound gate (SPEC §2.3): L * sigmoid(exp(A_log) * (g_raw + dt_bias)) in fp32
+    """Lower-bound gate (docs/math.md §2.3): L * sigmoid(exp(A_log) * (g_raw + dt_bias)) in fp32
     (fp64 when any input is fp64, like the other references here).
 
     Args: g_raw [B, T, HV, K]; A_log [HV]; dt_bias [HV, K] or None.  Returns g [B, T, HV, K].
@@ -116,7 +116,7 @@ def _scatter_diag(diag):
 
 def naive_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                     chunk_size=64):
-    """Chunked KDA in torch (SPEC §2.2): parallel inside chunks, sequential only over chunk states.
+    """Chunked KDA in torch (docs/math.md §2.2): parallel inside chunks, sequential only over chunk states.
 
     Same arguments and returns as `naive_recurrent_kda`; differentiable by autograd. Any T
     (the tail is zero-padded: g = 0, k = 0, beta = 0 leave the state unchanged), any chunk size.
