@@ -1,5 +1,5 @@
-"""RMS and L2 normalisation over the last dim, in torch: the math the kernels' references and the
-layers share (SPEC §1, §2.1). The nn.Module wrapper is `k3cli.layers.norm.RMSNorm`."""
+"""RMS and L2 normalisation over the last dim, in torch (docs/math.md §1, §2.1): shared by the
+kernels' torch paths and the layers (whose RMSNorm module wraps `rms_norm`)."""
 from __future__ import annotations
 
 import torch
@@ -20,7 +20,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(Σ x² + eps) over the last dim in fp32 (fp64 stays fp64), cast back to x.dtype.
 
-    KDA's q / k normalisation (SPEC §2.1), shared by the layer and the kernels' torch paths; explicit
+    KDA's q / k normalisation (docs/math.md §2.1), shared by the layer and the kernels' torch paths; explicit
     dtypes so that under autocast q and k keep v's dtype (F.normalize's norm would promote them).
     """
     xf = x if x.dtype == torch.float64 else x.float()
