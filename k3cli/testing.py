@@ -2,9 +2,12 @@
 
 `TINY_MODEL` shrinks any preset to a model that trains in well under a second per step on a CPU;
 `TINY_TRAIN` is a matching short run. Both are `--set` overrides (`load_config(..., overrides=...)`).
+`assert_close(name, actual, expected, tol, metric)` is the tests' one closeness check; the metrics
+beside it (scaled max, relative RMS, max abs) are what the tolerance tables are stated in.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -41,10 +44,28 @@ def scaled_max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1.0)).item()
 
 
-def make_check(tol: dict[str, float]):
-    """The one tolerance helper of a test file: `check(name, actual, expected, tol_key)` against
-    that file's named tolerance table."""
-    def check(name: str, actual: torch.Tensor, expected: torch.Tensor, tol_key: str) -> None:
-        err = scaled_max_error(actual, expected)
-        assert err <= tol[tol_key], f"{name}: scaled max error {err:.3g} > {tol[tol_key]}"
-    return check
+def relative_rms_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """RMS(actual − expected) / RMS(expected) over all elements, in fp64.
+
+    Where expected is zero up to fp64 rounding (RMS ≤ 1e-12, e.g. a gradient the math says vanishes)
+    there is no relative error: the absolute RMS of the difference is returned instead.
+    """
+    actual, expected = actual.double(), expected.double()
+    err, ref = (actual - expected).pow(2).mean().sqrt().item(), expected.pow(2).mean().sqrt().item()
+    return err if ref <= 1e-12 else err / ref
+
+
+def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual − expected| over all elements."""
+    return (actual - expected).abs().max().item()
+
+
+def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float,
+                 metric: Callable[[torch.Tensor, torch.Tensor], float] = scaled_max_error) -> None:
+    """The one closeness check of the tests: fails, naming `name`, unless the shapes match and
+    metric(actual, expected) ≤ tol (a NaN error fails). metric: scaled_max_error (default),
+    relative_rms_error, max_abs_error, or any (actual, expected) -> float."""
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    err = metric(actual, expected)
+    what = getattr(metric, "__name__", "error").replace("_", " ")
+    assert err <= tol, f"{name}: {what} {err:.3g} > {tol:.3g}"

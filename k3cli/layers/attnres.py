@@ -7,106 +7,21 @@ temperature; values are the raw (un-normalised) sources. w is zero-initialised, 
 training starts from uniform averaging — which, after the sublayers' own RMSNorm (eps 0), is
 exactly the plain residual stack. A final mix (own w, γ) over all sources feeds the final norm.
 
-The functions here are the torch references a fused kernel (k3cli/ops/attnres) is tested against.
-Shapes: sources [N, B, T, D] or a list of N [B, T, D]; queries/gains [D] (one sublayer) or [S, D]
-(a block's sublayers).
+The torch math (also the kernels' reference) is k3cli/ops/attnres/naive.py; the Triton kernels are
+k3cli/ops/attnres. Shapes: sources [B, T, D] each; queries/gains [N, D] (one row per sublayer).
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from k3cli.layers.norm import rms_norm
+from k3cli.ops.attnres.naive import naive_attnres, naive_attnres_merge, naive_attnres_phase1, source_keys
 
 MODES = ("full", "block")
 IMPLS = ("auto", "naive", "two_phase", "fused")
 MAX_FUSED_SOURCES = 32  # the Triton kernels' pointer-table limit (k3cli/ops/attnres/fused.py)
-
-
-def _wd(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _fp32_math(fn):
-    """Run fn with autocast off: scores and softmax stay fp32 (autocast would run the matvecs in bf16)."""
-    @functools.wraps(fn)
-    def wrapper(first, *args, **kwargs):
-        dev = (first[0] if isinstance(first, (list, tuple)) else first).device.type
-        with torch.autocast(dev, enabled=False):
-            return fn(first, *args, **kwargs)
-    return wrapper
-
-
-def source_keys(sources: Sequence[torch.Tensor], eps: float = 1e-6) -> list[torch.Tensor]:
-    """RMS(v) without gain for each source [B, T, D], in fp32 (fp64 stays fp64)."""
-    return [rms_norm(v.to(_wd(v)), None, eps) for v in sources]
-
-
-@_fp32_math
-def _w_tilde(query: torch.Tensor, gain: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """The scoring vector(s) w̃ = query ⊙ gain in `dtype`; gain None: query is w̃ already."""
-    return (query if gain is None else query * gain).to(dtype)
-
-
-def naive_attnres(sources: Sequence[torch.Tensor], query: torch.Tensor, gain: torch.Tensor,
-                  eps: float = 1e-6, keys: Sequence[torch.Tensor] | None = None,
-                  return_weights: bool = False):
-    """One depth mix: h = Σ_i softmax_i(w̃ · RMS(v_i)) v_i.
-
-    sources: [N, B, T, D] or a list of N [B, T, D]; query, gain [D]; keys: `source_keys(sources)` if
-    already computed (the mixer caches them: each source is a key for every later sublayer).
-    gain None: `query` is w̃ = query ⊙ gain already (the same for the phase functions below).
-    Returns h [B, T, D] in the sources' dtype (and, with return_weights, α [N, B, T] fp32).
-    """
-    wd = _wd(sources[0])
-    keys = source_keys(sources, eps) if keys is None else keys
-    w = _w_tilde(query, gain, wd)
-    # a matvec per source and an accumulated weighted sum: einsum over [N, B, T, D] lowers to
-    # B·T tiny bmms and was ~4× slower on CPU for k3-toy
-    s = torch.stack([key @ w for key in keys])                                           # (N, B, T)
-    alpha = s.softmax(0)
-    h = sum(alpha[i, ..., None] * v.to(wd) for i, v in enumerate(sources))              # (B, T, D)
-    h = h.to(sources[0].dtype)
-    return (h, alpha) if return_weights else h
-
-
-@_fp32_math
-def attnres_phase1(blocks: Sequence[torch.Tensor], queries: torch.Tensor, gains: torch.Tensor,
-                   eps: float = 1e-6, keys: Sequence[torch.Tensor] | None = None):
-    """Phase 1 of block AttnRes: all S queries of a block against its n completed sources at once.
-
-    blocks [n, B, T, D] or a list of n [B, T, D]; queries, gains [S, D]; keys as in naive_attnres.
-    Returns the online-softmax state per query, fp32: m [S, B, T] (max score),
-    l [S, B, T] (Σ exp(s − m)), o [S, B, T, D] (Σ exp(s − m) · v).
-    """
-    wd = _wd(blocks[0])
-    keys = source_keys(blocks, eps) if keys is None else keys
-    w = _w_tilde(queries, gains, wd)
-    s = torch.stack([key @ w.T for key in keys]).permute(3, 0, 1, 2)                    # (S, n, B, T)
-    m = s.amax(1)                                                                         # (S, B, T)
-    p = (s - m[:, None]).exp()
-    o = sum(p[:, j, ..., None] * v.to(wd) for j, v in enumerate(blocks))                 # (S, B, T, D)
-    return m, p.sum(1), o
-
-
-@_fp32_math
-def attnres_merge(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, partial: torch.Tensor | None,
-                  query: torch.Tensor, gain: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Phase 2: merge one more source (the block's partial sum) into a phase-1 state and normalise.
-
-    m, l [B, T]; o [B, T, D]; partial [B, T, D] or None (first sublayer of a block) -> h [B, T, D]
-    in o's (fp32/fp64 working) dtype.
-    """
-    if partial is None:
-        return o / l[..., None]
-    p = partial.to(o.dtype)
-    s = rms_norm(p, None, eps) @ _w_tilde(query, gain, o.dtype)                           # (B, T)
-    m_new = torch.maximum(m, s)
-    a, b = (m - m_new).exp(), (s - m_new).exp()
-    return (o * a[..., None] + b[..., None] * p) / (l * a + b)[..., None]
 
 
 def _fused_call(kernel, *args, norm: nn.Module | None = None, **kwargs) -> torch.Tensor:
@@ -236,7 +151,7 @@ class AttnResMixer(nn.Module):
             if ops is not None and len(blocks) <= MAX_FUSED_SOURCES:
                 m, lsum, o = ops[1](blocks, qs, gs, self.eps)
             else:
-                m, lsum, o = attnres_phase1(blocks, qs, gs, self.eps, keys=keys)
+                m, lsum, o = naive_attnres_phase1(blocks, qs, gs, self.eps, keys=keys)
             partial = None
             # unbind, not m[r]: one stack in the backward instead of a zero-filled full-size gradient
             # per row (and the sums of those) for each of m, lsum, o
@@ -247,7 +162,7 @@ class AttnResMixer(nn.Module):
                 if fused_merge:
                     h = _fused_call(ops[2], *args, norm=norms[l], out_dtype=emb.dtype)
                 else:
-                    h = attnres_merge(*args).to(emb.dtype)
+                    h = naive_attnres_merge(*args).to(emb.dtype)
                     h = h if norms[l] is None else norms[l](h)
                 v = sublayers[l](h)
                 if partial is None or torch.promote_types(v.dtype, emb.dtype) != emb.dtype:

@@ -1,22 +1,20 @@
-"""AttnRes mixer: weights, block S=1 == full, two-phase == naive, partial blocks (SPEC §5, §7.6).
+"""AttnRes mixer: block S=1 == full, two-phase == naive, partial blocks, norms (SPEC §5, §7.6).
 
-The zero-init == off identity runs on whole CausalLMs in tests/models/test_causal_lm.py.
+The torch references themselves are tested in tests/ops/test_attnres.py; the zero-init == off
+identity runs on whole CausalLMs in tests/models/test_causal_lm.py.
 """
 import os
 
 import pytest
 import torch
 
-from k3cli.layers.attnres import AttnResMixer, attnres_merge, attnres_phase1, naive_attnres
-from k3cli.layers.norm import rms_norm
-from k3cli.testing import make_check
+from k3cli.layers.attnres import AttnResMixer
+from k3cli.layers.norm import RMSNorm, rms_norm
+from k3cli.ops.attnres.naive import naive_attnres
+from k3cli.ops.attnres.verify import MIXER_TOL
+from k3cli.testing import assert_close
 
-# max |a − b| / max(1, max |b|), fp64
-TOL = {"h": 1e-12, "grad": 1e-12, "alpha_sum": 1e-12, "fused": 1e-4}  # fused: fp32 Triton vs fp32 torch
 D = 12
-
-
-check = make_check(TOL)
 
 
 def make_sublayers(n: int, seed: int = 0, dtype=torch.float64, device="cpu") -> list:
@@ -44,37 +42,6 @@ def run(mixer, emb, subs):
     return y.detach(), {"emb": emb.grad, **{n: p.grad.clone() for n, p in mixer.named_parameters()}}
 
 
-def test_weights_sum_to_one():
-    sources = torch.randn(5, 2, 3, D, dtype=torch.float64) * 4
-    q, g = torch.randn(D, dtype=torch.float64), torch.randn(D, dtype=torch.float64)
-    h, alpha = naive_attnres(sources, q, g, return_weights=True)
-    check("alpha_sum", alpha.sum(0), torch.ones(2, 3, dtype=torch.float64), "alpha_sum")
-    assert (alpha > 0).all()
-    check("h", h, torch.einsum("nbt,nbtd->btd", alpha, sources), "h")
-
-
-def test_scores_use_rms_of_sources_not_values():
-    # scaling one source scales its value but not its score
-    sources = torch.randn(3, 1, 2, D, dtype=torch.float64)
-    q, g = torch.randn(D, dtype=torch.float64), torch.ones(D, dtype=torch.float64)
-    _, a1 = naive_attnres(sources, q, g, eps=0.0, return_weights=True)
-    sources[1] *= 10
-    _, a2 = naive_attnres(sources, q, g, eps=0.0, return_weights=True)
-    check("alpha", a2, a1, "h")
-
-
-def test_two_phase_state_equals_naive_softmax():
-    blocks = torch.randn(4, 2, 3, D, dtype=torch.float64)
-    partial = torch.randn(2, 3, D, dtype=torch.float64)
-    qs, gs = torch.randn(3, D, dtype=torch.float64), torch.randn(3, D, dtype=torch.float64)
-    m, l, o = attnres_phase1(blocks, qs, gs)
-    for r in range(3):
-        check(f"no partial {r}", attnres_merge(m[r], l[r], o[r], None, qs[r], gs[r]),
-              naive_attnres(blocks, qs[r], gs[r]), "h")
-        check(f"partial {r}", attnres_merge(m[r], l[r], o[r], partial, qs[r], gs[r]),
-              naive_attnres(torch.cat([blocks, partial[None]]), qs[r], gs[r]), "h")
-
-
 # (id, N sublayers, S)
 BLOCK_CASES = [
     ("N6_S2", 6, 2),
@@ -93,9 +60,9 @@ def test_block_two_phase_equals_naive(N, S):
     subs = make_sublayers(N)
     y_ref, g_ref = run(make_mixer(N, "block", S, impl="naive"), emb, subs)
     y, g = run(make_mixer(N, "block", S, impl="two_phase"), emb, subs)
-    check("y", y, y_ref, "h")
+    assert_close("y", y, y_ref, MIXER_TOL["fp64"])
     for name in g_ref:
-        check(f"d{name}", g[name], g_ref[name], "grad")
+        assert_close(f"d{name}", g[name], g_ref[name], MIXER_TOL["fp64"])
 
 
 @pytest.mark.parametrize("impl", ["naive", "two_phase"])
@@ -105,9 +72,9 @@ def test_block_S1_equals_full(N, impl):
     subs = make_sublayers(N)
     y_ref, g_ref = run(make_mixer(N, "full"), emb, subs)
     y, g = run(make_mixer(N, "block", 1, impl=impl), emb, subs)
-    check("y", y, y_ref, "h")
+    assert_close("y", y, y_ref, MIXER_TOL["fp64"])
     for name in g_ref:
-        check(f"d{name}", g[name], g_ref[name], "grad")
+        assert_close(f"d{name}", g[name], g_ref[name], MIXER_TOL["fp64"])
 
 
 def test_full_mixer_equals_hand_loop():
@@ -119,7 +86,7 @@ def test_full_mixer_equals_hand_loop():
     for l, f in enumerate(subs):
         sources.append(f(naive_attnres(torch.stack(sources), mixer.query[l], mixer.gain[l])))
     ref = naive_attnres(torch.stack(sources), mixer.out_query, mixer.out_gain)
-    check("y", mixer(emb, subs), ref, "h")
+    assert_close("y", mixer(emb, subs), ref, MIXER_TOL["fp64"])
 
 
 def test_block_differs_from_full_when_S_gt_1():
@@ -140,7 +107,7 @@ def test_zero_init_is_scaled_residual_sum(mode, S):
     for f in subs:
         x = x + f(x)  # the sublayers RMS-normalise first (eps 0), so the scale does not matter
     n_src = N + 1 if mode == "full" else 1 + -(-N // S)
-    check("y", y, x / n_src, "h")
+    assert_close("y", y, x / n_src, MIXER_TOL["fp64"])
 
 
 def test_queries_get_gradients_from_zero_init():
@@ -184,9 +151,9 @@ def _check_fused_impl(mode, N, S, device, T):
     subs = make_sublayers(N, dtype=torch.float32, device=device)
     y_ref, g_ref = run(make_mixer(N, mode, S, impl="two_phase").float().to(device), emb, subs)
     y, g = run(make_mixer(N, mode, S, impl="fused").float().to(device), emb, subs)
-    check("y", y, y_ref, "fused")
+    assert_close("y", y, y_ref, MIXER_TOL["fused"])
     for name in g_ref:
-        check(f"d{name}", g[name], g_ref[name], "fused")
+        assert_close(f"d{name}", g[name], g_ref[name], MIXER_TOL["fused"])
 
 
 def make_cores(n: int, seed: int = 0, dtype=torch.float64, device="cpu") -> list:
@@ -199,7 +166,6 @@ def make_cores(n: int, seed: int = 0, dtype=torch.float64, device="cpu") -> list
 
 def _norms(N, seed=3, dtype=torch.float64, device="cpu"):
     """N RMSNorms with random gains (so a wrong or missing gain shows)."""
-    from k3cli.layers.norm import RMSNorm
     gen = torch.Generator().manual_seed(seed)
     norms = [RMSNorm(D, eps=1e-6).to(device, dtype) for _ in range(N + 1)]
     with torch.no_grad():
@@ -240,9 +206,9 @@ def test_mixer_applied_norms_equal_sublayers_own_norms(mode, N, S, impl):
     for i, n in enumerate(norms + [final]):
         g_ref[f"norm{i}"] = n.weight.grad.clone()
     y, g = _run_with_norms(mixer, emb, cores, norms, final)
-    check("y", y, y_ref, "h")
+    assert_close("y", y, y_ref, MIXER_TOL["fp64"])
     for name in g_ref:
-        check(f"d{name}", g[name], g_ref[name], "grad")
+        assert_close(f"d{name}", g[name], g_ref[name], MIXER_TOL["fp64"])
 
 
 NORM_FUSED_CASES = [("full", 5, 1), ("block", 7, 3), ("block", 4, 2)]
@@ -270,6 +236,6 @@ def _check_fused_norms(mode, N, S, device, T):
         norms, final = _norms(N, dtype=torch.float32, device=device)
         out.append(_run_with_norms(make_mixer(N, mode, S, impl=impl).float().to(device), emb, cores, norms, final))
     (y_ref, g_ref), (y, g) = out
-    check("y", y, y_ref, "fused")
+    assert_close("y", y, y_ref, MIXER_TOL["fused"])
     for name in g_ref:
-        check(f"d{name}", g[name], g_ref[name], "fused")
+        assert_close(f"d{name}", g[name], g_ref[name], MIXER_TOL["fused"])

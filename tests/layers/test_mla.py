@@ -4,13 +4,10 @@ import torch
 import torch.nn.functional as F
 
 from k3cli.layers.mla import GatedMLA
-from k3cli.testing import make_check
+from k3cli.testing import assert_close
 
 # max |a − b| / max(1, max |b|), fp64 throughout
 TOL = {"y": 1e-12, "grad": 1e-12}
-
-
-check = make_check(TOL)
 
 
 # (id, B, T, D, H, q_lora, r, d_q, d_v)
@@ -51,9 +48,9 @@ def test_absorbed_equals_decompressed_equals_sdpa(B, T, D, H, ql, r, dq, dv):
     y_ref, g_ref = run(m, x, sdpa_reference)
     for absorb in (True, False):
         y, g = run(m, x, lambda m_, x_, a=absorb: m_(x_, absorb=a))
-        check(f"y absorb={absorb}", y, y_ref, "y")
+        assert_close(f"y absorb={absorb}", y, y_ref, TOL["y"])
         for name in g_ref:
-            check(f"d{name} absorb={absorb}", g[name], g_ref[name], "grad")
+            assert_close(f"d{name} absorb={absorb}", g[name], g_ref[name], TOL["grad"])
 
 
 @pytest.mark.parametrize("absorb", [True, False])
@@ -68,7 +65,7 @@ def test_config_flag_selects_path(absorb, monkeypatch):
         raise AssertionError(f"absorb={absorb} took the other path")
 
     monkeypatch.setattr(m, "_decompressed" if absorb else "_absorbed", wrong_path)
-    check("flag", m(x), expected, "y")
+    assert_close("flag", m(x), expected, TOL["y"])
 
 
 def test_causal():

@@ -4,13 +4,10 @@ import torch
 
 from k3cli.layers.ffn import situ_glu
 from k3cli.layers.moe import LatentMoE
-from k3cli.testing import make_check
+from k3cli.testing import assert_close
 
 # max |a − b| / max(1, max |b|), fp64
 TOL = {"y": 1e-12, "grad": 1e-12, "shared": 1e-12}
-
-
-check = make_check(TOL)
 
 
 def make(D=16, E=6, k=2, n_s=2, d_ff=12, latent=8, seed=0, **kw) -> LatentMoE:
@@ -55,9 +52,9 @@ def test_dispatch_modes_agree(B, T, E, k, forced):
     y_ref, g_ref = run(m, x, "dense")
     for mode in ("padded_bmm", "loop"):
         y, g = run(m, x, mode)
-        check(f"y {mode}", y, y_ref, "y")
+        assert_close(f"y {mode}", y, y_ref, TOL["y"])
         for name in g_ref:
-            check(f"d{name} {mode}", g[name], g_ref[name], "grad")
+            assert_close(f"d{name} {mode}", g[name], g_ref[name], TOL["grad"])
 
 
 def test_padded_bmm_is_deterministic():
@@ -76,8 +73,8 @@ def test_routing_weights_use_unbiased_scores():
     scores = torch.sigmoid(x @ m.router.weight.T)
     assert (ids.sort(-1).values == torch.tensor([0, 1])).all()
     top = scores.gather(1, ids)
-    check("weights", w, top / top.sum(-1, keepdim=True), "y")
-    check("sum", w.sum(-1), torch.ones(10, dtype=torch.float64), "y")
+    assert_close("weights", w, top / top.sum(-1, keepdim=True), TOL["y"])
+    assert_close("sum", w.sum(-1), torch.ones(10, dtype=torch.float64), TOL["y"])
 
 
 def test_two_shared_experts_equal_one_of_double_width():
@@ -92,7 +89,7 @@ def test_two_shared_experts_equal_one_of_double_width():
         two.up_proj.weight.zero_()
         one.up_proj.weight.zero_()
     x = torch.randn(2, 5, 16, dtype=torch.float64)
-    check("shared", one(x), two(x), "shared")
+    assert_close("shared", one(x), two(x), TOL["shared"])
 
 
 def test_router_bias_gets_no_gradient():
@@ -175,5 +172,5 @@ def test_few_tokens_take_the_sync_free_dense_path():
         x = torch.randn(1, T, 16, dtype=torch.float64)
         with torch.no_grad():
             assert _host_syncs(lambda x=x: m(x)) == syncs, T
-            check(f"T{T} auto vs dense", m(x), m(x, dispatch="dense"), "y")
-            check(f"T{T} auto vs padded", m(x), m(x, dispatch="padded_bmm"), "y")
+            assert_close(f"T{T} auto vs dense", m(x), m(x, dispatch="dense"), TOL["y"])
+            assert_close(f"T{T} auto vs padded", m(x), m(x, dispatch="padded_bmm"), TOL["y"])

@@ -8,13 +8,10 @@ from k3cli.config import load_config
 from k3cli.layers.block import DecoderBlock, build_attn, build_ffn
 from k3cli.layout import param_counts
 from k3cli.models import CausalLM
-from k3cli.testing import make_check
+from k3cli.testing import assert_close
 
 # max |a − b| / max(1, max |b|), fp64
 TOL = {"logits": 1e-12, "loss": 1e-12}
-
-
-check = make_check(TOL)
 
 
 def model(preset: str, attnres: str = "off", *sets: str, seed: int = 0, dtype=torch.float32) -> CausalLM:
@@ -53,7 +50,7 @@ def test_zero_init_attnres_equals_off(preset, attnres):
     assert missing == [] and all(k.startswith("attnres.") for k in unexpected) and unexpected
     x = ids(2, 19)
     with torch.no_grad():
-        check("logits", on(x).logits, off(x).logits, "logits")
+        assert_close("logits", on(x).logits, off(x).logits, TOL["logits"])
 
 
 CAUSAL = [("kda-toy", "off"), ("k3-toy", "off"), ("k3-toy", "block")]
@@ -70,7 +67,7 @@ def test_causality(preset, attnres):
     if preset == "kda-toy":
         assert torch.equal(a, b)  # bit-stable (SPEC §7.7); MoE capacity shapes may change rounding
     else:
-        check("logits", b, a, "logits")
+        assert_close("logits", b, a, TOL["logits"])
 
 
 @pytest.mark.parametrize("preset,attnres", CAUSAL, ids=[f"{p}-{a}" for p, a in CAUSAL])
@@ -80,7 +77,7 @@ def test_batch_invariance(preset, attnres):
     with torch.no_grad():
         batched = m(x).logits
         for i in range(3):
-            check(f"seq {i}", m(x[i:i + 1]).logits[0], batched[i], "logits")
+            assert_close(f"seq {i}", m(x[i:i + 1]).logits[0], batched[i], TOL["logits"])
 
 
 @pytest.mark.parametrize("preset,attnres", [("kda-toy", "off"), ("k3-toy", "block")])
@@ -102,7 +99,7 @@ def test_loss_is_shifted_cross_entropy():
     labels[0, 4] = -100
     out = m(x, labels=labels)
     ref = F.cross_entropy(out.logits[:, :-1].reshape(-1, 4096), labels[:, 1:].reshape(-1), ignore_index=-100)
-    check("loss", out.loss, ref, "loss")
+    assert_close("loss", out.loss, ref, TOL["loss"])
     assert m(x).loss is None
 
 
@@ -143,7 +140,7 @@ def test_decoder_block_is_pre_norm_residual():
     block = DecoderBlock.from_spec(cfg, "mla", "moe").double().eval()
     x = torch.randn(2, 6, 256, dtype=torch.float64)
     h = x + block.attn(block.attn_norm(x))
-    check("block", block(x), h + block.ffn(block.ffn_norm(h)), "logits")
+    assert_close("block", block(x), h + block.ffn(block.ffn_norm(h)), TOL["logits"])
 
 
 def test_unknown_kinds_are_clear_errors():

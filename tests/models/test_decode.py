@@ -12,6 +12,7 @@ from k3cli.config import load_config
 from k3cli.layers.kda import KDAAttention, KDACache
 from k3cli.layers.mla import MLACache
 from k3cli.models import CausalLM
+from k3cli.testing import assert_close, max_abs_error, scaled_max_error
 
 # max |decoded − full| over all logits, fp32 (docs/math.md §7.3); fp64 shows the paths agree up to
 # rounding (measured ≤ 3e-13; the gate runs in fp32 even for fp64 inputs)
@@ -65,10 +66,6 @@ def decode_all(m: CausalLM, x: torch.Tensor, prompt_len: int) -> torch.Tensor:
     return torch.cat(out, 1)
 
 
-def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
-
-
 CASES = [(p, a) for p in ("kda-toy", "k3-toy") for a in ("off", "full", "block")]
 # (prompt length, total length): a 1-token prompt; prompts shorter than, equal to and not a multiple
 # of the chunk size (16); decode crossing chunk boundaries
@@ -83,8 +80,7 @@ def test_prefill_plus_decode_equals_forward(preset, attnres):
         full = m(x).logits
     for prompt, total in LENGTHS:
         dec = decode_all(m, x[:, :total], prompt)
-        err = max_err(dec, full[:, :total])
-        assert err <= TOL["logits"], f"prompt {prompt}, total {total}: max |Δ logits| {err:.3g} > {TOL['logits']}"
+        assert_close(f"prompt {prompt}, total {total}: logits", dec, full[:, :total], TOL["logits"], max_abs_error)
 
 
 @pytest.mark.parametrize("preset,attnres", CASES, ids=[f"{p}-{a}" for p, a in CASES])
@@ -94,8 +90,8 @@ def test_prefill_plus_decode_equals_forward_fp64(preset, attnres):
     with torch.no_grad():
         full = m(x).logits
     for prompt, total in ((1, 40), (23, 40)):
-        err = max_err(decode_all(m, x[:, :total], prompt), full[:, :total])
-        assert err <= TOL["logits_fp64"], f"prompt {prompt}: max |Δ logits| {err:.3g} > {TOL['logits_fp64']}"
+        assert_close(f"prompt {prompt}: logits", decode_all(m, x[:, :total], prompt), full[:, :total],
+                     TOL["logits_fp64"], max_abs_error)
 
 
 def test_decode_without_the_cache_differs():
@@ -106,8 +102,8 @@ def test_decode_without_the_cache_differs():
     _, fresh = m.prefill(x[:, 10:11])
     with torch.no_grad():
         full = m(x).logits
-    assert max_err(m.decode_step(x[:, 11:], cache), full[:, 11:]) <= TOL["logits"]
-    assert max_err(m.decode_step(x[:, 11:], fresh), full[:, 11:]) > 100 * TOL["logits"]
+    assert_close("logits", m.decode_step(x[:, 11:], cache), full[:, 11:], TOL["logits"], max_abs_error)
+    assert max_abs_error(m.decode_step(x[:, 11:], fresh), full[:, 11:]) > 100 * TOL["logits"]
 
 
 def test_decode_a_few_tokens_per_step():
@@ -117,7 +113,7 @@ def test_decode_a_few_tokens_per_step():
         full = m(x).logits
     logits, cache = m.prefill(x[:, :6])
     rest = [m.decode_step(x[:, t:t + 3], cache) for t in (6, 9, 12)] + [m.decode_step(x[:, 15:], cache)]
-    assert max_err(torch.cat([logits, *rest], 1), full) <= TOL["logits"]
+    assert_close("logits", torch.cat([logits, *rest], 1), full, TOL["logits"], max_abs_error)
 
 
 def test_cache_contents():
@@ -162,8 +158,7 @@ def test_kda_layer_triton_decode_equals_torch_forward(T, prompt):
     with torch.no_grad():
         full = ref(x)
         out = [tri(x[:, :prompt], cache)] + [tri(x[:, t:t + 1], cache) for t in range(prompt, T)]
-    err = max_err(torch.cat(out, 1), full) / full.abs().max().item()
-    assert err <= TOL["layer_triton"], f"scaled max error {err:.3g} > {TOL['layer_triton']}"
+    assert_close("o", torch.cat(out, 1), full, TOL["layer_triton"], scaled_max_error)
 
 
 @pytest.mark.gpu
@@ -177,5 +172,4 @@ def test_prefill_plus_decode_equals_forward_cuda(attnres):
     with torch.no_grad():
         full = m(x).logits
     dec = decode_all(m, x, 7)
-    err = max_err(dec, full) / full.abs().max().item()
-    assert err <= TOL["layer_triton"], f"scaled max error {err:.3g} > {TOL['layer_triton']}"
+    assert_close("logits", dec, full, TOL["layer_triton"], scaled_max_error)

@@ -2,7 +2,7 @@
 
 CPU tier: torch references always; Triton kernels under TRITON_INTERPRET=1 (tiny shapes, fp32/fp16:
 the interpreter is wrong for bf16). GPU tier (@pytest.mark.gpu): bf16 full-size shapes.
-Tolerances: the one table in k3cli/ops/attnres/verify.py (`tolerance(name, dtype)`).
+Tolerances: the one table in k3cli/ops/attnres/verify.py (`tolerance(name, dtype)`, MIXER_TOL).
 """
 
 import pytest
@@ -18,14 +18,16 @@ from k3cli.ops.attnres import (
     naive_attnres_phase1,
 )
 from k3cli.ops.attnres.verify import (
+    MIXER_TOL,
     compare,
-    error_row,
     make_inputs,
     rounded,
     run_block,
     run_full,
+    tolerance,
     verify_attnres,
 )
+from k3cli.testing import assert_close, relative_rms_error
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -38,17 +40,25 @@ def assert_rows(rows):
     assert not bad, "; ".join(bad)
 
 
-def assert_close(name, x, ref, dtype=torch.float32):
-    """name picks the tolerance (h, y, dsrc, dquery, ...), dtype its scaling."""
-    assert_rows([error_row(name, x, ref, dtype)])
-
-
-# ---------------------------------------------------------------- torch references
+# ---------------------------------------------------------------- torch references (fp64 identities)
 def test_naive_weights_sum_to_one():
     srcs, _, q, g, _ = make_inputs(6, 2, 5, 48, seed=1)
-    _, alpha = naive_attnres(srcs, q[0], g[0], return_weights=True)
-    torch.testing.assert_close(alpha.sum(0), torch.ones_like(alpha[0]), rtol=0, atol=1e-12)
+    h, alpha = naive_attnres(srcs, q[0], g[0], return_weights=True)
+    assert_close("alpha_sum", alpha.sum(0), torch.ones_like(alpha[0]), MIXER_TOL["fp64"])
+    assert (alpha > 0).all()
     assert alpha.std() > 0.05, "scores should be far from uniform in this fixture"
+    assert_close("h", h, torch.einsum("nbt,nbtd->btd", alpha, torch.stack(srcs)), MIXER_TOL["fp64"])
+
+
+def test_naive_scores_use_rms_of_sources_not_values():
+    # scaling one source scales its value but not its score
+    gen = torch.Generator().manual_seed(4)
+    sources = torch.randn(3, 1, 2, 12, generator=gen, dtype=torch.float64)
+    q, g = torch.randn(12, generator=gen, dtype=torch.float64), torch.ones(12, dtype=torch.float64)
+    _, a1 = naive_attnres(sources, q, g, eps=0.0, return_weights=True)
+    sources[1] *= 10
+    _, a2 = naive_attnres(sources, q, g, eps=0.0, return_weights=True)
+    assert_close("alpha", a2, a1, MIXER_TOL["fp64"])
 
 
 @pytest.mark.parametrize("n,S,D", [pytest.param(1, 1, 48, id="n1-S1"), pytest.param(3, 2, 100, id="n3-S2-D100"),
@@ -57,15 +67,15 @@ def test_naive_two_phase_equals_one_softmax_fp64(n, S, D):
     srcs, partial, q, g, _ = make_inputs(n, 2, 7, D, S, seed=2)
     m, l, o = naive_attnres_phase1(srcs, q, g)
     for r in range(S):
-        p = partial if r > 0 else None
-        h = naive_attnres_merge(m[r], l[r], o[r], p, q[r], g[r])
-        torch.testing.assert_close(h, naive_attnres_block(srcs, p, q[r], g[r]), rtol=1e-12, atol=1e-12)
+        for p in (None, partial):
+            h = naive_attnres_merge(m[r], l[r], o[r], p, q[r], g[r])
+            assert_close(f"h{r}", h, naive_attnres_block(srcs, p, q[r], g[r]), MIXER_TOL["fp64"])
 
 
 def test_naive_zero_query_is_uniform_average():
     srcs, _, q, g, _ = make_inputs(4, 1, 3, 32, seed=3)
     h = naive_attnres(srcs, torch.zeros_like(q[0]), g[0], eps=0.0)
-    torch.testing.assert_close(h, torch.stack(srcs).mean(0), rtol=1e-12, atol=1e-12)
+    assert_close("h", h, torch.stack(srcs).mean(0), MIXER_TOL["fp64"])
 
 
 # ---------------------------------------------------------------- Triton, full form
@@ -113,7 +123,8 @@ def test_fused_norm_one_output_used(used):
         grads.append([*(x.grad for x in xs), qq.grad, gg.grad,
                       ww.grad if ww.grad is not None else torch.zeros_like(ww)])
     for i, (a, b) in enumerate(zip(*grads)):
-        assert_close(f"dsrc{i}" if i < len(srcs) else ("dquery", "dgain", "dnorm")[i - len(srcs)], a, b)
+        name = f"dsrc{i}" if i < len(srcs) else ("dquery", "dgain", "dnorm")[i - len(srcs)]
+        assert_close(name, a, b, tolerance(name), relative_rms_error)
 
 
 @needs_triton
@@ -168,7 +179,7 @@ def test_address_tables_are_reused_and_follow_the_pointers():
     q, g = torch.randn(16, device=DEVICE) * 0.5, torch.ones(16, device=DEVICE)
     for seed in range(3):   # new values each round; the allocator tends to hand back the same addresses
         fresh = [s.float() for s in make_inputs(3, 1, 4, 16, seed=10 + seed, device=DEVICE)[0]]
-        assert_close("h", fused_attnres(fresh, q, g), naive_attnres(fresh, q, g))
+        assert_close("h", fused_attnres(fresh, q, g), naive_attnres(fresh, q, g), tolerance("h"), relative_rms_error)
         del fresh
 
 
@@ -202,7 +213,7 @@ def test_two_phase_equals_one_softmax(S):
     for r in range(S):
         p = partial if r > 0 else None
         h = attnres_merge(m[r], l[r], o[r], None if p is None else p.float(), q[r].float(), g[r].float())
-        assert_close(f"h{r}", h, naive_attnres_block(srcs, p, q[r], g[r]))
+        assert_close(f"h{r}", h, naive_attnres_block(srcs, p, q[r], g[r]), tolerance("h"), relative_rms_error)
 
 
 @needs_triton
@@ -212,8 +223,8 @@ def test_block_size_one_equals_full():
     m, l, o = attnres_phase1(srcs, q, g)
     h, y = attnres_merge(m[0], l[0], o[0], None, q[0], g[0], norm_weight=nw)
     hf, yf = fused_attnres(srcs, q[0], g[0], norm_weight=nw)
-    assert_close("h", h, hf)
-    assert_close("y", y, yf)
+    assert_close("h", h, hf, tolerance("h"), relative_rms_error)
+    assert_close("y", y, yf, tolerance("y"), relative_rms_error)
 
 
 def _block_stack(impl, emb, W, Q, G, S, eps=1e-6):
@@ -256,7 +267,7 @@ def test_block_stack_matches_naive(N, S):
         out.pow(2).sum().backward()
         res.append([out, *(t.grad for t in leaves)])
     for name, a, b in zip(("h", "dsrc", "dsrc", "dquery", "dgain"), *res):
-        assert_close(name, a, b)
+        assert_close(name, a, b, tolerance(name), relative_rms_error)
 
 
 # ---------------------------------------------------------------- validation

@@ -8,22 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from k3cli.ops.kda.fused_recurrent import TOL
 from k3cli.ops.kda.naive import naive_kda_gate, naive_recurrent_kda
-from k3cli.ops.kda.verify import rel_rms
+from k3cli.testing import assert_close, relative_rms_error
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 pytestmark = pytest.mark.triton
 gpu = pytest.mark.gpu
-
-# relative RMS error limits against the fp32 reference, per output and input precision
-TOL = {"o": 1e-5, "ht": 1e-5, "o_bf16": 0.02, "ht_bf16": 0.02}
-
-
-def assert_close(name: str, x: torch.Tensor, ref: torch.Tensor) -> None:
-    err = rel_rms(x, ref)
-    assert err <= TOL[name], f"{name}: relative RMS error {err:.3g} > {TOL[name]}"
-
 
 def make_inputs(B, T, H, G, K, V, dtype=torch.float32, device=DEVICE, seed=0):
     """Raw (un-normalised) q/k, raw gate input, beta in (0, 1), an fp32 initial state, gate params."""
@@ -85,8 +77,8 @@ def test_fused_recurrent_matches_naive(B, T, H, G, K, V, l2norm, gate):
                                 use_qk_l2norm_in_kernel=l2norm, use_gate_in_kernel=gate,
                                 A_log=A_log, dt_bias=dt_bias)
     assert o.shape == v.shape and o.dtype == v.dtype and ht.dtype == torch.float32
-    assert_close("o", o, ro)
-    assert_close("ht", ht, rh)
+    assert_close("o", o, ro, TOL[torch.float32], relative_rms_error)
+    assert_close("ht", ht, rh, TOL[torch.float32], relative_rms_error)
 
 
 def test_inplace_state_token_by_token_equals_one_call():
@@ -103,8 +95,8 @@ def test_inplace_state_token_by_token_equals_one_call():
                                     beta[:, t:t + 1], initial_state=state, inplace_state=True, **kw)
         assert ht is state
         outs.append(o)
-    assert_close("o", torch.cat(outs, 1), ro)
-    assert_close("ht", state, rh)
+    assert_close("o", torch.cat(outs, 1), ro, TOL[torch.float32], relative_rms_error)
+    assert_close("ht", state, rh, TOL[torch.float32], relative_rms_error)
 
 
 def test_no_initial_state_and_no_final_state():
@@ -116,7 +108,7 @@ def test_no_initial_state_and_no_final_state():
     o, ht = fused_recurrent_kda(q, k, v, g_raw, beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                                 A_log=A_log, dt_bias=dt_bias)
     assert ht is None
-    assert_close("o", o, ro)
+    assert_close("o", o, ro, TOL[torch.float32], relative_rms_error)
 
 
 def test_grad_mode_falls_back_to_the_differentiable_reference():
@@ -170,8 +162,8 @@ def test_fused_recurrent_bf16_full_size(B):
                                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log,
                                dt_bias=dt_bias)
     assert o.dtype == torch.bfloat16
-    assert_close("o_bf16", o, ro)
-    assert_close("ht_bf16", state, rh)
+    assert_close("o", o, ro, TOL[torch.bfloat16], relative_rms_error)
+    assert_close("ht", state, rh, TOL[torch.bfloat16], relative_rms_error)
 
 
 def test_bench_decode_runs_and_reports_state_bandwidth():

@@ -1,15 +1,21 @@
-"""Pure-torch references for AttnRes (SPEC §5; the math, forward and backward, is in README.md).
+"""Pure-torch AttnRes (docs/math.md §5; the forward and backward math is in README.md): the reference
+the Triton kernels are tested against, and the torch path of the model's AttnRes mixer.
 
 Shapes: a source v_i is [B, T, D]; `sources` is a list of n such tensors or one stacked
 [n, B, T, D] tensor; a query / gain is [D] (one sublayer) or [S, D] (a block's S sublayers).
+gain None: `query` is w̃ = query ⊙ gain already. `keys`: `source_keys(sources)` if already computed
+(the mixer caches them: each source is a key for every later sublayer).
 All softmax math runs in fp32 (fp64 for fp64 inputs); outputs are cast back to the sources' dtype
 except the phase-1 state (m, l, o), which stays in the working dtype.
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
+
 import torch
 
-from k3cli.layers.norm import rms_norm
+from k3cli.ops.norm import rms_norm
 
 
 def _work_dtype(x: torch.Tensor) -> torch.dtype:
@@ -17,57 +23,82 @@ def _work_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _stack(sources: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
-    return sources if isinstance(sources, torch.Tensor) else torch.stack(list(sources))
+def _fp32_math(fn):
+    """Run fn with autocast off: scores and softmax stay fp32 (autocast would run the matvecs in bf16)."""
+    @functools.wraps(fn)
+    def wrapper(first, *args, **kwargs):
+        dev = (first[0] if isinstance(first, (list, tuple)) else first).device.type
+        with torch.autocast(dev, enabled=False):
+            return fn(first, *args, **kwargs)
+    return wrapper
 
 
-def naive_attnres(sources, query, gain, eps: float = 1e-6, norm_weight=None, norm_eps: float = 1e-6,
-                  return_weights: bool = False):
-    """One depth mix (SPEC §5, full form).
+def source_keys(sources: Sequence[torch.Tensor], eps: float = 1e-6) -> list[torch.Tensor]:
+    """RMS(v) without gain for each source [B, T, D], in the working dtype."""
+    return [rms_norm(v.to(_work_dtype(v)), None, eps) for v in sources]
+
+
+@_fp32_math
+def _w_tilde(query: torch.Tensor, gain: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The scoring vector(s) w̃ = query ⊙ gain in `dtype`; gain None: query is w̃ already."""
+    return (query if gain is None else query * gain).to(dtype)
+
+
+def naive_attnres(sources, query, gain, eps: float = 1e-6, *, norm_weight=None, norm_eps: float = 1e-6,
+                  keys: Sequence[torch.Tensor] | None = None, return_weights: bool = False):
+    """One depth mix (full form): h = Σ_i softmax_i(w̃ · RMS(v_i)) v_i.
 
     Args:
         sources: list of n tensors [B, T, D] or one [n, B, T, D].
         query, gain: [D]; the score of source i is (query ⊙ gain) · RMS(v_i).
         eps: RMS eps of the scores.
         norm_weight: [D] or None; if given, also return y = RMSNorm(h) · norm_weight (eps norm_eps).
+        keys: `source_keys(sources, eps)`, or None to compute them.
         return_weights: also return α [n, B, T] (working dtype, sums to 1 over n).
     Returns:
         h [B, T, D] in the sources' dtype; then y (if norm_weight), then α (if return_weights).
     """
-    v_all = _stack(sources)
-    wd = _work_dtype(v_all)
-    v = v_all.to(wd)
-    s = torch.einsum("d,nbtd->nbt", (query * gain).to(wd), rms_norm(v, None, eps))    # (n, B, T)
+    wd = _work_dtype(sources[0])
+    keys = source_keys(sources, eps) if keys is None else keys
+    w = _w_tilde(query, gain, wd)
+    # a matvec per source and an accumulated weighted sum: einsum over [N, B, T, D] lowers to
+    # B·T tiny bmms and was ~4× slower on CPU for k3-toy
+    s = torch.stack([key @ w for key in keys])                                           # (n, B, T)
     alpha = s.softmax(0)
-    h = torch.einsum("nbt,nbtd->btd", alpha, v)                                # (B, T, D)
-    out = [h.to(v_all.dtype)]
+    h = sum(alpha[i, ..., None] * v.to(wd) for i, v in enumerate(sources))              # (B, T, D)
+    out = [h.to(sources[0].dtype)]
     if norm_weight is not None:
-        out.append(rms_norm(h, norm_weight, norm_eps).to(v_all.dtype))
+        out.append(rms_norm(h, norm_weight, norm_eps).to(sources[0].dtype))
     if return_weights:
         out.append(alpha)
     return out[0] if len(out) == 1 else tuple(out)
 
 
-def naive_attnres_phase1(sources, queries, gains, eps: float = 1e-6):
+@_fp32_math
+def naive_attnres_phase1(sources, queries, gains, eps: float = 1e-6, *,
+                         keys: Sequence[torch.Tensor] | None = None):
     """Block form, phase 1: all S queries of a block against its n completed sources at once.
 
     Args:
         sources: list of n tensors [B, T, D] or one [n, B, T, D] (b_0 and the completed block sums).
         queries, gains: [S, D].
+        keys: as in naive_attnres.
     Returns:
         online-softmax state per query, working dtype: m [S, B, T] (max score),
         l [S, B, T] (Σ_i exp(s_i − m)), o [S, B, T, D] (Σ_i exp(s_i − m) · v_i, unnormalised).
     """
-    v_all = _stack(sources)
-    wd = _work_dtype(v_all)
-    v = v_all.to(wd)
-    s = torch.einsum("qd,nbtd->qnbt", (queries * gains).to(wd), rms_norm(v, None, eps))  # (S, n, B, T)
-    m = s.amax(1)                                                               # (S, B, T)
+    wd = _work_dtype(sources[0])
+    keys = source_keys(sources, eps) if keys is None else keys
+    w = _w_tilde(queries, gains, wd)
+    s = torch.stack([key @ w.T for key in keys]).permute(3, 0, 1, 2)                    # (S, n, B, T)
+    m = s.amax(1)                                                                         # (S, B, T)
     p = (s - m[:, None]).exp()
-    return m, p.sum(1), torch.einsum("qnbt,nbtd->qbtd", p, v)
+    o = sum(p[:, j, ..., None] * v.to(wd) for j, v in enumerate(sources))                # (S, B, T, D)
+    return m, p.sum(1), o
 
 
-def naive_attnres_merge(m, l, o, partial, query, gain, eps: float = 1e-6, norm_weight=None,
+@_fp32_math
+def naive_attnres_merge(m, l, o, partial, query, gain, eps: float = 1e-6, *, norm_weight=None,
                         norm_eps: float = 1e-6, out_dtype: torch.dtype | None = None):
     """Block form, phase 2: merge the block's running partial sum into one query's phase-1 state.
 
@@ -76,20 +107,19 @@ def naive_attnres_merge(m, l, o, partial, query, gain, eps: float = 1e-6, norm_w
         partial: [B, T, D] or None (the first sublayer of a block has no partial source).
         query, gain: [D].
         norm_weight: [D] or None; if given, also return y = RMSNorm(h) · norm_weight.
-        out_dtype: dtype of h (and y); default o's dtype.
+        out_dtype: dtype of h (and y); default o's (working) dtype.
     Returns:
         h [B, T, D] (and y).
     """
-    wd = o.dtype
     if partial is None:
         h = o / l[..., None]
     else:
-        p = partial.to(wd)
-        s = torch.einsum("d,btd->bt", (query * gain).to(wd), rms_norm(p, None, eps))       # (B, T)
+        p = partial.to(o.dtype)
+        s = rms_norm(p, None, eps) @ _w_tilde(query, gain, o.dtype)                        # (B, T)
         m_new = torch.maximum(m, s)
         a, b = (m - m_new).exp(), (s - m_new).exp()
         h = (o * a[..., None] + b[..., None] * p) / (l * a + b)[..., None]
-    out_dtype = wd if out_dtype is None else out_dtype
+    out_dtype = o.dtype if out_dtype is None else out_dtype
     if norm_weight is None:
         return h.to(out_dtype)
     return h.to(out_dtype), rms_norm(h, norm_weight, norm_eps).to(out_dtype)

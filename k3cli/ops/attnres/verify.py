@@ -1,7 +1,7 @@
 """AttnRes kernels against the fp64 torch reference: outputs and every gradient (SPEC §7.6).
 
 `verify_attnres(shapes, dtype)` returns rows (name, rel_rms, max_abs, tol, passed) for the CLI;
-the runners below are shared with tests/ops/test_attnres.py.
+the tolerance table and the runners below are shared with the tests.
 """
 from __future__ import annotations
 
@@ -12,32 +12,32 @@ import torch
 from k3cli.ops.attnres.block import attnres_merge, attnres_phase1
 from k3cli.ops.attnres.fused import fused_attnres
 from k3cli.ops.attnres.naive import naive_attnres, naive_attnres_merge, naive_attnres_phase1
+from k3cli.testing import max_abs_error, relative_rms_error
 
-# relative RMS error limits against the fp64 reference, per output, for fp32 inputs; half inputs
-# scale them by HALF_SCALE (their own rounding, 2^-11 fp16 / 2^-8 bf16, dominates the error).
+# The one tolerance table of AttnRes, for verify_attnres and the tests (tests/ops, tests/layers).
+# TOL: relative RMS error against the fp64 reference, per output, for fp32 inputs; half inputs scale
+# it by HALF_SCALE (their own rounding, 2^-11 fp16 / 2^-8 bf16, dominates the error).
 TOL = {"h": 2e-6, "y": 2e-6, "m": 2e-6, "l": 2e-6, "o": 2e-6,
        "dsrc": 5e-6, "dpartial": 5e-6, "dquery": 2e-5, "dgain": 2e-5, "dnorm": 2e-5}
 HALF_SCALE = {torch.float32: 1.0, torch.float64: 1.0, torch.float16: 500.0, torch.bfloat16: 4000.0}
+# MIXER_TOL: scaled max error (k3cli.testing.scaled_max_error) of whole mixes. "fp64": two torch forms
+# of the same math in fp64 (rounding only); "fused": the mixer on the Triton kernels against the torch
+# mixer, both fp32, through a stack of up to 31 sublayers (the error compounds with depth).
+MIXER_TOL = {"fp64": 1e-12, "fused": 1e-4}
 
 
-def tolerance(name: str, dtype: torch.dtype) -> float:
-    """The one tolerance table: TOL[output] scaled by the input dtype's rounding."""
-    return TOL[name] * HALF_SCALE[dtype]
+def tolerance(name: str, dtype: torch.dtype = torch.float32) -> float:
+    """TOL for an output name, scaled by the input dtype's rounding. The name may carry a case prefix
+    and a row index ("full n5 .../dsrc3" -> "dsrc")."""
+    return TOL[name.split("/")[-1].rstrip("0123456789")] * HALF_SCALE[dtype]
 
 
 def error_row(name: str, x: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> tuple:
-    """(name, rel_rms, max_abs, tol, passed); NaN never passes.
-
-    A reference that is zero up to fp64 rounding (a gradient the math says vanishes, e.g. the query
-    of a one-source mix) has no relative error: there the row holds the absolute RMS of x.
-    """
-    x, ref = x.double(), ref.double()
-    ref_rms = ref.pow(2).mean().sqrt().item()
-    err_rms = (x - ref).pow(2).mean().sqrt().item()
-    rel = err_rms if ref_rms <= 1e-12 else err_rms / ref_rms
-    max_abs = (x - ref).abs().max().item()
-    tol = tolerance(name.split("/")[-1].rstrip("0123456789"), dtype)
-    return name, rel, max_abs, tol, bool(rel <= tol)     # NaN compares False
+    """(name, rel_rms, max_abs, tol, passed), rel_rms = k3cli.testing.relative_rms_error (the absolute
+    RMS where the reference is zero up to fp64 rounding); NaN never passes."""
+    rel = relative_rms_error(x, ref)
+    tol = tolerance(name, dtype)
+    return name, rel, max_abs_error(x.double(), ref.double()), tol, bool(rel <= tol)     # NaN compares False
 
 
 def make_inputs(n: int, B: int, T: int, D: int, S: int = 1, seed: int = 0, device="cpu"):
