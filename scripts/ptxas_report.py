@@ -1,10 +1,12 @@
-"""Registers and spill stack of the chunk_kda kernels as compiled for sm_90 (H100/H200), without a GPU.
+"""Registers and spill stack of every chunk_kda kernel as it ships, compiled for sm_90 (H100/H200), no GPU needed.
 
-    .venv/bin/python scripts/ptxas_report.py [K] [--warps 16 8 4] [--chunk 64] [--maxnreg 128] [--only TEXT]
+    .venv/bin/python scripts/ptxas_report.py [--K 16 32 64 128] [--chunk 64] [--dtype bf16]
 
-Triton compiles each kernel for the target here (its bundled ptxas), then `cuobjdump -res-usage`
-reads the cubin. REG 255 with a non-zero STACK means spills and one 8-warp block per SM (session 2's
-ncu run: the K = 128 stage-1 and backward kernels sat there). A proxy for occupancy, not a timing.
+For each K = V and chunk size, the kernels and meta-parameters chunk_kda launches (its launch plan for that
+shape on CUDA, `k3cli.ops.kda.chunk.plan`), with the buffer dtypes the plan picks; the autotuned scans once per
+config their autotuner may pick. Triton compiles each for sm_90 with its bundled ptxas and `cuobjdump -res-usage`
+reads the cubin. REG 255 with a non-zero STACK means spills. A proxy for occupancy, not a timing. Run it without
+TRITON_INTERPRET (the kernels must be real @triton.jit functions). Exits non-zero if any kernel fails to compile.
 """
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ import inspect
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -22,26 +26,24 @@ from triton.runtime.autotuner import Autotuner
 
 from k3cli.ops.kda import chunk_bwd as B
 from k3cli.ops.kda import chunk_fwd as F
+from k3cli.ops.kda.chunk import plan
 
-INPUTS = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*bf16", "beta": "*bf16", "do": "*bf16", "dv": "*bf16",
-          "o": "*bf16"}
-SCALARS = {"scale": "fp32", "T": "i32", "NT": "i32", "NBT": "i32", "NBH": "i32", "N0": "i32", "N1": "i32", "L": "i32",
-           "SEG_STRIDE": "i32", "SEG_STRIDE_M": "i32", "SEG_STRIDE_E": "i32", "NPROG": "i32"}
+_TY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_SCALARS = {"scale": "fp32"}
 
 
-def compile_report(fn, const: dict, num_warps: int, maxnreg: int | None = None) -> tuple[int, int]:
+def compile_report(fn, ptr_types: dict, const: dict, num_warps: int, num_stages: int = 1) -> tuple[int, int]:
+    """(registers, stack bytes) of `fn` compiled for sm_90: pointer arguments typed by `ptr_types`
+    (name -> "fp32" / "bf16" / ...), scalars as fp32 (scale) or i32, `const` as its constexprs."""
     fn = getattr(fn, "jit", fn)   # launch.FastLaunch wraps the (autotuned) kernel; .jit is its JITFunction
-    fn = fn.fn if isinstance(fn, Autotuner) else fn   # autotuned kernels wrap the JITFunction
-    const = dict(const)
-    stages = const.pop("_stages", 1)   # a launch option, not a kernel parameter
+    fn = fn.fn if isinstance(fn, Autotuner) else fn
     # constexpr parameters left out take their defaults (unlisted, they would compile as pointer arguments)
     const = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty},
              **const}
-    sig = {}
-    for n in fn.arg_names:
-        sig[n] = "constexpr" if n in const else SCALARS.get(n, INPUTS.get(n, "*fp32"))
+    sig = {n: "constexpr" if n in const else ("*" + ptr_types[n] if n in ptr_types else _SCALARS.get(n, "i32"))
+           for n in fn.arg_names}
     kern = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": stages, "maxnreg": maxnreg})
+                          options={"num_warps": num_warps, "num_stages": num_stages})
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kern.asm["cubin"])
@@ -51,101 +53,76 @@ def compile_report(fn, const: dict, num_warps: int, maxnreg: int | None = None) 
     return int(m.group(1)), int(m.group(2))
 
 
+def _scan_configs(ptr_types: dict, V: int, BK: int, BT: int, prec: str, kd_t: bool | None):
+    """The STATE_CONFIGS entries the scan's autotuner may pick for these buffers (as on a GPU)."""
+    dt = {v: k for k, v in _TY.items()}
+    named = {n: torch.empty(1, dtype=dt[ptr_types[n]]) for n in ("w", "kd", "qg", "aqk") if n in ptr_types}
+    named.update(V=V, BK=BK, BT=BT, PREC=prec, **({} if kd_t is None else {"KD_T": kd_t}))
+    return F.prune_state_configs(F.STATE_CONFIGS, named)
+
+
+def rows(K: int, BT: int, dtype: torch.dtype = torch.bfloat16):
+    """(label, kernel, pointer types, constexprs, warps, stages) of every launch chunk_kda makes at K = V."""
+    V, H = K, 16
+    p = plan(1, 16384, H, K, V, BT, dtype, cuda=True)
+    x, f32 = _TY[dtype], "fp32"
+    inter, gated, aqk = _TY[p.inter_dtype], _TY[p.gated_dtype], _TY[p.aqk_dtype]
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(64, max(16, triton.next_power_of_2(V)))
+    BC = min(16, BT)
+    io = dict(q=x, k=x, v=x, beta=x, do=x, o=x, dv=x, dq=x, dk=x, g=f32)
+    stage1 = dict(io, gc=f32, qg=gated, kd=gated, eg=f32, w=inter, u=inter, aqk=aqk, tm=f32, mkk=f32)
+    out = [("fwd gamma", F._kda_fwd_gamma_kernel, stage1,
+            dict(H=H, HV=H, K=K, BT=BT, BK=min(BK, F.GAMMA_BK)), F.GAMMA_WARPS, 1)]
+    for store_mkk in (True, False):
+        out.append((f"fwd scores {'per pair' if p.per_pair else 'per sub-chunk'}{'' if store_mkk else ' no Mkk'}",
+                    F._kda_fwd_scores_kernel, stage1,
+                    dict(H=H, HV=H, K=K, BT=BT, BC=BC, BK=min(BK, F.SCORES_BK), PREC=p.prec, STORE_MKK=store_mkk,
+                         PER_PAIR=p.per_pair), F.SCORES_WARPS, p.score_stages))
+    out.append(("fwd tail", F._kda_fwd_tail_kernel, stage1,
+                dict(HV=H, K=K, V=V, BT=BT, BC=BC, BK=min(BK, F.TAIL_BK), BV=BV, PREC=p.prec), F.TAIL_WARPS, 1))
+    scan = dict(stage1, h0=f32, ht=f32, h=f32, vn=f32)
+    for name, store_o in (("fwd scan", True), ("bwd re-scan", False)):
+        for c in _scan_configs(scan, V, BK, BT, p.scan_prec, kd_t=store_o):
+            out.append((f"{name} BV{c.kwargs['BV']} {c.num_warps}w {c.num_stages}s", F._kda_fwd_state_kernel, scan,
+                        dict(HV=H, K=K, V=V, BT=BT, BK=BK, BV=c.kwargs["BV"], USE_H0=False, STORE_HT=False,
+                             STORE_O=store_o, STORE_H=not store_o, INTERPRET=False, PREC=p.scan_prec, KD_T=store_o),
+                        c.num_warps, c.num_stages))
+    bwd = dict(stage1, dht=f32, dh=f32, dvn=f32, dh0=f32, h=f32, vn=f32, dy=f32, dqk=f32, dkk=f32, dbeta_v=f32,
+               dqs=f32, dks=f32, dgs=f32, dg=f32, dbeta=f32)
+    for c in _scan_configs(bwd, V, BK, BT, p.prec, kd_t=None):
+        out.append((f"bwd reverse scan BV{c.kwargs['BV']} {c.num_warps}w {c.num_stages}s", B._kda_bwd_state_kernel,
+                    bwd, dict(HV=H, K=K, V=V, BT=BT, BK=BK, BV=c.kwargs["BV"], USE_DHT=False, STORE_DH0=False,
+                              INTERPRET=False, PREC=p.prec), c.num_warps, c.num_stages))
+    out.append(("bwd V side", B._kda_bwd_vside_kernel, bwd, dict(HV=H, V=V, BT=BT, BV=BV, PREC=p.prec),
+                B.SIDE_WARPS, 1))
+    out.append(("bwd scores", B._kda_bwd_scores_kernel, bwd,
+                dict(H=H, HV=H, K=K, BT=BT, BC=BC, BK=min(BK, B.SCORES_BK), PREC=p.prec), B.SCORES_WARPS, 1))
+    out.append(("bwd key side", B._kda_bwd_kside_kernel, bwd,
+                dict(H=H, HV=H, K=K, V=V, BT=BT, BK=min(BK, B.MAX_BK), BV=BV, PREC=p.prec), B.SIDE_WARPS, 1))
+    return out
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("K", type=int, nargs="?", default=128)
-    ap.add_argument("--warps", type=int, nargs="+", default=[16, 8, 4])
-    ap.add_argument("--chunk", type=int, default=64, help="BT, the chunk size")
-    ap.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (ptxas .maxnreg)")
-    ap.add_argument("--only", default=None, help="report only the kernels whose row name contains this text")
-    ap.add_argument("--prec", default="tf32", choices=["tf32", "tf32x3", "ieee", "bf16", "fp16", "bf16n"], help="tl.dot input precision")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--K", type=int, nargs="+", default=[16, 32, 64, 128], help="K = V of each report")
+    ap.add_argument("--chunk", type=int, nargs="+", default=[64], help="chunk sizes (16, 32, 64)")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     args = ap.parse_args()
-    K = V = args.K
-    BKf = max(16, triton.next_power_of_2(K))
-    BT = args.chunk
-    base = dict(H=16, HV=16, K=K, V=V, BT=BT, BC=min(16, BT), PREC=args.prec)
-    cases = [("fwd_intra whole-K", F._kda_fwd_intra_kernel, dict(base, BK=BKf, BV=min(64, BKf), STORE_MKK=False))]
-    for bk in (64, 32, 16):
-        if bk < BKf:
-            cases.append((f"fwd_intra kblock BK{bk}", F._kda_fwd_intra_kblock_kernel,
-                          dict(base, BK=bk, BV=min(64, BKf), PART=0, STORE_MKK=False)))
-    cases.append(("fwd scores pairs (whole K)", F._kda_fwd_scores_pairs_kernel,
-                  dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=BKf, PREC=args.prec, STORE_MKK=True)))
-    for bk in sorted({min(64, BKf), min(32, BKf)}):
-        cases.append((f"fwd gamma BK{bk}", F._kda_fwd_gamma_kernel, dict(H=16, HV=16, K=K, BT=BT, BK=bk)))
-        cases.append((f"fwd gamma BK{bk} KG", F._kda_fwd_gamma_kernel, dict(H=16, HV=16, K=K, BT=BT, BK=bk, KG=True)))
-    for bk in sorted({min(64, BKf), BKf}):
-        cases.append((f"fwd scores sub BK{bk}", F._kda_fwd_scores_sub_kernel,
-                      dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=bk, PREC=args.prec, STORE_MKK=True,
-                           PER_PAIR=False)))
-        cases.append((f"fwd scores per pair BK{bk}", F._kda_fwd_scores_sub_kernel,
-                      dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=bk, PREC=args.prec, STORE_MKK=True,
-                           PER_PAIR=True)))
-        cases.append((f"fwd scores per pair BK{bk} 2 stages", F._kda_fwd_scores_sub_kernel,
-                      dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=bk, PREC=args.prec, STORE_MKK=True,
-                           PER_PAIR=True, _stages=2)))
-    cases.append((f"fwd_intra solve + W,U BK{BKf}", F._kda_fwd_intra_kblock_kernel,
-                  dict(base, BK=BKf, BV=min(64, BKf), PART=4, STORE_MKK=False)))
-    cases.append(("fwd_intra solve + W,U BK32", F._kda_fwd_intra_kblock_kernel,
-                  dict(base, BK=min(32, BKf), BV=min(64, BKf), PART=4, STORE_MKK=False)))
-    cases.append(("fwd_intra solve + W,U BK32 KG", F._kda_fwd_intra_kblock_kernel,
-                  dict(base, BK=min(32, BKf), BV=min(64, BKf), PART=4, STORE_MKK=False, KG=True)))
-    for bk in (BKf, 32):
-        cases.append((f"fwd_intra solve / W,U BK{bk}", F._kda_fwd_intra_kblock_kernel,
-                      dict(base, BK=min(bk, BKf), BV=min(64, BKf), PART=3, STORE_MKK=False)))
-    for part, what in ((1, "scores"), (2, "solve"), (3, "W, U")):
-        cases.append((f"fwd_intra split {what} BK32", F._kda_fwd_intra_kblock_kernel,
-                      dict(base, BK=min(32, BKf), BV=min(64, BKf), PART=part, STORE_MKK=False)))
-    state = dict(HV=16, K=K, V=V, BT=BT, BK=BKf, PREC=args.prec)
-    for bv in (64, 32, 16):
-        for kd_t in (True, False):   # K_d^T loaded as a [BK, BT] tile (TUNING scan_kd_t, the default) or transposed
-            cases.append((f"fwd_state BV{bv}{'' if kd_t else ' K_d transposed'}", F._kda_fwd_state_kernel,
-                          dict(state, BV=bv, USE_H0=False, STORE_HT=False, STORE_O=True, STORE_H=False,
-                               INTERPRET=False, KD_T=kd_t)))
-    for bv in (64, 32):
-        cases.append((f"bwd_state BV{bv}", B._kda_bwd_state_kernel,
-                      dict(state, BV=bv, USE_DHT=False, STORE_DH0=False, INTERPRET=False)))
-    for bv in (64, 32):
-        cases.append((f"fwd_state BV{bv} no O, store S, K_d transposed", F._kda_fwd_state_kernel,
-                      dict(state, BV=bv, USE_H0=False, STORE_HT=False, STORE_O=False, STORE_H=True, INTERPRET=False,
-                           KD_T=False)))
-        cases.append((f"fwd run summary BV{bv}", F._kda_fwd_seg_summary_kernel,
-                      dict(K=K, V=V, BT=BT, BK=BKf, BV=bv, INTERPRET=False, PREC=args.prec)))
-        cases.append((f"fwd O BV{bv}", F._kda_fwd_o_kernel, dict(HV=16, K=K, V=V, BT=BT, BK=BKf, BV=bv, PREC=args.prec)))
-    for bk, bv in ((64, 64), (32, 64), (32, 32)):
-        bk, bv = min(bk, BKf), min(bv, BKf)
-        for stored in (False, True):
-            tag = " stored Mkk" if stored else ""
-            cases.append((f"bwd_intra BK{bk} BV{bv}{tag}", B._kda_bwd_intra_kernel,
-                          dict(base, BK=bk, BV=bv, STORED_MKK=stored)))
-            cases.append((f"bwd kside BK{bk} BV{bv}{tag}", B._kda_bwd_kside_kernel,
-                          dict(base, BK=bk, BV=bv, STORED_MKK=stored, SCORES_DONE=False, GC=False)))
-    for gc in (False, True):
-        cases.append((f"bwd scores sub-chunk BK32{' stored Γ' if gc else ''}", B._kda_bwd_scores_subchunk_kernel,
-                      dict(H=16, HV=16, K=K, BT=BT, BC=min(16, BT), BK=min(32, BKf), PREC=args.prec, GC=gc)))
-    for bk, bv in ((64, 64), (32, 32)):
-        bk, bv = min(bk, BKf), min(bv, BKf)
-        for gc in (False, True):
-            cases.append((f"bwd kside BK{bk} BV{bv} scores done{' stored Γ' if gc else ''}", B._kda_bwd_kside_kernel,
-                          dict(base, BK=bk, BV=bv, STORED_MKK=True, SCORES_DONE=True, GC=gc)))
-    for bv in (64, 32):
-        cases.append((f"bwd vside BV{min(bv, BKf)}", B._kda_bwd_vside_kernel,
-                      dict(HV=16, V=V, BT=BT, BV=min(bv, BKf), PREC=args.prec)))
-    print(f"K = V = {K}, BT = {BT}, bf16 inputs, sm_90, maxnreg {args.maxnreg}, dots {args.prec}")
-    print(f"{'kernel':34s} " + " ".join(f"{f'{w} warps REG/STACK':>20s}" for w in args.warps))
-    seen = set()
-    for name, fn, const in cases:
-        if name in seen or (args.only is not None and args.only not in name):
-            continue
-        seen.add(name)
-        cols = []
-        for w in args.warps:
-            try:
-                reg, stack = compile_report(fn, const, w, args.maxnreg)
-                cols.append(f"{reg:>10d} / {stack:<7d}")
-            except Exception as e:  # report, keep going
-                cols.append(f"{type(e).__name__:>20s}")
-        print(f"{name:34s} " + " ".join(f"{c:>20s}" for c in cols), flush=True)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    failed = 0
+    for K in args.K:
+        for BT in args.chunk:
+            print(f"K = V = {K}, chunk {BT}, {args.dtype} inputs, sm_90")
+            for label, fn, ptrs, const, warps, stages in rows(K, BT, dtype):
+                try:
+                    reg, stack = compile_report(fn, ptrs, const, warps, stages)
+                    cell = f"{reg:>4d} / {stack}"
+                except Exception as e:  # report, keep going
+                    failed += 1
+                    cell = f"FAILED {type(e).__name__}"
+                print(f"  {label:36s} {warps:>2d} warps  REG / STACK {cell}", flush=True)
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

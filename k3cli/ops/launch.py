@@ -1,9 +1,9 @@
 """Cheaper Triton launches for kernels launched many times per call (chunk_kda's ranges and stages).
 
 `kernel[grid](*args, **meta)` through Triton's JITFunction.run (and Autotuner.run) re-binds and re-specialises
-every argument on every launch, and its C launcher asks the driver about every tensor's pointer: on the H200
-machine's host 32-44 us for an empty kernel with 20 tensor arguments (session 9, scripts/kda_host_profile.py),
-so chunk_kda's 16-launch forward at B1 T16384 spent 0.73-1.46 ms of host time per ~1.2 ms on the device.
+every argument on every launch, and its C launcher asks the driver about every tensor's pointer: on an H200
+host 32-44 us for an empty kernel with 20 tensor arguments, so chunk_kda's 16-launch forward at B1 T16384 spent
+0.73-1.46 ms of host time per ~1.2 ms on the device (0.55 ms with these launches).
 `fast_launch` wraps a kernel (JITFunction or Autotuner) so that, after the first launch with a given
 specialisation has gone through Triton's own path (compile, autotune, pointer checks), later launches with
 the same one call the compiled kernel's C launch function directly, tensors passed as their data pointers.
@@ -17,7 +17,7 @@ launcher convention this uses), a launch hook set (profilers) or Triton's debug 
 (checked by `configure`), pre-run hooks on the kernel (checked per launch), an autotuner config with a
 pre-hook, tensors passed by keyword (never cached). Skipped on a hit, as the key cannot change them:
 Triton's check that the kernel's global constants have not changed since it was compiled.
-`configure(False)` (chunk.TUNING fast_launch) sends every launch through Triton's path.
+`configure(False)` sends every launch through Triton's path (the exactness test compares the two).
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ try:
 except ImportError:
     knobs = None
 
-_ON = True   # configure(): chunk.TUNING fast_launch, and no launch hook set
+_ENABLED = True   # configure(enabled): the caller's choice, kept until changed
+_ON = True   # configure(): enabled, and no launch hook set
 _MAX_ENTRIES = 512   # per kernel; cleared when full (ints are keyed by value, so varying T adds entries)
 
 
@@ -158,14 +159,15 @@ def _hooks_set() -> bool:
     return any(h is not None and getattr(h, "calls", True) for h in hooks)
 
 
-def configure(enabled: bool = True) -> bool:
-    """Turn the direct launches on or off (chunk_kda calls this with chunk.TUNING fast_launch on every forward
-    and backward; code that launches the wrapped kernels itself, e.g. the scripts timing single stages, runs
-    with the state the last call left); they stay off while a launch hook is set, which only Triton's path
+def configure(enabled: bool | None = None) -> bool:
+    """Turn the direct launches on or off (None: keep the last choice; chunk_kda calls this on every forward
+    and backward to re-check the rest); they stay off while a launch hook is set, which only Triton's path
     calls, and in Triton's debug or instrumentation modes, which select other binaries than the cached ones.
     Returns whether they are on."""
-    global _ON
-    _ON = (enabled and knobs is not None and not _hooks_set() and not knobs.runtime.debug
+    global _ENABLED, _ON
+    if enabled is not None:
+        _ENABLED = enabled
+    _ON = (_ENABLED and knobs is not None and not _hooks_set() and not knobs.runtime.debug
            and not getattr(knobs.compilation, "instrumentation_mode", ""))
     return _ON
 
@@ -185,4 +187,4 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0   # as triton.next_power_of_2 (0 -> 0)
 
 
-configure(True)
+configure()

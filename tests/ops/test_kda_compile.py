@@ -1,9 +1,9 @@
-"""Every chunk_kda kernel (the defaults and the chunk.TUNING alternatives) compiles for sm_90.
+"""Every chunk_kda kernel, as it ships, compiles for sm_90 (no GPU needed).
 
-The interpreter tier runs kernels as Python and cannot see compiler failures. In session 3 an empty
-`while` loop in the sub-chunk scores kernel (chunk 16) crashed Triton's coalesce pass while every
-interpreter test passed. `scripts/ptxas_report.py` compiles each kernel with Triton's bundled ptxas
-(no GPU needed) and prints registers / stack bytes, or the exception's name when a compile fails.
+The interpreter tier runs kernels as Python and cannot see compiler failures (an empty `while` loop in the
+score kernel at chunk 16 once crashed Triton's coalesce pass while every interpreter test passed).
+`scripts/ptxas_report.py` compiles each launch of chunk_kda's plan with Triton's bundled ptxas and prints
+registers / stack bytes, exiting non-zero when a kernel fails to compile.
 """
 import os
 import re
@@ -16,14 +16,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("K,chunk", [(40, 16), (96, 32), (128, 64)])
 def test_kernels_compile_for_sm90(K, chunk):
     # the report needs real @triton.jit functions: run it without the interpreter flag
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "scripts/ptxas_report.py", str(K), "--warps", "8", "--chunk", str(chunk)],
+    r = subprocess.run([sys.executable, "scripts/ptxas_report.py", "--K", str(K), "--chunk", str(chunk)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = [line for line in r.stdout.splitlines()[2:] if line.strip()]
-    assert len(rows) >= 25, r.stdout
-    failed = [line for line in rows if not re.search(r"\d+ / \d+\s*$", line)]
-    assert not failed, "kernels that did not compile for sm_90:\n" + "\n".join(failed)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [line for line in r.stdout.splitlines()[1:] if line.strip()]
+    assert len(rows) >= 10, r.stdout
+    assert all(re.search(r"REG / STACK +\d+ / \d+$", line) for line in rows), r.stdout

@@ -132,6 +132,8 @@ def test_configure_follows_switch_and_launch_hooks():
     try:
         assert launch.configure(True)
         assert not launch.configure(False)
+        assert not launch.configure(), "configure() keeps the last choice (chunk_kda calls it on every call)"
+        assert launch.configure(True) and launch.configure()
         hooks = knobs.runtime.launch_enter_hook
         if not hasattr(hooks, "add"):
             pytest.skip("this Triton keeps launch hooks as a plain callable")

@@ -63,9 +63,8 @@ def host_ms(fn, device, calls: int = 20) -> float | None:
     """CUDA only: the host's time (ms) to enqueue one call, the median of 3 x `calls` calls enqueued back to
     back after a synchronize (few enough to stay below the launch queue's depth). Where it comes near the
     device time, do_bench's figure can measure the launch path (Python, Triton's launcher) and move with the
-    host's speed, not the kernels' (session 8: chunk_kda's 4-range forward at B1 T16384 H16 K128 enqueued in
-    0.88-0.95 ms per call of ~1.2 ms on the device, and its forward-only figure had two modes, ~1.19 and
-    ~1.56-1.85 ms)."""
+    host's speed, not the kernels' (chunk_kda's 4-range forward at B1 T16384 H16 K128 once took 0.88-0.95 ms
+    to enqueue per call of ~1.2 ms on the device, and its forward-only figure then had two modes)."""
     if device.type != "cuda":
         return None
     return statistics.median(host for host, _ in enqueue_samples(fn, device, calls))
@@ -254,33 +253,3 @@ def bench_kda(kernel: str = "chunk_kda", shapes: str | list[tuple[int, ...]] = "
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
-
-
-def bench_stages(shape, chunk_size: int = 64) -> dict:
-    """Per-launch medians (ms) of chunk_kda's stages at one (B, T, H, HV, K) shape, CUDA only, bf16, with
-    chunk.TUNING and the dot precision applied, except that the forward scan runs as one range with O in
-    the scan (fwd_segments and fwd_output "split" are chunk_kda's own orchestration, not timed here)."""
-    import triton
-
-    from k3cli.ops.kda import chunk as C_
-    from k3cli.ops.kda.chunk_fwd import dot_precision, kda_fwd_state
-    device = torch.device("cuda")
-    q, k, v, g, b = _inputs(*shape, torch.bfloat16, device)
-    sc, C = shape[4] ** -0.5, chunk_size
-    prec = dot_precision(v.dtype)
-    sprec = C_.scan_precision(prec, v)   # TUNING dot16_scan
-    do = torch.randn_like(v)
-    B, T, _, HV, _ = shape
-    it = C_.fwd_intra(q, k, v, g, b, sc, C, prec)
-    h, vn = C_.recompute_states(it, None, B, T, HV, C, v.dtype, sprec)
-    dh, dvn, _ = C_.bwd_state(it, do, None, B, T, HV, C, False, v.dtype, prec)
-    bench = triton.testing.do_bench
-    return {
-        "fwd_intra": bench(lambda: C_.fwd_intra(q, k, v, g, b, sc, C, prec)),
-        "fwd_state": bench(lambda: kda_fwd_state(it, B, T, HV, C, None, v.dtype, False, precision=sprec,
-                                                 parallel=C_.TUNING["fwd_scan_parallel"],
-                                                 kd_t=C_.TUNING["scan_kd_t"])),
-        "fwd_state_recompute": bench(lambda: C_.recompute_states(it, None, B, T, HV, C, v.dtype, sprec)),
-        "bwd_state": bench(lambda: C_.bwd_state(it, do, None, B, T, HV, C, False, v.dtype, prec)),
-        "bwd_intra": bench(lambda: C_.bwd_intra(q, k, v, g, b, it.tm, it.mkk, h, dh, do, vn, dvn, sc, C, prec)),
-    }
