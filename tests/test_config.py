@@ -1,4 +1,4 @@
-"""Config: layer pattern (SPEC §1), presets load/validate/round-trip, precedence, bad input."""
+"""Config: layer pattern (docs/math.md §1), presets load/validate/round-trip, precedence, bad input."""
 
 import dataclasses
 

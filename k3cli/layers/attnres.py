@@ -1,4 +1,4 @@
-"""AttnRes (SPEC §5): each sublayer's input is a softmax mix over depth instead of a residual sum.
+"""AttnRes (docs/math.md §5): each sublayer's input is a softmax mix over depth instead of a residual sum.
 
 Modes: `full` (sources: embedding + every earlier sublayer output) and `block` (sources: embedding,
 completed block sums, and the running partial sum of the current block; any S ≥ 1, the last block

@@ -1,4 +1,4 @@
-"""Decoder block (SPEC §1) and the two factories that turn a layer spec into modules.
+"""Decoder block (docs/math.md §1) and the two factories that turn a layer spec into modules.
 
 DecoderBlock(x): x = x + attn(attn_norm(x)); x = x + ffn(ffn_norm(x))   (pre-norm residual).
 With AttnRes on, the model drives the two sublayers itself: `sublayer_cores()` (attn, ffn without

@@ -1,4 +1,4 @@
-"""Feed-forward blocks (SPEC §4): SwiGLU for the pure-KDA model, SiTU-GLU experts for LatentMoE."""
+"""Feed-forward blocks (docs/math.md §4): SwiGLU for the pure-KDA model, SiTU-GLU experts for LatentMoE."""
 from __future__ import annotations
 
 import torch

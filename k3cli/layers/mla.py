@@ -1,4 +1,4 @@
-"""Gated MLA with NoPE (SPEC §3): low-rank q, a single KV latent c [B, T, r], a sigmoid output gate.
+"""Gated MLA with NoPE (docs/math.md §3): low-rank q, a single KV latent c [B, T, r], a sigmoid output gate.
 
 Two equivalent attention paths:
 - absorbed: W_UK folds into the query and W_UV is applied after attention, so keys/values are the

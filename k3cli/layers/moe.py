@@ -1,4 +1,4 @@
-"""LatentMoE (SPEC §4): shared experts at full width, routed experts in a latent of width ℓ.
+"""LatentMoE (docs/math.md §4): shared experts at full width, routed experts in a latent of width ℓ.
 
     y = Σ_j E_shared_j(x) + W_↑ RMSNorm(Σ_k p_k · E_routed_{id_k}(W_↓ x))
 

@@ -1,4 +1,4 @@
-"""RMSNorm (SPEC §1): y = x / sqrt(mean(x²) + eps) · weight, computed in fp32 and cast back.
+"""RMSNorm (docs/math.md §1): y = x / sqrt(mean(x²) + eps) · weight, computed in fp32 and cast back.
 
 The functions live in k3cli.ops.norm (the kernels' references use them too); re-exported here.
 """

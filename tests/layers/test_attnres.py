@@ -1,4 +1,4 @@
-"""AttnRes mixer: block S=1 == full, two-phase == naive, partial blocks, norms (SPEC §5, §7.6).
+"""AttnRes mixer: block S=1 == full, two-phase == naive, partial blocks, norms (docs/math.md §5, §7.6).
 
 The torch references themselves are tested in tests/ops/test_attnres.py; the zero-init == off
 identity runs on whole CausalLMs in tests/models/test_causal_lm.py.

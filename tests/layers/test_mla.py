@@ -1,4 +1,4 @@
-"""Gated MLA: absorbed == decompressed == causal SDPA, values and gradients (SPEC §3, §7.4)."""
+"""Gated MLA: absorbed == decompressed == causal SDPA, values and gradients (docs/math.md §3, §7.4)."""
 import pytest
 import torch
 import torch.nn.functional as F

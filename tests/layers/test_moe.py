@@ -1,4 +1,4 @@
-"""LatentMoE: padded-bmm == loop == dense (values, grads), routing, balancing, SiTU (SPEC §4, §7.5)."""
+"""LatentMoE: padded-bmm == loop == dense (values, grads), routing, balancing, SiTU (docs/math.md §4, §7.5)."""
 import pytest
 import torch
 

@@ -1,5 +1,5 @@
 """CausalLM end to end: presets build and train a step, AttnRes identities, causality, batch
-invariance, loss, parameter counts (SPEC §1, §5, §6, §7.6–§7.8)."""
+invariance, loss, parameter counts (docs/math.md §1, §5, §6, §7.6–§7.8)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -65,7 +65,7 @@ def test_causality(preset, attnres):
     with torch.no_grad():
         a, b = m(x).logits[:, :20], m(x2).logits[:, :20]
     if preset == "kda-toy":
-        assert torch.equal(a, b)  # bit-stable (SPEC §7.7); MoE capacity shapes may change rounding
+        assert torch.equal(a, b)  # bit-stable (docs/math.md §7.7); MoE capacity shapes may change rounding
     else:
         assert_close("logits", b, a, TOL["logits"])
 

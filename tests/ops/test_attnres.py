@@ -1,4 +1,4 @@
-"""AttnRes kernels against the torch references (SPEC §5, §7.6).
+"""AttnRes kernels against the torch references (docs/math.md §5, §7.6).
 
 CPU tier: torch references always; Triton kernels under TRITON_INTERPRET=1 (tiny shapes, fp32/fp16:
 the interpreter is wrong for bf16). GPU tier (@pytest.mark.gpu): bf16 full-size shapes.

@@ -1,4 +1,4 @@
-"""Fused recurrent KDA (decode kernel) against the token-by-token definition (SPEC §2.1, §2.5).
+"""Fused recurrent KDA (decode kernel) against the token-by-token definition (docs/math.md §2.1, §2.5).
 
 CPU tier: the Triton kernel under TRITON_INTERPRET=1, fp32, tiny shapes (the interpreter is wrong for
 bf16). GPU tier (@pytest.mark.gpu): bf16 at the real K3 head size, skipped without CUDA.

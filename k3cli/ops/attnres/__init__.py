@@ -1,4 +1,4 @@
-"""AttnRes ops (SPEC §5): torch references and Triton kernels (full form, block form two-phase)."""
+"""AttnRes ops (docs/math.md §5): torch references and Triton kernels (full form, block form two-phase)."""
 from k3cli.ops.attnres.block import attnres_merge, attnres_phase1
 from k3cli.ops.attnres.fused import fused_attnres
 from k3cli.ops.attnres.naive import (

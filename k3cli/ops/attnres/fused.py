@@ -34,7 +34,7 @@ def _configs(options: list[tuple[int, int]]) -> list[triton.Config]:
 
 def _prune_by_registers(configs, named_args, **kwargs):
     # keep 4..32 fp32 row values per thread: ptxas (sm_90, bf16) showed no spills for the forward
-    # in that range and at most 56 B of stack for the backward at BD = 8192 (notes/attnres_gpu.md)
+    # in that range and at most 56 B of stack for the backward at BD = 8192
     bd = kwargs.get("BD", named_args.get("BD"))
     kept = [c for c in configs if 4 <= c.kwargs["BT"] * bd // (32 * c.num_warps) <= 32]
     return kept or configs[:1]
@@ -49,7 +49,7 @@ def _src_ptr(x, ptrs, i, stride_n, USE_TABLE: tl.constexpr):
     """Base pointer of source i: an address from the int64 table, or slot i of the stacked buffer."""
     if USE_TABLE:
         # Sources guarantees 16-byte aligned addresses; without the hint loads are 2-byte scalars
-        # (PTX: ld.global.b16 instead of ld.global.v4; measured 1.6-2.1x slower, notes/attnres_gpu.md)
+        # (PTX: ld.global.b16 instead of ld.global.v4; measured 1.6-2.1x slower)
         return tl.multiple_of(tl.load(ptrs + i).to(tl.pointer_type(x.dtype.element_ty)), 16)
     else:
         return x + i.to(tl.int64) * stride_n
@@ -370,7 +370,7 @@ class FusedAttnResFunction(torch.autograd.Function):
 
 def fused_attnres(sources, query: torch.Tensor, gain: torch.Tensor, eps: float = 1e-6,
                   norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6):
-    """Full-form AttnRes mix in one pass over the sources (SPEC §5; same math as `naive_attnres`).
+    """Full-form AttnRes mix in one pass over the sources (docs/math.md §5; same math as `naive_attnres`).
 
     Args:
         sources: list of n tensors [B, T, D] (read in place through a pointer table; each gets its

@@ -1,4 +1,4 @@
-"""AttnRes kernels against the fp64 torch reference: outputs and every gradient (SPEC §7.6).
+"""AttnRes kernels against the fp64 torch reference: outputs and every gradient (docs/math.md §7.6).
 
 `verify_attnres(shapes, dtype)` returns rows (name, rel_rms, max_abs, tol, passed) for the CLI;
 the tolerance table and the runners below are shared with the tests.
