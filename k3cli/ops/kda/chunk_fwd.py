@@ -432,29 +432,37 @@ def _scan_start(s0, i_bh, i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexp
     prune_configs_by={"early_config_prune": prune_state_configs},
 )
 @triton.jit
-def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, T, NT, NBH, N0, N1,
+def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, T, NT, NBH, N0, N1, L, SEG_STRIDE,
                           HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_O: tl.constexpr,
                           STORE_H: tl.constexpr, INTERPRET: tl.constexpr, PREC: tl.constexpr,
                           KD_T: tl.constexpr):
     """The state scan over chunks [N0, N1) from h0 (or zeros), storing the end state to ht."""
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_v, i_bh, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
+    # The bounds and offsets keep the form of the kernel the H200 figures were measured on: a run of L chunks
+    # per program_id(2) (always 0: chunk_kda launches a 2-D grid with L = N1 - N0, SEG_STRIDE = 0). ptxas
+    # allocates a plain [N0, N1) loop differently (K=V=128, BV 64, 8 warps: 128 B of spill instead of 16).
+    if USE_H0:
+        h0 += i_p.to(tl.int64) * SEG_STRIDE
     b_s, p_state, m_kv = _scan_start(h0, i_bh, i_v, K, V, BK, BV, USE_H0)
+    n0 = N0 + i_p * L
+    n1 = tl.minimum(n0 + L, N1)
     if INTERPRET:
         # the interpreter cannot take a runtime bound in range() with numpy >= 2.4
-        i_n = N0
-        while i_n < N1:
+        i_n = n0
+        while i_n < n1:
             b_s = _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i_v, i_n, T, NT,
                                       HV, K, V, BT, BK, BV, STORE_O, STORE_H, PREC, KD_T)
             i_n += 1
     else:
-        for i_n in range(N0, N1):
+        for i_n in range(n0, n1):
             b_s = _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i_v, i_n, T, NT,
                                       HV, K, V, BT, BK, BV, STORE_O, STORE_H, PREC, KD_T)
     if STORE_HT:
-        tl.store(ht + p_state, b_s, mask=m_kv)
+        if n1 == N1:
+            tl.store(ht + p_state, b_s, mask=m_kv)
 
 
 class Intra(NamedTuple):
@@ -562,7 +570,7 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
         # the re-scan keeps the register transpose (fwd+bwd 4.624 against 4.826 ms with the tile)
         _kda_fwd_state_kernel[lambda meta: (cdiv(V, meta["BV"]), B * HV)](
             it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, s_in, s_out, h, vn, T, NT, next_pow2(B * HV), n0, n1,
-            HV=HV, K=K, V=V, BT=BT, BK=max(16, next_pow2(K)), USE_H0=s_in is not None,
+            n1 - n0, 0, HV=HV, K=K, V=V, BT=BT, BK=max(16, next_pow2(K)), USE_H0=s_in is not None,
             STORE_HT=s_out is not None, STORE_O=store_o, STORE_H=not store_o, INTERPRET=interpreting(it.w),
             PREC=precision, KD_T=store_o)
         if carry and dev.type == "cuda" and torch.cuda.current_stream(dev) not in streams:
