@@ -30,7 +30,7 @@ config_app = typer.Typer(help="Inspect resolved configurations.", no_args_is_hel
 app.add_typer(config_app, name="config")
 
 console = Console()
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)   # log lines stay whole lines, whatever the width
 
 
 class AttnResMode(str, Enum):
