@@ -1,6 +1,6 @@
 """The KDA layer (SPEC §2.4): projections, short convs, lower-bound gate, chunked KDA, gated output.
 
-The op itself lives in k3cli/ops/kda (torch reference `naive_chunk_kda`, Triton `chunk_kda`); this
+The op itself lives in k3cli/ops/kda (Triton `chunk_kda` on CUDA, `torch_chunk_kda` otherwise); this
 file only prepares its inputs. Short conv and the output gate are switchable (SPEC marks both as
 differing from the seeds: they come from Kimi Linear / K3).
 
@@ -136,13 +136,15 @@ class KDAAttention(nn.Module):
         return self.o_proj(o.reshape(B, T, HV * V))
 
     def _kda(self, q, k, v, g_raw, beta, cache: KDACache | None = None) -> torch.Tensor:
-        """Gate + chunked KDA by `backend`: auto → Triton on CUDA if importable, else the torch reference.
+        """Gate + chunked KDA by `backend`: auto → Triton on CUDA if importable, else torch
+        (`torch_chunk_kda`: the reference's algebra with matmul scores, tested against `naive_chunk_kda`).
         With a filled cache: the torch recurrence from cache.state (decode off the Triton backend).
 
         q, k [B, T, H, K] (L2-normalised); v [B, T, HV, V]; g_raw [B, T, HV, K]; beta [B, T, HV].
         """
         HV, K = self.num_v_heads, self.head_k_dim
         dt_bias = self.dt_bias.view(HV, K)
+        from k3cli.ops.kda import torch_chunk
         from k3cli.ops.kda.naive import naive_chunk_kda, naive_kda_gate, naive_recurrent_kda
 
         if cache is not None and cache.state is not None:
@@ -160,13 +162,17 @@ class KDAAttention(nn.Module):
                                  **extra)
         else:
             g = naive_kda_gate(g_raw, self.A_log, dt_bias, self.lower_bound)       # (B, T, HV, K) fp32
-            o, state = naive_chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size, **extra)
+            # chosen from the gate bound, not the data: no later token can switch an earlier output
+            # to the other path's rounding
+            fast = torch_chunk.covers_gate(self.lower_bound, self.chunk_size)
+            op = torch_chunk.torch_chunk_kda if fast else naive_chunk_kda
+            o, state = op(q, k, v, g, beta, chunk_size=self.chunk_size, **extra)
         if cache is not None:
             cache.state = state
         return o
 
     def _triton_op(self, q: torch.Tensor, name: str = "chunk_kda"):
-        """The Triton op `name` (chunk_kda | fused_recurrent_kda), or None for the torch reference."""
+        """The Triton op `name` (chunk_kda | fused_recurrent_kda), or None for the torch path."""
         if self.backend == "torch" or (self.backend == "auto" and not q.is_cuda):
             return None
         try:

@@ -30,7 +30,7 @@ class KDALayerConfig:
     short_conv: int = 4  # depthwise causal conv kernel on q, k, v; 0 = off
     output_gate: bool = True
     lower_bound: float = -5.0  # gate g ∈ (lower_bound, 0)
-    backend: str = "auto"  # auto: Triton on CUDA, torch reference on CPU
+    backend: str = "auto"  # auto: Triton on CUDA, torch (torch_chunk_kda) on CPU
 
     CHOICES: ClassVar[dict] = {"backend": ("auto", "triton", "torch")}
 

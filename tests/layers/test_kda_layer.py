@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from k3cli.layers.kda import KDAAttention
-from k3cli.ops.kda import naive
+from k3cli.ops.kda import naive, torch_chunk
 from k3cli.testing import assert_close
 
 # max |a − b| / max(1, max |b|), fp64; naive_kda_gate runs in fp32 even for fp64 inputs (docs/math.md §2.3),
@@ -57,8 +57,9 @@ def test_chunked_layer_equals_recurrent_layer(conv, gate, H, HV, T, monkeypatch)
     bad = [n for n, d in g.items() if not (torch.isfinite(d).all() and d.abs().sum() > 0)
            and not (T == 1 and n in GATE_PARAMS)]
     assert bad == [], f"zero or non-finite gradients: {bad}"
-    # swap the chunked op for the definition, token by token
-    monkeypatch.setattr(naive, "naive_chunk_kda", lambda *a, chunk_size: naive.naive_recurrent_kda(*a))
+    # swap the chunked ops (the fast path and the reference) for the definition, token by token
+    for module, name in ((torch_chunk, "torch_chunk_kda"), (naive, "naive_chunk_kda")):
+        monkeypatch.setattr(module, name, lambda *a, chunk_size: naive.naive_recurrent_kda(*a))
     y_ref, g_ref = run(m, x)
     assert_close("y", y, y_ref, TOL["y"])
     for name in g_ref:
