@@ -132,8 +132,9 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
     model = CausalLM(cfg.model).to(device)
     log(f"model: {cfg.model.arch}, {model.num_parameters():,} parameters "
         f"({model.num_active_parameters():,} active per token), device {device}")
+    # on CPU the fused kernel (one pass per parameter) took a k3-toy AdamW step from 17.7 to 3.3 ms
     opt = torch.optim.AdamW(param_groups(model, tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2),
-                            eps=1e-8)
+                            eps=1e-8, fused=True if device.type == "cpu" else None)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_lambda(s, tc.warmup_steps, tc.steps, tc.min_lr_ratio))
     loader = data.train_loader(tc.micro_batch_size, seed=tc.seed)
