@@ -7,7 +7,7 @@ TRITON ?= triton==3.6.0
 PY     := $(VENV)/bin/python
 K3     := $(VENV)/bin/k3
 
-.PHONY: setup test test-gpu train lint clean
+.PHONY: setup test test-slow test-gpu train lint clean
 .DEFAULT_GOAL := help
 
 help:
@@ -25,8 +25,12 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # TRITON_INTERPRET must be set before Python starts: @triton.jit decides at import time.
+# both cores (pytest-xdist); the slow tier (sm_90 compiles of every kernel) runs in CI after it
 test: setup
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu"
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 -m "not gpu and not slow"
+
+test-slow: setup
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 -m "slow and not gpu"
 
 test-gpu: setup
 	$(PY) -m pytest -q

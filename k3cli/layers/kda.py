@@ -1,10 +1,10 @@
-"""The KDA layer (SPEC §2.4): projections, short convs, lower-bound gate, chunked KDA, gated output.
+"""The KDA layer (docs/math.md §2.4): projections, short convs, lower-bound gate, chunked KDA, gated output.
 
 The op itself lives in k3cli/ops/kda (Triton `chunk_kda` on CUDA, `torch_chunk_kda` otherwise); this
-file only prepares its inputs. Short conv and the output gate are switchable (SPEC marks both as
+file only prepares its inputs. Short conv and the output gate are switchable (the seeds mark both as
 differing from the seeds: they come from Kimi Linear / K3).
 
-Decode (SPEC §2.5): with a `KDACache`, the first call (prefill) runs the chunked op and keeps its
+Decode (docs/math.md §2.5): with a `KDACache`, the first call (prefill) runs the chunked op and keeps its
 final state plus the last short_conv − 1 conv inputs; later calls run the recurrence on that state
 (`fused_recurrent_kda` on the Triton backend, `naive_recurrent_kda` otherwise).
 """
@@ -50,7 +50,7 @@ def _short_conv_step(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor
 
 @dataclass
 class KDACache:
-    """Decode cache of one KDA layer (SPEC §2.5); all None before prefill.
+    """Decode cache of one KDA layer (docs/math.md §2.5); all None before prefill.
 
     state: [B, HV, K, V] fp32 (fp64 for an fp64 model); conv_q, conv_k: [B, n − 1, H·K] and
     conv_v: [B, n − 1, HV·V], the last n − 1 = short_conv − 1 inputs of each short conv.
@@ -91,7 +91,7 @@ class KDAAttention(nn.Module):
         self.f_a = nn.Linear(D, K, bias=False)
         self.f_b = nn.Linear(K, HV * K, bias=False)
         self.b_proj = nn.Linear(D, HV, bias=False)
-        # A_log = 0 → rate 1 (SPEC §2.3); A_log and dt_bias take no weight decay
+        # A_log = 0 → rate 1 (docs/math.md §2.3); A_log and dt_bias take no weight decay
         self.A_log = nn.Parameter(torch.zeros(HV))
         self.dt_bias = nn.Parameter(_dt_bias_init(HV * K))
         self.output_gate = output_gate
@@ -156,7 +156,7 @@ class KDAAttention(nn.Module):
         extra = {} if cache is None else {"output_final_state": True}
         chunk_kda = self._triton_op(q)
         if chunk_kda is not None:
-            # the fused gate kernel runs inside chunk_kda (SPEC §2.3)
+            # the fused gate kernel runs inside chunk_kda (docs/math.md §2.3)
             o, state = chunk_kda(q, k, v, g_raw, beta, use_gate_in_kernel=True, A_log=self.A_log,
                                  dt_bias=dt_bias, lower_bound=self.lower_bound, chunk_size=self.chunk_size,
                                  **extra)
