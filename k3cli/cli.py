@@ -301,7 +301,7 @@ def train(
             run_dir.rmdir()  # failed before writing anything: leave no empty run behind
     console.print(f"done: step {result.step}, train loss {result.train_loss:.4f}"
                   + (f", val loss {result.val_loss:.4f}" if result.val_loss is not None else "")
-                  + f"; run directory {result.run_dir}", highlight=False)
+                  + f"; run directory {result.run_dir}", highlight=False, soft_wrap=True)
 
 
 @app.command("eval")
