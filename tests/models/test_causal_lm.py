@@ -53,6 +53,16 @@ def test_zero_init_attnres_equals_off(preset, attnres):
         assert_close("logits", on(x).logits, off(x).logits, TOL["logits"])
 
 
+@pytest.mark.parametrize("preset", ["kda-toy", "k3-toy"])
+def test_attnres_takes_no_random_numbers_from_the_base_model(preset):
+    # a controlled AttnRes on/off comparison needs the same base weights for the same seed
+    off = model(preset, "off").state_dict()
+    for attnres in ("full", "block"):
+        on = model(preset, attnres).state_dict()
+        assert set(off) < set(on) and all(k.startswith("attnres.") for k in set(on) - set(off))
+        assert all(torch.equal(off[k], on[k]) for k in off), f"{attnres}: a shared parameter differs at init"
+
+
 CAUSAL = [("kda-toy", "off"), ("k3-toy", "off"), ("k3-toy", "block")]
 
 
