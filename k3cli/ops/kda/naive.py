@@ -114,17 +114,11 @@ def _scatter_diag(diag):
     return full.reshape(*lead, ns * sub, ns * sub)
 
 
-def naive_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                    chunk_size=64):
-    """Chunked KDA in torch (docs/math.md §2.2): parallel inside chunks, sequential only over chunk states.
-
-    Same arguments and returns as `naive_recurrent_kda`; differentiable by autograd. Any T
-    (the tail is zero-padded: g = 0, k = 0, beta = 0 leave the state unchanged), any chunk size.
-    """
-    B, T, _, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    C = chunk_size
-    scale = K ** -0.5 if scale is None else scale
+def chunk_layout(q, k, v, g, beta, initial_state, C: int):
+    """The chunked form's inputs: (work dtype, chunks n, q, k, v, beta as (B, HV, n, C, X) in the work dtype
+    with the tail zero-padded, Γ = chunk-local cumsum of g, γ = Γ's last row (B, HV, n, 1, K))."""
+    B, T = q.shape[:2]
+    HV = v.shape[2]
     wd = _work_dtype(q, k, v, g, beta, initial_state)
     n = max(1, -(-T // C))
     pad = n * C - T
@@ -137,19 +131,40 @@ def naive_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fin
     v_, g_ = prep(v), prep(g)
     b_ = prep(beta[..., None])                                             # (B, HV, n, C, 1)
     G = g_.cumsum(-2)                                                      # Γ, (B, HV, n, C, K)
-    gam = G[..., -1:, :]                                                   # γ, (B, HV, n, 1, K)
+    return wd, n, q_, k_, v_, b_, G, G[..., -1:, :]
+
+
+def solve_wu(Akk, b_, k_, v_, G):
+    """W = (I + Akk)^-1 diag(β) (K ⊙ e^Γ) and U = (I + Akk)^-1 diag(β) V per chunk, (B, HV, n, C, K | V)."""
+    B, HV, n, C, K = k_.shape
+    V = v_.shape[-1]
+    eye = torch.eye(C, dtype=k_.dtype, device=k_.device)
+    rhs = torch.cat([b_ * k_ * G.exp(), b_ * v_], dim=-1)                  # (B, HV, n, C, K+V)
+    # a flat batch of 2-D systems is much faster on CPU than the 5-D batched call
+    WU = torch.linalg.solve_triangular((eye + Akk).reshape(-1, C, C), rhs.reshape(-1, C, K + V),
+                                       upper=False, unitriangular=True).view(B, HV, n, C, K + V)
+    return WU[..., :K], WU[..., K:]
+
+
+def naive_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                    chunk_size=64):
+    """Chunked KDA in torch (docs/math.md §2.2): parallel inside chunks, sequential only over chunk states.
+
+    Same arguments and returns as `naive_recurrent_kda`; differentiable by autograd. Any T
+    (the tail is zero-padded: g = 0, k = 0, beta = 0 leave the state unchanged), any chunk size.
+    """
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    C = chunk_size
+    scale = K ** -0.5 if scale is None else scale
+    wd, n, q_, k_, v_, b_, G, gam = chunk_layout(q, k, v, g, beta, initial_state, C)
     sub = 16 if C % 16 == 0 else C
     idx = torch.arange(C, device=q.device)
     Mqk = _intra_scores(q_, k_, G, sub)
     Mkk = _intra_scores(k_, k_, G, sub)
     Aqk = scale * Mqk
     Akk = torch.where(idx[:, None] > idx[None, :], Mkk, 0.0) * b_
-    eye = torch.eye(C, dtype=wd, device=q.device)
-    rhs = torch.cat([b_ * k_ * G.exp(), b_ * v_], dim=-1)                  # (B, HV, n, C, K+V)
-    # a flat batch of 2-D systems is much faster on CPU than the 5-D batched call
-    WU = torch.linalg.solve_triangular((eye + Akk).reshape(-1, C, C), rhs.reshape(-1, C, K + V),
-                                       upper=False, unitriangular=True).view(B, HV, n, C, K + V)
-    W, U = WU[..., :K], WU[..., K:]
+    W, U = solve_wu(Akk, b_, k_, v_, G)
     qg = scale * q_ * G.exp()
     kd = k_ * (gam - G).exp()
     S = q.new_zeros(B, HV, K, V, dtype=wd) if initial_state is None else initial_state.to(wd)

@@ -14,9 +14,8 @@ stays the test oracle (tests/ops/test_torch_chunk.py).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from k3cli.ops.kda.naive import _expand_groups, _work_dtype, naive_chunk_kda
+from k3cli.ops.kda.naive import chunk_layout, naive_chunk_kda, solve_wu
 
 SUB = 16  # query sub-chunk of the anchored scores, the reference's exact-block size
 # largest c − Γ_j inside a sub-chunk: key factors and masked score products stay <= K·e^80, in fp32
@@ -40,21 +39,9 @@ def torch_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fin
     HV, V = v.shape[2], v.shape[3]
     C = chunk_size
     scale = K ** -0.5 if scale is None else scale
-    wd = _work_dtype(q, k, v, g, beta, initial_state)
-    n = max(1, -(-T // C))
-    pad = n * C - T
+    wd, n, q_, k_, v_, b_, G, gam = chunk_layout(q, k, v, g, beta, initial_state, C)
     sub = sub_chunk(C)
     ns = C // sub
-
-    def prep(x):                                                           # (B, T, HV, X) -> (B, HV, n, C, X)
-        x = F.pad(x.to(wd), (0, 0, 0, 0, 0, pad))
-        return x.view(B, n, C, HV, x.shape[-1]).permute(0, 3, 1, 2, 4)
-
-    q_, k_ = prep(_expand_groups(q, HV)), prep(_expand_groups(k, HV))
-    v_, g_ = prep(v), prep(g)
-    b_ = prep(beta[..., None])                                             # (B, HV, n, C, 1)
-    G = g_.cumsum(-2)                                                      # Γ, (B, HV, n, C, K)
-    gam = G[..., -1:, :]                                                   # γ, (B, HV, n, 1, K)
     # anchors: Γ at the first row of each query sub-chunk
     c = G[..., ::sub, :]                                                   # (B, HV, n, ns, K)
     c_rows = c.repeat_interleave(sub, dim=-2) if ns > 1 else c             # (B, HV, n, C | 1, K)
@@ -80,11 +67,7 @@ def torch_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fin
         Mkk = ((k_ * e_q).reshape(*lead, ns, sub, K) @ kk.transpose(-1, -2)).reshape(*lead, C, C)
     Aqk = torch.where(idx[:, None] >= idx[None, :], scale * Mqk, 0.0)
     Akk = torch.where(idx[:, None] > idx[None, :], Mkk, 0.0) * b_
-    eye = torch.eye(C, dtype=wd, device=q.device)
-    rhs = torch.cat([b_ * k_ * G.exp(), b_ * v_], dim=-1)                  # (B, HV, n, C, K+V)
-    WU = torch.linalg.solve_triangular((eye + Akk).reshape(-1, C, C), rhs.reshape(-1, C, K + V),
-                                       upper=False, unitriangular=True).view(B, HV, n, C, K + V)
-    W, U = WU[..., :K], WU[..., K:]
+    W, U = solve_wu(Akk, b_, k_, v_, G)
     qg = scale * q_ * G.exp()
     kd_t = (k_ * (gam - G).exp()).transpose(-1, -2)                        # (B, HV, n, K, C)
     # everything but the state is batched over chunks: o_i = P_i S_i + Aqk_i U_i and
