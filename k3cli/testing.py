@@ -4,6 +4,7 @@
 `TINY_TRAIN` is a matching short run. Both are `--set` overrides (`load_config(..., overrides=...)`).
 `assert_close(name, actual, expected, tol, metric)` is the tests' one closeness check; the metrics
 beside it (scaled max, relative RMS, max abs) are what the tolerance tables are stated in.
+`kda_inputs` and `run_with_grads` give the KDA op tests their inputs and outputs-plus-gradients.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 TINY_MODEL = [
     "model.vocab_size=300", "model.hidden_size=32", "model.num_hidden_layers=2",
@@ -69,3 +71,33 @@ def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: f
     err = metric(actual, expected)
     what = getattr(metric, "__name__", "error").replace("_", " ")
     assert err <= tol, f"{name}: {what} {err:.3g} > {tol:.3g}"
+
+
+def kda_inputs(B, T, H, G, K, V, dtype=torch.float32, device="cpu", seed=0, h0=True, gate_scale=5.0):
+    """KDA test inputs: L2-normalised q/k, gate in (-gate_scale, 0) (-5: as the lower-bound gate produces; the state then
+    forgets within a chunk, a small scale keeps it for the whole sequence), beta in (0, 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    HV = H * G
+    q = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
+    v = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64)
+    g = -gate_scale * torch.sigmoid(torch.randn(B, T, HV, K, generator=gen, dtype=torch.float64) - 1.0)
+    beta = torch.sigmoid(torch.randn(B, T, HV, generator=gen, dtype=torch.float64))
+    s0 = torch.randn(B, HV, K, V, generator=gen, dtype=torch.float64) if h0 else None
+    low = [x.to(device=device, dtype=dtype) for x in (q, k, v)]
+    g = g.to(device=device, dtype=torch.float32 if dtype != torch.float64 else dtype)
+    beta = beta.to(device=device, dtype=dtype)
+    s0 = None if s0 is None else s0.to(device=device, dtype=torch.float32 if dtype != torch.float64 else dtype)
+    return (*low, g, beta, s0)
+
+
+def run_with_grads(fn, q, k, v, g, beta, h0, **kw):
+    """Call fn, backprop a fixed random cotangent into o and the final state; return outputs + grads."""
+    leaves = [x.detach().clone().requires_grad_(True) if x is not None else None for x in (q, k, v, g, beta, h0)]
+    o, ht = fn(*leaves[:5], initial_state=leaves[5], output_final_state=True, **kw)
+    gen = torch.Generator().manual_seed(123)
+    do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o)
+    dht = torch.randn(ht.shape, generator=gen, dtype=torch.float64).to(ht)
+    ((o * do).sum() + (ht * dht).sum()).backward()
+    grads = {n: x.grad for n, x in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), leaves) if x is not None}
+    return {"o": o.detach(), "ht": ht.detach(), **grads}

@@ -6,12 +6,12 @@ GPU tier (@pytest.mark.gpu): bf16 full-size shapes, skipped without CUDA.
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from k3cli.ops.kda import chunk_local_cumsum, naive_chunk_kda, naive_kda_gate, naive_recurrent_kda
-from k3cli.ops.kda.verify import TOL
+from k3cli.ops.kda.verify import TOL, rel_rms
 from k3cli.testing import assert_close as _assert_close
-from k3cli.testing import relative_rms_error as rel_rms
+from k3cli.testing import kda_inputs as make_inputs
+from k3cli.testing import run_with_grads
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -24,24 +24,6 @@ def assert_close(name: str, x: torch.Tensor, ref: torch.Tensor, tol: float | Non
     _assert_close(name, x, ref, TOL[name] if tol is None else tol, rel_rms)
 
 
-def make_inputs(B, T, H, G, K, V, dtype=torch.float32, device="cpu", seed=0, h0=True, gate_scale=5.0):
-    """L2-normalised q/k, gate in (-gate_scale, 0) (-5: as the lower-bound gate produces; the state then
-    forgets within a chunk, a small scale keeps it for the whole sequence), beta in (0, 1)."""
-    gen = torch.Generator().manual_seed(seed)
-    HV = H * G
-    q = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
-    k = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
-    v = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64)
-    g = -gate_scale * torch.sigmoid(torch.randn(B, T, HV, K, generator=gen, dtype=torch.float64) - 1.0)
-    beta = torch.sigmoid(torch.randn(B, T, HV, generator=gen, dtype=torch.float64))
-    s0 = torch.randn(B, HV, K, V, generator=gen, dtype=torch.float64) if h0 else None
-    low = [x.to(device=device, dtype=dtype) for x in (q, k, v)]
-    g = g.to(device=device, dtype=torch.float32 if dtype != torch.float64 else dtype)
-    beta = beta.to(device=device, dtype=dtype)
-    s0 = None if s0 is None else s0.to(device=device, dtype=torch.float32 if dtype != torch.float64 else dtype)
-    return (*low, g, beta, s0)
-
-
 def check_against_recurrent(inputs, tol=None, fn=None, **kw):
     """chunk_kda's (or `fn`'s) outputs and gradients against the fp32 recurrence on the same (fp32-cast) inputs."""
     from k3cli.ops.kda import chunk_kda
@@ -49,18 +31,6 @@ def check_against_recurrent(inputs, tol=None, fn=None, **kw):
     out = run_with_grads(fn or chunk_kda, *inputs, **kw)
     for name in ref:
         assert_close(name, out[name], ref[name], tol=tol)
-
-
-def run_with_grads(fn, q, k, v, g, beta, h0, **kw):
-    """Call fn, backprop a fixed random cotangent into o and the final state; return outputs + grads."""
-    leaves = [x.detach().clone().requires_grad_(True) if x is not None else None for x in (q, k, v, g, beta, h0)]
-    o, ht = fn(*leaves[:5], initial_state=leaves[5], output_final_state=True, **kw)
-    gen = torch.Generator().manual_seed(123)
-    do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o)
-    dht = torch.randn(ht.shape, generator=gen, dtype=torch.float64).to(ht)
-    ((o * do).sum() + (ht * dht).sum()).backward()
-    grads = {n: x.grad for n, x in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), leaves) if x is not None}
-    return {"o": o.detach(), "ht": ht.detach(), **grads}
 
 
 # ---------------------------------------------------------------- torch references

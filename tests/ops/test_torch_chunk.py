@@ -4,40 +4,14 @@ sub-chunks per chunk), at the edge of its anchor range, and its fallback beyond 
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from k3cli.ops.kda import naive_chunk_kda, torch_chunk
 from k3cli.ops.kda.torch_chunk import torch_chunk_kda
-from k3cli.testing import assert_close
+from k3cli.testing import assert_close, run_with_grads
+from k3cli.testing import kda_inputs as make_inputs
 
 # scaled max error against the reference on the same inputs, by working precision
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 1e-2}
-
-
-def make_inputs(B, T, H, G, K, V, dtype=torch.float32, gate_scale=5.0, seed=0):
-    """L2-normalised q/k, gate in (-gate_scale, 0), beta in (0, 1), a random initial state."""
-    gen = torch.Generator().manual_seed(seed)
-    HV = H * G
-    q = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
-    k = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
-    v = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64)
-    g = -gate_scale * torch.sigmoid(torch.randn(B, T, HV, K, generator=gen, dtype=torch.float64) - 1.0)
-    beta = torch.sigmoid(torch.randn(B, T, HV, generator=gen, dtype=torch.float64))
-    h0 = torch.randn(B, HV, K, V, generator=gen, dtype=torch.float64)
-    wide = torch.float64 if dtype == torch.float64 else torch.float32
-    return q.to(dtype), k.to(dtype), v.to(dtype), g.to(wide), beta.to(dtype), h0.to(wide)
-
-
-def run_with_grads(fn, q, k, v, g, beta, h0, **kw):
-    """fn's output and final state, and the gradients of a fixed random projection of both."""
-    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
-    o, ht = fn(*leaves[:5], initial_state=leaves[5], output_final_state=True, **kw)
-    gen = torch.Generator().manual_seed(123)
-    do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o)
-    dht = torch.randn(ht.shape, generator=gen, dtype=torch.float64).to(ht)
-    ((o.float() * do.float()).sum() + (ht * dht).sum()).backward()
-    grads = {n: x.grad for n, x in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), leaves)}
-    return {"o": o.detach(), "ht": ht.detach(), **grads}
 
 
 def check_against_reference(inputs, chunk_size, tol):
