@@ -389,6 +389,66 @@ def compare(
         print_compare(console, data)
 
 
+@app.command()
+def study(
+    preset: PresetOpt = "k3-toy",
+    config: ConfigOpt = None,
+    sets: SetOpt = None,
+    attnres: Annotated[str, typer.Option(
+        help="Comma-separated AttnRes variants to train side by side; the first 'off' (else the first) "
+             "is the baseline.")] = "off,full,block",
+    seeds: Annotated[int, typer.Option(min=1, help="Seeds per variant: train.seed, +1, …")] = 3,
+    steps: Annotated[Optional[int], typer.Option(min=1, help="Steps per run (default: the preset's).")] = None,
+    tokens: Annotated[Optional[int], typer.Option(min=1,
+        help="Tokens per run instead of --steps (rounded up to whole steps).")] = None,
+    device: Annotated[Optional[str], typer.Option(help="auto | cpu | cuda (default: train.device).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Study directory. Default: studies/PRESET-TIMESTAMP.")] = None,
+    parallel: Annotated[int, typer.Option(min=1, help="Runs trained at once (each gets CPUs / J threads).")] = 1,
+    report: Annotated[Optional[Path], typer.Option(
+        help="Only rebuild report.md, summary.json and loss.png of this study directory.")] = None,
+):
+    """Train AttnRes variants × seeds under one controlled design and report whether they differ.
+
+    Every run is an ordinary `k3 train` run directory under DIR/runs; running the same command again
+    skips finished runs and resumes interrupted ones. The report (DIR/report.md) gives final and best
+    validation loss per variant, tokens/s, the paired difference to the baseline with a 95 % interval,
+    the loss at equal wall-clock, and DIR/loss.png (needs the plot extra)."""
+    from k3cli import study as st
+
+    try:
+        if report is not None:
+            design = st.read_design(report)
+            weights = st.check_base_weights(report, design, log=_log)
+            path = st.write_report(report, st.summarize(report, design, weights))
+            console.print(f"report: {path}", highlight=False, soft_wrap=True)
+            return
+        modes = [m.strip() for m in attnres.split(",") if m.strip()]
+        bad = [m for m in modes if m not in AttnResMode.__members__]
+        if bad:
+            fail(f"--attnres: unknown variant '{bad[0]}' (choose from off, full, block)")
+        design = st.design_study(preset, config, sets or [], modes, seeds, steps, tokens, device)
+        if out is None:
+            out = Path("studies") / f"{Path(preset).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        st.prepare_study(out, design)
+        _log(f"study directory: {out} ({len(design['runs'])} runs of {design['steps']:,} steps, "
+             f"{design['tokens_per_run']:,} tokens each)")
+        weights = st.check_base_weights(out, design, log=_log)
+        st.prepare_shared_data(out, design, log=_log)
+        failed = st.run_study(out, design, parallel, log=_log)
+        path = st.write_report(out, st.summarize(out, design, weights))
+    except KeyboardInterrupt:
+        fail(f"interrupted; run the same command again to continue the study in {out}", code=130)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        fail(str(e))
+    console.print(f"report: {path}", highlight=False, soft_wrap=True)
+    if failed:
+        fail(f"{len(failed)} run(s) failed: {', '.join(failed)}; their logs are in {out / 'logs'}", code=1)
+
+
+def _log(msg: str) -> None:
+    err_console.print(msg, highlight=False)
+
+
 def _new_run_dir(preset: str, mode: str) -> Path:
     """runs/PRESET-MODE-TIMESTAMP, created here so that two runs started together never share one."""
     base = Path("runs") / f"{preset}-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"

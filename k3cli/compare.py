@@ -22,6 +22,8 @@ def run_summary(run_dir: Path) -> dict:
                 continue
     vals = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
     tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
+    config = flatten(read_yaml(cfg_path))
+    tokens_per_step = config.get("train.global_batch_size", 0) * config.get("train.seq_len", 0)
     return {
         "run": str(run_dir),
         "steps": rows[-1]["step"] if rows else 0,
@@ -30,8 +32,11 @@ def run_summary(run_dir: Path) -> dict:
         "best_val_loss": min(v for _, v in vals) if vals else None,
         "best_val_step": min(vals, key=lambda sv: sv[1])[0] if vals else None,
         "tokens_per_s": sorted(tps)[len(tps) // 2] if tps else None,  # median of the logged windows
-        "val_curve": vals,
-        "config": flatten(read_yaml(cfg_path)),
+        "tokens": rows[-1]["step"] * tokens_per_step if rows else 0,
+        # time_s: training seconds since step 0 (None in runs written before it was recorded)
+        "val_curve": [{"step": r["step"], "tokens": r["step"] * tokens_per_step, "time_s": r.get("time_s"),
+                       "val_loss": r["val_loss"]} for r in rows if "val_loss" in r],
+        "config": config,
     }
 
 

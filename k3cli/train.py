@@ -98,6 +98,13 @@ def moe_imbalance(layers: list) -> torch.Tensor | None:
     return max_over_mean(torch.stack([m.load_counts for m in layers])).max()
 
 
+def build_model(cfg: RunConfig) -> CausalLM:
+    """The run's model at step 0: seeded with train.seed right before construction, so the same seed
+    gives the same weights whatever ran before (`k3 study` checks its variants' base weights with it)."""
+    torch.manual_seed(cfg.train.seed)
+    return CausalLM(cfg.model)
+
+
 @dataclass
 class TrainResult:
     run_dir: Path
@@ -129,7 +136,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
     log(f"data: {data.n_train_docs} train / {data.n_val_docs} val documents, {len(data.train_tokens):,} / "
         f"{len(data.val_tokens):,} tokens, {data.bytes_per_token_val:.2f} bytes per val token")
 
-    model = CausalLM(cfg.model).to(device)
+    model = build_model(cfg).to(device)
     log(f"model: {cfg.model.arch}, {model.num_parameters():,} parameters "
         f"({model.num_active_parameters():,} active per token), device {device}")
     # on CPU the fused kernel (one pass per parameter) took a k3-toy AdamW step from 17.7 to 3.3 ms
@@ -140,7 +147,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
     loader = data.train_loader(tc.micro_batch_size, seed=tc.seed)
     val = data.val_batches(cfg.eval.batches, cfg.eval.batch_size)
 
-    step, loss_val, val_loss = 0, float("nan"), None
+    step, loss_val, val_loss, time_before = 0, float("nan"), None, 0.0
     if resume:
         ckpt = find_latest_checkpoint(run_dir)
         if ckpt is None and list_checkpoints(run_dir):
@@ -152,6 +159,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
             step = state["step"]
             loss_val = state["extra"].get("train_loss", loss_val)
             val_loss = state["extra"].get("val_loss")
+            time_before = state["extra"].get("time_s", 0.0)
             _set_aside_unverified(run_dir, step, log)
             log(f"resumed from {ckpt} at step {step}")
         else:
@@ -202,6 +210,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
         step += 1
         loss_val = loss_sum
 
+        # time_s: training-loop seconds since step 0, summed over resumed segments (wall-clock comparisons)
         record = {"step": step, "loss": round(loss_val, 6), "lr": sched.get_last_lr()[0],
                   "grad_norm": round(grad_norm, 6)}
         if imbalance is not None:
@@ -212,6 +221,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
         if (tc.eval_every and step % tc.eval_every == 0) or last_step or out_of_time:
             val_loss = evaluate_loss(model, val, device, autocast_dtype)
             record["val_loss"] = round(val_loss, 6)
+        record["time_s"] = round(time_before + time.time() - t_start, 3)
         if step % tc.log_every == 0 or "val_loss" in record:
             now = time.time()
             record["tokens_per_s"] = round(tokens_since / max(now - t_last, 1e-9), 1)
@@ -225,7 +235,8 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
             progress.update(step, loss=loss_val, tokens_per_s=record.get("tokens_per_s"))
         if (tc.ckpt_every and step % tc.ckpt_every == 0) or last_step or out_of_time or paused:
             path = save_checkpoint(run_dir, step, model, opt, sched, loader.state_dict(),
-                                   extra={"val_loss": val_loss, "train_loss": loss_val})
+                                   extra={"val_loss": val_loss, "train_loss": loss_val,
+                                          "time_s": record["time_s"]})
             prune_checkpoints(run_dir, tc.keep_last, newest=path)
             log(f"checkpoint: {path}")
         if out_of_time and not last_step:

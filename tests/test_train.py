@@ -67,6 +67,8 @@ def test_exact_resume_is_bitwise(corpus, tmp_path, preset):
     ma, mb = metrics(tmp_path / "a"), metrics(tmp_path / "b")
     assert [m["loss"] for m in ma] == [m["loss"] for m in mb]
     assert [m["grad_norm"] for m in ma] == [m["grad_norm"] for m in mb]
+    times = [m["time_s"] for m in mb]  # the resumed segment continues the clock of the first
+    assert times[0] > 0 and times == sorted(times) and len(times) == 6
     wa = load_file(find_latest_checkpoint(tmp_path / "a") / "model.safetensors")
     wb = load_file(find_latest_checkpoint(tmp_path / "b") / "model.safetensors")
     assert wa.keys() == wb.keys()
