@@ -427,7 +427,7 @@ def write_report(out: Path, summary: dict) -> Path:
         groups = {m: [summary["runs"][run_name(m, s)]["val_curve"] for s in summary["seeds"]
                       if summary["runs"][run_name(m, s)]["finished"]] for m in summary["modes"]}
         plot_loss({m: g for m, g in groups.items() if g}, summary["baseline"], out / "loss.png",
-                  title=f"{summary['preset']}: validation loss, {len(summary['seeds'])} seeds (min–max band)")
+                  title=f"{summary['preset']}: validation loss over finished seeds (min–max band)")
     except ImportError:
         plot_error = ("No plot: matplotlib is not installed. `pip install 'k3cli[plot]'`, then "
                       f"`k3 study --report {out}` draws loss.png.")
