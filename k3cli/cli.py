@@ -1,7 +1,7 @@
 """The `k3` command line: parse options, resolve the config, dispatch to plain functions.
 
-Exit codes: 0 ok, 2 bad input (config, data, arguments), 3 training stopped on a non-finite loss,
-4 an equivalence check failed.
+Exit codes: 0 ok, 1 a run of `k3 study` failed (the others finished and were reported), 2 bad input
+(config, data, arguments), 3 training stopped on a non-finite loss, 4 an equivalence check failed.
 """
 
 from __future__ import annotations
@@ -374,14 +374,22 @@ def generate_cmd(
 def compare(
     runs: Annotated[list[Path], typer.Argument(help="Run directories to put side by side.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON to stdout.")] = False,
+    plot: Annotated[Optional[Path], typer.Option(
+        help="Also draw the validation-loss plot (loss vs tokens, difference to the first run, loss vs "
+             "training time) into this PNG; needs the plot extra.")] = None,
 ):
     """Compare runs: steps, final and best validation loss, tokens/s, and the config keys that differ."""
-    from k3cli.compare import compare_runs
+    from k3cli.compare import compare_runs, plot_runs
     from k3cli.report import print_compare
 
     try:
         data = compare_runs(runs)
-    except ConfigError as e:
+        if plot is not None:
+            plot_runs(data, plot)
+            err_console.print(f"plot: {plot}", highlight=False)
+    except ImportError:
+        fail("--plot needs matplotlib: pip install 'k3cli[plot]'")
+    except (ConfigError, ValueError) as e:
         fail(str(e))
     if as_json:
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
