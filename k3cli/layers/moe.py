@@ -18,7 +18,17 @@ from torch import nn
 from k3cli.layers.ffn import SiTUExpert, situ_glu
 from k3cli.layers.norm import RMSNorm
 
-DISPATCH_MODES = ("padded_bmm", "loop", "dense")
+DISPATCH_MODES = ("tiled", "loop", "dense")
+
+
+def tile_rows(slots: int, experts: int) -> int:
+    """Rows per tile R of the tiled dispatch: the power of two (16 to 1024) nearest S / 8E, so an
+    average group spans ~8 tiles: padding costs at most E·R rows (~1/8 of S), and the per-tile
+    weight copies (P·ℓ·d_ff per weight) stay a few times the experts' own size."""
+    r = 16
+    while r < 1024 and r * 8 * experts < slots:
+        r *= 2
+    return r
 
 
 def max_over_mean(counts: torch.Tensor) -> torch.Tensor:
@@ -35,7 +45,7 @@ class LatentMoE(nn.Module):
     """
 
     def __init__(self, hidden_size: int, num_routed_experts: int, top_k: int, num_shared_experts: int,
-                 d_ff: int, latent_dim: int, dispatch: str = "padded_bmm", bias_update_rate: float = 1e-3,
+                 d_ff: int, latent_dim: int, dispatch: str = "tiled", bias_update_rate: float = 1e-3,
                  norm_eps: float = 1e-6, init_std: float = 0.02):
         super().__init__()
         if dispatch not in DISPATCH_MODES:
@@ -69,23 +79,21 @@ class LatentMoE(nn.Module):
     def forward(self, x: torch.Tensor, dispatch: str | None = None) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]. `dispatch` overrides the configured mode.
 
-        With the configured padded_bmm and at most num_experts tokens (decode steps), the dense form
-        runs instead: same values up to summation order, and no host sync — padded_bmm must read the
-        largest group size back to size its buffer (one sync per MoE layer per call on a GPU). On
-        CPU, k3-toy decode: 1251 → 1163 torch ops and 4.82 → 4.27 ms per token.
+        With the configured tiled form and at most num_experts tokens (decode steps), the dense form
+        runs instead: same values up to summation order, and fewer ops for a handful of tokens.
         """
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
         ids_TK, w_TK = self.route(x_TD)
         if self.training:
-            with torch.no_grad():
-                self.load_counts += torch.bincount(ids_TK.flatten(), minlength=self.num_experts)
+            with torch.no_grad():   # scatter_add, not bincount: its output size would depend on the data
+                self.load_counts.scatter_add_(0, ids_TK.flatten(), torch.ones_like(ids_TK.flatten()))
         z_TL = self.down_proj(x_TD)
         mode = dispatch or self.dispatch
-        if dispatch is None and mode == "padded_bmm" and x_TD.shape[0] <= self.num_experts:
+        if dispatch is None and mode == "tiled" and x_TD.shape[0] <= self.num_experts:
             mode = "dense"
-        if mode == "padded_bmm":
-            u_TL = self._padded_bmm(z_TL, ids_TK, w_TK)
+        if mode == "tiled":
+            u_TL = self._tiled(z_TL, ids_TK, w_TK)
         elif mode == "loop":
             u_TL = self._loop(z_TL, ids_TK, w_TK)
         elif mode == "dense":
@@ -98,37 +106,47 @@ class LatentMoE(nn.Module):
         return y_TD.view(shape)
 
     def _experts(self, z_ECL: torch.Tensor) -> torch.Tensor:
-        """All routed experts at once on their padded groups: [E, C, L] -> [E, C, L]."""
+        """All routed experts at once, each on its own rows: [E, N, L] -> [E, N, L]."""
         h_ECF = situ_glu(torch.bmm(z_ECL, self.w_gate), torch.bmm(z_ECL, self.w_up))
         return torch.bmm(h_ECF, self.w_down)
 
-    def _padded_bmm(self, z_TL, ids_TK, w_TK):
-        """Sort token-slots by expert, pad each group to the largest, one bmm per weight, gather back.
+    def _tiled(self, z_TL, ids_TK, w_TK):
+        """Sort token-slots by expert, pad each group to whole tiles of R rows, run every tile with its
+        expert's weights in one bmm per weight, gather back. Every shape depends only on T, K, E and R
+        (docs/math.md §4): nothing is read back to the host, so the step stays asynchronous and
+        compiles to one static graph.
 
-        Deterministic: every gather/scatter here is a permutation or a gather whose only repeated
-        index is the zero padding row, and the top-k combine is a plain sum over K.
+        The groups fill at most P = ceil(S / R) + E tiles (each group wastes under one tile); empty
+        trailing tiles run on zero rows. Deterministic: the gathers are permutations (plus the zero
+        row), the weight gradient sums per tile in a fixed order, the top-k combine is a sum over K.
         """
         T, L = z_TL.shape
         E, K = self.num_experts, self.top_k
-        ids_S = ids_TK.flatten()                                                    # (S,)
-        order_S = torch.argsort(ids_S, stable=True)                                 # slots sorted by expert
-        counts_E = torch.bincount(ids_S, minlength=E)
-        C = int(counts_E.max())
-        starts_E = torch.cumsum(counts_E, 0) - counts_E
-        # expanding over K then permuting keeps the backward a sum over K plus a permutation
-        z_SL = z_TL.unsqueeze(1).expand(T, K, L).reshape(T * K, L)[order_S]           # (S, L) sorted
-        # padded position (e, c) reads sorted slot starts[e] + c, or the zero row S if c >= count[e]
-        c_C = torch.arange(C, device=z_TL.device)
-        src_EC = torch.where(c_C < counts_E[:, None], starts_E[:, None] + c_C, T * K)   # (E, C)
-        z_pad = torch.cat([z_SL, z_SL.new_zeros(1, L)])                             # (S + 1, L)
-        out_ECL = self._experts(z_pad[src_EC.flatten()].view(E, C, L))              # (E, C, L)
-        # sorted slot i sits at padded row ids[i]·C + (i − starts[ids[i]]); scattering those rows back
-        # through the permutation gives each slot's row in token order (one gather, no inverse argsort)
+        S = T * K
+        R = tile_rows(S, E)
+        P = -(-S // R) + E
+        ids_S = ids_TK.flatten()                                                     # (S,)
+        order_S = torch.argsort(ids_S, stable=True)                                  # slots sorted by expert
+        counts_E = torch.zeros(E, dtype=torch.long, device=z_TL.device).scatter_add_(
+            0, ids_S, torch.ones_like(ids_S))
+        starts_E = torch.cumsum(counts_E, 0) - counts_E                              # first sorted slot
+        tiles_E = (counts_E + R - 1) // R
+        tile_end_E = torch.cumsum(tiles_E, 0)                                        # tiles through expert e
+        row0_E = (tile_end_E - tiles_E) * R                                          # first padded row
+        # sorted slot i of expert e sits at padded row row0[e] + (i − starts[e])
         sorted_ids_S = ids_S[order_S]
-        row_S = sorted_ids_S * C + torch.arange(T * K, device=z_TL.device) - starts_E[sorted_ids_S]
-        row_tok_S = torch.empty_like(row_S).scatter_(0, order_S, row_S)
-        out_SL = out_ECL.reshape(E * C, L)[row_tok_S]                               # (S, L) token order
-        return (out_SL.view(T, K, L) * w_TK.to(out_SL.dtype)[..., None]).sum(1)   # (T, L)
+        row_S = row0_E[sorted_ids_S] + torch.arange(S, device=z_TL.device) - starts_E[sorted_ids_S]
+        src_PR = torch.full((P * R,), S, dtype=torch.long, device=z_TL.device).scatter_(
+            0, row_S, torch.arange(S, device=z_TL.device))                           # padded row -> slot
+        z_SL = z_TL.unsqueeze(1).expand(T, K, L).reshape(S, L)[order_S]               # (S, L) sorted
+        z_pad = torch.cat([z_SL, z_SL.new_zeros(1, L)])[src_PR].view(P, R, L)        # (P, R, L)
+        # tile p belongs to the first expert whose tiles end after p (trailing empty tiles: the last)
+        expert_P = torch.searchsorted(tile_end_E, torch.arange(P, device=z_TL.device), right=True).clamp_max(E - 1)
+        h_PRF = situ_glu(torch.bmm(z_pad, self.w_gate[expert_P]), torch.bmm(z_pad, self.w_up[expert_P]))
+        out_PRL = torch.bmm(h_PRF, self.w_down[expert_P])
+        row_tok_S = torch.empty_like(row_S).scatter_(0, order_S, row_S)              # each slot's row, token order
+        out_SL = out_PRL.reshape(P * R, L)[row_tok_S]                                # (S, L)
+        return (out_SL.view(T, K, L) * w_TK.to(out_SL.dtype)[..., None]).sum(1)    # (T, L)
 
     def _loop(self, z_TL, ids_TK, w_TK):
         """Reference: one expert at a time on the tokens that chose it."""

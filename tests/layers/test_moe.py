@@ -1,4 +1,4 @@
-"""LatentMoE: padded-bmm == loop == dense (values, grads), routing, balancing, SiTU (docs/math.md §4, §7.5)."""
+"""LatentMoE: tiled == loop == dense (values, grads), routing, balancing, SiTU (docs/math.md §4, §7.5)."""
 import pytest
 import torch
 
@@ -50,19 +50,49 @@ def test_dispatch_modes_agree(B, T, E, k, forced):
     if forced is not None:
         assert (ids[:, 0] == forced).all()
     y_ref, g_ref = run(m, x, "dense")
-    for mode in ("padded_bmm", "loop"):
+    for mode in ("tiled", "loop"):
         y, g = run(m, x, mode)
         assert_close(f"y {mode}", y, y_ref, TOL["y"])
         for name in g_ref:
             assert_close(f"d{name} {mode}", g[name], g_ref[name], TOL["grad"])
 
 
-def test_padded_bmm_is_deterministic():
+def test_tiled_is_deterministic():
     m = make(E=8, k=2)
     x = torch.randn(3, 11, 16, dtype=torch.float64)
-    a, ga = run(m, x, "padded_bmm")
-    b, gb = run(m, x, "padded_bmm")
+    a, ga = run(m, x, "tiled")
+    b, gb = run(m, x, "tiled")
     assert torch.equal(a, b) and all(torch.equal(ga[n], gb[n]) for n in ga)
+
+
+@pytest.mark.parametrize("T,E,k", [(300, 4, 2), (257, 16, 2), (64, 3, 3)])
+def test_tiled_spans_many_tiles(T, E, k):
+    """Groups of several tiles each (R = 16 here), a partial last tile, and all tokens on one expert."""
+    from k3cli.layers.moe import tile_rows
+
+    assert tile_rows(T * k, E) * 3 <= T * k   # more than one tile per expert on average
+    m = make(E=E, k=k)
+    x = torch.randn(1, T, 16, dtype=torch.float64)
+    y_ref, g_ref = run(m, x, "loop")
+    y, g = run(m, x, "tiled")
+    assert_close("y tiled", y, y_ref, TOL["y"])
+    for name in g_ref:
+        assert_close(f"d{name} tiled", g[name], g_ref[name], TOL["grad"])
+    m.router_bias[E - 1] = 100.0   # every token's first choice: one group of T tiles-worth
+    y_ref, g_ref = run(m, x, "loop")
+    y, g = run(m, x, "tiled")
+    assert_close("y tiled one expert", y, y_ref, TOL["y"])
+    for name in g_ref:
+        assert_close(f"d{name} tiled one expert", g[name], g_ref[name], TOL["grad"])
+
+
+def test_tile_rows_keeps_padding_and_copies_bounded():
+    from k3cli.layers.moe import tile_rows
+
+    for S, E in ((4096, 16), (65536, 32), (100, 4), (10**7, 8)):
+        R = tile_rows(S, E)
+        assert 16 <= R <= 1024 and R & (R - 1) == 0
+        assert R == 1024 or E * R <= S / 4 or R == 16   # padding at most a quarter of the slots
 
 
 def test_routing_weights_use_unbiased_scores():
@@ -132,7 +162,7 @@ def test_eval_mode_does_not_count_load():
 
 
 def test_unknown_dispatch_is_a_clear_error():
-    with pytest.raises(ValueError, match="unknown MoE dispatch 'grouped'.*padded_bmm"):
+    with pytest.raises(ValueError, match="unknown MoE dispatch 'grouped'.*tiled"):
         make(dispatch="grouped")
 
 
@@ -164,13 +194,32 @@ def _host_syncs(fn) -> int:
     return Count.n
 
 
-def test_few_tokens_take_the_sync_free_dense_path():
-    """Configured padded_bmm: up to num_experts tokens (decode) run the dense form — same values,
-    no host read-back — and more tokens the padded path, which reads the largest group size back."""
+def test_few_tokens_take_the_dense_path():
+    """Configured tiled: up to num_experts tokens (decode) run the dense form, more the tiled one;
+    same values either way."""
     m = make(E=6, k=2)
-    for T, syncs in ((1, 0), (6, 0), (7, 1)):
+    for T in (1, 6, 7):
         x = torch.randn(1, T, 16, dtype=torch.float64)
         with torch.no_grad():
-            assert _host_syncs(lambda x=x: m(x)) == syncs, T
             assert_close(f"T{T} auto vs dense", m(x), m(x, dispatch="dense"), TOL["y"])
-            assert_close(f"T{T} auto vs padded", m(x), m(x, dispatch="padded_bmm"), TOL["y"])
+            assert_close(f"T{T} auto vs tiled", m(x), m(x, dispatch="tiled"), TOL["y"])
+
+
+def test_training_step_reads_nothing_back():
+    """The tiled dispatch, the load counts and the backward take no host read-back (a device sync
+    on a GPU): every shape follows from T, K, E alone."""
+    m = make(E=6, k=2).train()
+    x = torch.randn(2, 40, 16, dtype=torch.float64, requires_grad=True)
+
+    def step():
+        m(x).square().sum().backward()
+
+    assert _host_syncs(step) == 0
+    assert m.load_counts.sum() == 2 * 40 * 2
+
+
+def test_tiled_compiles_to_one_graph():
+    m = make(E=6, k=2).train()
+    x = torch.randn(2, 40, 16, dtype=torch.float64)
+    explain = torch._dynamo.explain(lambda x: m(x).sum())(x)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1
