@@ -164,9 +164,11 @@ class KDAAttention(nn.Module):
             g = naive_kda_gate(g_raw, self.A_log, dt_bias, self.lower_bound)       # (B, T, HV, K) fp32
             # chosen from the gate bound, not the data: no later token can switch an earlier output
             # to the other path's rounding
-            fast = torch_chunk.covers_gate(self.lower_bound, self.chunk_size)
-            op = torch_chunk.torch_chunk_kda if fast else naive_chunk_kda
-            o, state = op(q, k, v, g, beta, chunk_size=self.chunk_size, **extra)
+            if torch_chunk.covers_gate(self.lower_bound, self.chunk_size):
+                o, state = torch_chunk.torch_chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size,
+                                                       reach_checked=True, **extra)
+            else:
+                o, state = naive_chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size, **extra)
         if cache is not None:
             cache.state = state
         return o
