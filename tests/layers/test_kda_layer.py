@@ -59,7 +59,7 @@ def test_chunked_layer_equals_recurrent_layer(conv, gate, H, HV, T, monkeypatch)
     assert bad == [], f"zero or non-finite gradients: {bad}"
     # swap the chunked ops (the fast path and the reference) for the definition, token by token
     for module, name in ((torch_chunk, "torch_chunk_kda"), (naive, "naive_chunk_kda")):
-        monkeypatch.setattr(module, name, lambda *a, chunk_size: naive.naive_recurrent_kda(*a))
+        monkeypatch.setattr(module, name, lambda *a, chunk_size, **_: naive.naive_recurrent_kda(*a))
     y_ref, g_ref = run(m, x)
     assert_close("y", y, y_ref, TOL["y"])
     for name in g_ref:
