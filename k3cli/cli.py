@@ -221,6 +221,54 @@ def bench_kernel(
     print_bench(console, results)
 
 
+class Backend(str, Enum):
+    auto = "auto"
+    triton = "triton"
+    torch = "torch"
+
+
+@app.command("bench-train")
+def bench_train_cmd(
+    preset: PresetOpt = "k3-toy",
+    config: ConfigOpt = None,
+    sets: SetOpt = None,
+    attnres: AttnResOpt = None,
+    batch: Annotated[Optional[int], typer.Option(min=1, help="Sequences per step (default: train.micro_batch_size).")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(min=1, help="Tokens per sequence (default: train.seq_len).")] = None,
+    steps: Annotated[int, typer.Option(min=1, help="Timed steps per variant.")] = 10,
+    warmup: Annotated[int, typer.Option(min=0, help="Untimed steps first (compilation happens here).")] = 3,
+    compile: Annotated[bool, typer.Option("--compile/--no-compile", help="Also time the torch.compile'd step.")] = False,
+    backend: Annotated[Backend, typer.Option(
+        help="KDA/AttnRes ops: triton (CUDA; the torch ops are then timed too) or torch; auto picks.")] = Backend.auto,
+    device: Annotated[Optional[str], typer.Option(help="auto | cpu | cuda (default: train.device).")] = None,
+    peak_tflops: Annotated[Optional[float], typer.Option("--peak-tflops", min=0,
+        help="Dense peak TFLOP/s for MFU (default: the device table; none on CPU).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON to stdout.")] = False,
+):
+    """Time whole training steps (forward, backward, AdamW) on synthetic tokens.
+
+    Eager is the reference; --compile adds the compiled step and, on CUDA with the Triton ops, the
+    torch ops are timed too, all interleaved in this one run: median step time with its spread,
+    tokens/s, TFLOP/s (analytic FLOPs, docs/math.md §9), MFU and peak memory."""
+    from k3cli.bench_train import bench_train
+    from k3cli.report import print_bench_train
+
+    flags = {"train.micro_batch_size": batch, "train.seq_len": seq_len, "train.device": device,
+             "train.peak_tflops": peak_tflops}
+    flags = {k: v for k, v in flags.items() if v is not None}
+    if batch is not None:
+        flags["train.global_batch_size"] = batch
+    cfg = resolve(preset, config, sets, attnres, flags)
+    try:
+        res = bench_train(cfg, steps=steps, warmup=warmup, compile=compile, backend=backend.value, log=_log)
+    except ValueError as e:
+        fail(str(e))
+    if as_json:
+        sys.stdout.write(json.dumps(res, indent=2) + "\n")
+    else:
+        print_bench_train(console, res)
+
+
 class WandbMode(str, Enum):
     off = "off"
     offline = "offline"
@@ -250,6 +298,9 @@ def train(
     time_limit: Annotated[Optional[float], typer.Option(
         "--time-limit", help="Stop with a checkpoint after this many seconds.")] = None,
     wandb: Annotated[WandbMode, typer.Option(help="Log to Weights & Biases (needs the wandb extra).")] = WandbMode.off,
+    peak_tflops: Annotated[Optional[float], typer.Option(
+        "--peak-tflops", min=0, help="Dense peak TFLOP/s for the MFU column (default: the device table; "
+                                     "none on CPU).")] = None,
 ):
     """Train a model on real text (default: the Python standard library's own source)."""
     from k3cli.report import TrainProgress, make_logger
@@ -263,7 +314,7 @@ def train(
     except ValueError as e:
         fail(str(e))
     flags = {"data.source": data, "train.steps": steps, "train.device": device, "train.seed": seed,
-             "train.time_limit_s": time_limit}
+             "train.time_limit_s": time_limit, "train.peak_tflops": peak_tflops}
     flags = {k: v for k, v in flags.items() if v is not None}
     mode = attnres.value if attnres else None
     run_dir = out

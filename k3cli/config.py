@@ -51,8 +51,16 @@ class TrainConfig:
     ckpt_every: int = 100  # 0 = only at the end
     keep_last: int = 3  # checkpoints kept
     time_limit_s: float = 0.0  # stop (with a checkpoint) after this much wall time; 0 = no limit
+    compile: bool = False  # torch.compile the model (fullgraph) for training and eval
+    compile_mode: str = "default"  # torch.compile mode
+    activation_checkpointing: str = "none"  # none | block: recompute each block's activations in backward
+    peak_tflops: float = 0.0  # dense peak for MFU; 0 = from the device table (none on CPU)
 
-    CHOICES: typing.ClassVar[dict] = {"device": ("auto", "cpu", "cuda")}
+    CHOICES: typing.ClassVar[dict] = {
+        "device": ("auto", "cpu", "cuda"),
+        "compile_mode": ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+        "activation_checkpointing": ("none", "block"),
+    }
 
     def validate(self, p: str = "train") -> None:
         for name in ("steps", "seq_len", "micro_batch_size", "global_batch_size", "keep_last"):
@@ -68,6 +76,7 @@ class TrainConfig:
         _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, f"{p}.beta1/beta2", "must lie in [0, 1)")
         _check(self.grad_clip >= 0, f"{p}.grad_clip", "must be >= 0 (0 = off)")
         _check(self.time_limit_s >= 0, f"{p}.time_limit_s", "must be >= 0")
+        _check(self.peak_tflops >= 0, f"{p}.peak_tflops", "must be >= 0 (0 = from the device table)")
 
 
 @dataclass

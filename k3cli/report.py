@@ -113,6 +113,32 @@ def print_compare(console: Console, data: dict) -> None:
         console.print("configs are identical")
 
 
+def print_bench_train(console: Console, res: dict) -> None:
+    if not console.is_terminal:
+        console = Console(width=160)
+    title = (f"bench-train on {res['device']}: batch {res['batch']} × {res['seq_len']} tokens, "
+             f"{res['steps']} timed steps after {res['warmup']} warm-up")
+    table = Table(title=title)
+    for col in ("variant", "step ms (median)", "min–max ms", "tokens/s", "TFLOP/s", "MFU", "peak mem GB",
+                "× eager"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for r in res["rows"]:
+        table.add_row(f"{r['variant']} ({r['backend']})", f"{r['step_ms']:.2f}",
+                      f"{r['min_ms']:.2f}–{r['max_ms']:.2f}", f"{r['tokens_per_s']:,.0f}", f"{r['tflops']:.4g}",
+                      "-" if r["mfu"] is None else f"{100 * r['mfu']:.2f}%", f"{r['peak_mem_gb']:.2f}",
+                      f"{r['speedup_vs_eager']:.3f}")
+    console.print(table)
+    console.print(f"{res['flops_per_token'] / 1e6:.2f} MFLOP per token (forward+backward, analytic); "
+                  + (f"MFU against {res['peak_tflops']:g} TFLOP/s ({res['peak_source']})" if res["peak_tflops"]
+                     else "no MFU: no peak known for this device (give --peak-tflops)"))
+    for k, v in res["ratios"].items():
+        console.print(f"{k.replace('_vs_', ' / ')}: {v:.3f}× faster" if v >= 1 else
+                      f"{k.replace('_vs_', ' / ')}: {v:.3f}× ({1 / v:.2f}× slower)")
+    if res["device_type"] == "cpu":
+        console.print(f"[yellow]CPU figures ({res['threads']} threads; peak memory is the process's peak RSS), "
+                      "not GPU figures.[/]")
+
+
 def make_logger(progress):
     """Log lines go through the progress bar's console when there is one (so the bar stays put)."""
     def log(msg: str) -> None:

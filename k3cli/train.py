@@ -24,10 +24,12 @@ from k3cli.checkpoint import (
     prune_checkpoints,
     save_checkpoint,
 )
+from k3cli.compile import compile_model
 from k3cli.config import RunConfig, config_to_dict, dump_config, flatten, load_config
 from k3cli.data import load_tokenizer, prepare_data, save_tokenizer, write_text_atomic
 from k3cli.layers.moe import max_over_mean
 from k3cli.models.causal_lm import CausalLM
+from k3cli.models.flops import device_peak_tflops, flops_per_token
 
 # parameters named like this take no weight decay (besides every parameter with ndim < 2)
 NO_DECAY_NAMES = ("norm", "bias", "A_log", "dt_bias", "attnres", "query", "gain")
@@ -75,19 +77,69 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 
 @torch.no_grad()
-def evaluate_loss(model: CausalLM, batches: list[torch.Tensor], device: torch.device,
-                  autocast_dtype: torch.dtype | None) -> float:
+def evaluate_loss(forward, batches: list[torch.Tensor], device: torch.device,
+                  autocast_dtype: torch.dtype | None, module: CausalLM | None = None) -> float:
+    """Mean validation loss over `batches`; `forward` is the model or its compiled form (then
+    `module` is the model, whose train/eval mode is switched)."""
+    model = forward if module is None else module
     was_training = model.training
     model.eval()
     total, n = 0.0, 0
     for ids in batches:
         ids = ids.to(device)
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            out = model(ids, labels=ids)
+            out = forward(ids, labels=ids)
         total += out.loss.float().item() * ids.numel()
         n += ids.numel()
     model.train(was_training)
     return total / max(1, n)
+
+
+class Throughput:
+    """Per log window: tokens/s, step and data-wait time, model TFLOP/s, MFU and peak memory.
+
+    FLOPs per token are the analytic training count (`k3cli.models.flops`, docs/math.md §9); MFU
+    is against `train.peak_tflops`, else the device's dense bf16 peak from the table (none on CPU)."""
+
+    def __init__(self, cfg: RunConfig, device: torch.device):
+        self.device = device
+        self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)["total"]
+        self.peak, self.peak_name = cfg.train.peak_tflops or None, "train.peak_tflops"
+        if self.peak is None and device.type == "cuda":
+            found = device_peak_tflops(torch.cuda.get_device_name(device))
+            if found is not None:
+                self.peak, self.peak_name = found[0], f"{found[1]} dense bf16"
+        self.steps, self.data_s = 0, 0.0
+
+    def describe(self) -> str:
+        peak = (f"MFU against {self.peak:g} TFLOP/s ({self.peak_name})" if self.peak else
+                "no MFU (no peak known for this device; give one with --peak-tflops)")
+        return f"throughput: {self.flops_per_token / 1e6:.1f} MFLOP per token (forward+backward); {peak}"
+
+    def window(self, tokens: int, seconds: float) -> dict:
+        seconds = max(seconds, 1e-9)
+        tflops = tokens * self.flops_per_token / seconds / 1e12
+        out = {"tokens_per_s": round(tokens / seconds, 1), "step_ms": round(1e3 * seconds / max(1, self.steps), 2),
+               "data_ms": round(1e3 * self.data_s / max(1, self.steps), 3), "tflops": _sig(tflops)}
+        if self.peak:
+            out["mfu"] = _sig(tflops / self.peak)
+        out["peak_mem_gb"] = round(peak_memory_bytes(self.device) / 2**30, 3)
+        self.steps, self.data_s = 0, 0.0
+        return out
+
+
+def _sig(x: float, digits: int = 5) -> float:
+    """x rounded to `digits` significant digits (TFLOP/s on a CPU are 1e-3, on a GPU 1e2)."""
+    return float(f"{x:.{digits}g}")
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory so far: the CUDA caching allocator's high-water mark, or the process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
 
 
 def moe_imbalance(layers: list) -> torch.Tensor | None:
@@ -137,8 +189,14 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
         f"{len(data.val_tokens):,} tokens, {data.bytes_per_token_val:.2f} bytes per val token")
 
     model = build_model(cfg).to(device)
+    model.activation_checkpointing = tc.activation_checkpointing
     log(f"model: {cfg.model.arch}, {model.num_parameters():,} parameters "
         f"({model.num_active_parameters():,} active per token), device {device}")
+    forward = compile_model(model, tc.compile_mode) if tc.compile else model
+    if tc.compile:
+        log(f"compile: torch.compile mode {tc.compile_mode}, full graph (the first steps include compiling)")
+    speed = Throughput(cfg, device)
+    log(speed.describe())
     # on CPU the fused kernel (one pass per parameter) took a k3-toy AdamW step from 17.7 to 3.3 ms
     opt = torch.optim.AdamW(param_groups(model, tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2),
                             eps=1e-8, fused=True if device.type == "cpu" else None)
@@ -187,9 +245,11 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
         # fp64 on the device, the same sums as adding Python floats
         loss_acc = torch.zeros((), dtype=torch.float64, device=device)
         for _ in range(accum):
+            t_data = time.perf_counter()
             ids = next(loader).to(device)
+            speed.data_s += time.perf_counter() - t_data
             with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                out = model(ids, labels=ids)
+                out = forward(ids, labels=ids)
             (out.loss / accum).backward()
             loss_acc += out.loss.detach().float().double() / accum
             tokens_since += ids.numel()
@@ -218,13 +278,14 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
         last_step = step == tc.steps
         out_of_time = tc.time_limit_s > 0 and time.time() - t_start >= tc.time_limit_s
         paused = stop_at is not None and step >= stop_at
+        speed.steps += 1
         if (tc.eval_every and step % tc.eval_every == 0) or last_step or out_of_time:
-            val_loss = evaluate_loss(model, val, device, autocast_dtype)
+            val_loss = evaluate_loss(forward, val, device, autocast_dtype, module=model)
             record["val_loss"] = round(val_loss, 6)
         record["time_s"] = round(time_before + time.time() - t_start, 3)
         if step % tc.log_every == 0 or "val_loss" in record:
             now = time.time()
-            record["tokens_per_s"] = round(tokens_since / max(now - t_last, 1e-9), 1)
+            record.update(speed.window(tokens_since, now - t_last))
             t_last, tokens_since = now, 0
             log(_format(record))
         with metrics_path.open("a") as f:
@@ -256,7 +317,8 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
 # keys a resumed run may change; anything else would silently not apply (optimiser and loader
 # state come from the checkpoint) or would not fit the checkpoint at all
 RESUMABLE_KEYS = ("train.steps", "train.device", "train.log_every", "train.eval_every", "train.ckpt_every",
-                  "train.keep_last", "train.time_limit_s", "eval.")
+                  "train.keep_last", "train.time_limit_s", "train.compile", "train.activation_checkpointing",
+                  "train.peak_tflops", "eval.")
 
 
 def check_resume_config(saved: RunConfig, new: RunConfig) -> None:
@@ -265,7 +327,8 @@ def check_resume_config(saved: RunConfig, new: RunConfig) -> None:
     if changed:
         shown = ", ".join(f"{k} ({a[k]!r} -> {b.get(k)!r})" for k in changed[:4])
         raise ValueError(f"cannot resume with a changed {shown}{' …' if len(changed) > 4 else ''}; only "
-                         "train.steps/device/log_every/eval_every/ckpt_every/keep_last/time_limit_s and eval.* "
+                         "train.steps/device/log_every/eval_every/ckpt_every/keep_last/time_limit_s/compile*/"
+                         "activation_checkpointing/peak_tflops and eval.* "
                          "may change. Train into a new --out instead")
 
 
@@ -303,6 +366,9 @@ def _format(r: dict) -> str:
     parts = [f"step {r['step']}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}", f"gnorm {r['grad_norm']:.3f}"]
     if "tokens_per_s" in r:
         parts.append(f"{r['tokens_per_s']:.0f} tok/s")
+        parts.append(f"{r['step_ms']:.1f} ms/step (data {r['data_ms']:.2f})")
+        parts.append(f"{r['tflops']:.3g} TFLOP/s" + (f" MFU {100 * r['mfu']:.1f}%" if "mfu" in r else ""))
+        parts.append(f"mem {r['peak_mem_gb']:.2f} GB")
     if "moe_imbalance" in r:
         parts.append(f"moe max/mean {r['moe_imbalance']:.2f}")
     if "val_loss" in r:

@@ -21,6 +21,12 @@ from k3cli.layers.norm import RMSNorm
 DISPATCH_MODES = ("tiled", "loop", "dense")
 
 
+def _recomputing() -> bool:
+    """Inside a backward pass, i.e. activation checkpointing re-running this forward in eager mode
+    (whose tokens were counted the first time). Compiled graphs recompute inside the graph, once."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
 def tile_rows(slots: int, experts: int) -> int:
     """Rows per tile R of the tiled dispatch: the power of two (16 to 1024) nearest S / 8E, so an
     average group spans ~8 tiles: padding costs at most E·R rows (~1/8 of S), and the per-tile
@@ -85,7 +91,7 @@ class LatentMoE(nn.Module):
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
         ids_TK, w_TK = self.route(x_TD)
-        if self.training:
+        if self.training and not _recomputing():
             with torch.no_grad():   # scatter_add, not bincount: its output size would depend on the data
                 self.load_counts.scatter_add_(0, ids_TK.flatten(), torch.ones_like(ids_TK.flatten()))
         z_TL = self.down_proj(x_TD)

@@ -13,11 +13,13 @@ Notable features:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from k3cli.layers.attnres import AttnResMixer
 from k3cli.layers.block import DecoderBlock
@@ -57,6 +59,9 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(D, config.norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(D, config.vocab_size, bias=False)
         self.apply(self._init_weights)
+        # "block": each decoder block (with AttnRes: each sublayer core) recomputes its activations
+        # in backward instead of keeping them; set by the training loop (train.activation_checkpointing)
+        self.activation_checkpointing = "none"
 
     def _init_weights(self, module: nn.Module) -> None:
         # normal(0, initializer_range) for every projection and the embedding (GPT-2 / nanoGPT);
@@ -69,13 +74,16 @@ class CausalLM(nn.Module):
         """input_ids [B, T] -> logits [B, T, vocab]; `caches` (one per block) continue a decode."""
         caches = caches or [None] * len(self.blocks)
         x = self.embed_tokens(input_ids)                                           # (B, T, D)
+        recompute = self.activation_checkpointing == "block" and self.training and torch.is_grad_enabled()
         if self.attnres is None:
             for block, cache in zip(self.blocks, caches):
-                x = block(x, cache)
+                x = checkpoint(block, x, cache, use_reentrant=False) if recompute else block(x, cache)
         else:
             # token-local: the same mixer runs over the sublayers of however many tokens come in
             # the mixer applies each sublayer's pre-norm (fused into its kernel on CUDA) and the final norm
             cores = [f for block, c in zip(self.blocks, caches) for f in block.sublayer_cores(c)]
+            if recompute:
+                cores = [functools.partial(checkpoint, f, use_reentrant=False) for f in cores]
             norms = [n for block in self.blocks for n in block.sublayer_norms()]
             return self._head(self.attnres(x, cores, norms=norms, final_norm=self.norm))
         return self._head(self.norm(x))

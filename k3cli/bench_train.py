@@ -1,0 +1,120 @@
+"""`k3 bench-train`: time whole training steps (forward, backward, AdamW) on synthetic tokens.
+
+Every variant is measured in the same run, interleaved step by step so that drift hits them alike:
+`eager` (the reference), `compiled` (with --compile) and, on CUDA with the Triton backend,
+`torch-backend` (the same model on the torch ops), so the compiled/eager and triton/torch ratios
+come from one process. Warm-up steps (compilation included) are excluded. FLOPs per token are the
+analytic count of docs/math.md §9; MFU is against the device's dense bf16 peak (or --peak-tflops).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from k3cli.compile import compile_model
+from k3cli.config import RunConfig
+from k3cli.models.flops import device_peak_tflops, flops_per_token
+from k3cli.train import build_model, flush_denormals, param_groups, peak_memory_bytes, resolve_device
+
+
+@dataclass
+class Variant:
+    name: str
+    backend: str
+    compiled: bool
+    model: torch.nn.Module = None
+    forward: object = None
+    opt: torch.optim.Optimizer = None
+    times: list[float] = field(default_factory=list)
+    peak_mem: int = 0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _build(cfg: RunConfig, v: Variant, device: torch.device) -> None:
+    cfg.model.kda.backend = v.backend
+    v.model = build_model(cfg).to(device).train()
+    v.model.activation_checkpointing = cfg.train.activation_checkpointing
+    if v.backend == "torch" and v.model.attnres is not None:
+        v.model.attnres.impl = "two_phase"      # the torch form of the mix, no Triton kernel
+    tc = cfg.train
+    v.opt = torch.optim.AdamW(param_groups(v.model, tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2),
+                              fused=True if device.type == "cpu" else None)
+    v.forward = compile_model(v.model, cfg.train.compile_mode) if v.compiled else v.model
+
+
+def _step(v: Variant, ids: torch.Tensor, device: torch.device, autocast) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    v.opt.zero_grad(set_to_none=True)
+    with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+        loss = v.forward(ids, labels=ids).loss
+    loss.backward()
+    v.opt.step()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def bench_train(cfg: RunConfig, steps: int = 10, warmup: int = 3, compile: bool = False,
+                backend: str = "auto", log=print) -> dict:
+    """Median step time with spread, tokens/s, TFLOP/s, MFU and peak memory per variant."""
+    device = resolve_device(cfg.train.device)
+    flush_denormals(device)
+    if backend == "triton" and device.type != "cuda":
+        raise ValueError("--backend triton needs a CUDA device (on CPU the model runs the torch ops)")
+    backend = ("triton" if device.type == "cuda" else "torch") if backend == "auto" else backend
+    variants = [Variant("eager", backend, False)]
+    if compile:
+        variants.append(Variant("compiled", backend, True))
+    if backend == "triton":
+        variants.append(Variant("torch-backend", "torch", False))
+    B, T = cfg.train.micro_batch_size, cfg.train.seq_len
+    g = torch.Generator().manual_seed(cfg.train.seed)
+    ids = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g).to(device)
+    autocast = torch.bfloat16 if device.type == "cuda" else None
+    for v in variants:
+        log(f"bench-train: building {v.name} ({v.backend} ops{', torch.compile' if v.compiled else ''})")
+        _build(cfg, v, device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        for _ in range(warmup):
+            _step(v, ids, device, autocast)
+        log(f"bench-train: {v.name} warm-up {warmup} steps in {time.perf_counter() - t0:.1f} s")
+        v.peak_mem = peak_memory_bytes(device)
+    for _ in range(steps):   # round by round: drift (clocks, other load) hits every variant alike
+        for v in variants:
+            v.times.append(_step(v, ids, device, autocast))
+            if device.type == "cuda":
+                v.peak_mem = max(v.peak_mem, torch.cuda.max_memory_allocated(device))
+    fpt = flops_per_token(cfg.model, T)["total"]
+    peak, peak_name = cfg.train.peak_tflops or None, "--peak-tflops"
+    if peak is None and device.type == "cuda":
+        found = device_peak_tflops(torch.cuda.get_device_name(device))
+        if found is not None:
+            peak, peak_name = found[0], f"{found[1]} dense bf16"
+    rows = []
+    ref = statistics.median(variants[0].times)
+    for v in variants:
+        med = statistics.median(v.times)
+        tflops = B * T * fpt / med / 1e12
+        rows.append({"variant": v.name, "backend": v.backend, "compiled": v.compiled,
+                     "step_ms": 1e3 * med, "min_ms": 1e3 * min(v.times), "max_ms": 1e3 * max(v.times),
+                     "tokens_per_s": B * T / med, "tflops": tflops, "mfu": tflops / peak if peak else None,
+                     "peak_mem_gb": v.peak_mem / 2**30, "speedup_vs_eager": ref / med})
+    by = {r["variant"]: r["step_ms"] for r in rows}
+    ratios = {}
+    if "compiled" in by:
+        ratios["compiled_vs_eager"] = by["eager"] / by["compiled"]     # > 1: compiling made the step faster
+    if "torch-backend" in by:
+        ratios["triton_vs_torch"] = by["torch-backend"] / by["eager"]  # > 1: the Triton ops are faster
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    return {"device": name, "device_type": device.type, "batch": B, "seq_len": T, "steps": steps,
+            "warmup": warmup, "flops_per_token": fpt, "peak_tflops": peak, "peak_source": peak_name if peak else None,
+            "threads": torch.get_num_threads(), "rows": rows, "ratios": ratios}

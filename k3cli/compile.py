@@ -1,0 +1,28 @@
+"""torch.compile for training and eval: one full graph per (mode, input shape), no graph breaks.
+
+The model traces whole: the MoE dispatch has static shapes, the KDA torch path checks its reach
+bound from the config rather than the data, and the Triton kernels are torch.library custom ops
+(opaque nodes with fake implementations). `fullgraph=True` turns any future graph break into an
+error instead of a silent slowdown; `dynamic=False` compiles each distinct batch shape once (the
+training batch, the validation batch, a shorter last validation batch) rather than a dynamic graph.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+# torch.compile modes `train.compile_mode` accepts (config.py lists the same choices)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def compile_model(model: nn.Module, mode: str = "default") -> Callable:
+    """The compiled forward of `model`. The module itself stays uncompiled, so its state_dict (and
+    every checkpoint) keeps plain parameter names, without `_orig_mod.` prefixes."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"unknown compile mode '{mode}'; valid: {', '.join(COMPILE_MODES)}")
+    # train/eval switches and a few batch shapes each need a graph; the default limit of 8 is enough
+    # for one run, but tests compile many models in one process
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
+    return torch.compile(model, mode=mode, fullgraph=True, dynamic=False)

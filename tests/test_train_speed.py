@@ -1,0 +1,112 @@
+"""What makes the training step fast and measured: one traced graph per model, activation
+checkpointing, the throughput fields of the log, a real offline wandb run, `k3 bench-train`."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from k3cli.cli import app
+from k3cli.config import load_config
+from k3cli.models.causal_lm import CausalLM
+from k3cli.testing import TINY_MODEL, TINY_TRAIN, write_corpus
+from k3cli.train import train
+
+runner = CliRunner()
+BUILDS = [(p, m) for p in ("kda-toy", "k3-toy") for m in ("off", "full", "block")]
+
+
+def tiny_model(preset, mode, dtype=torch.float32):
+    cfg = load_config(preset, overrides=TINY_MODEL, attnres=mode)
+    torch.manual_seed(0)
+    return CausalLM(cfg.model).to(dtype).train()
+
+
+@pytest.mark.parametrize("preset,mode", BUILDS)
+def test_model_traces_into_one_graph(preset, mode):
+    """Forward with the loss: no graph break anywhere (MoE, KDA torch path, MLA, AttnRes)."""
+    m = tiny_model(preset, mode)
+    ids = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
+    explain = torch._dynamo.explain(lambda ids: m(ids, labels=ids).loss)(ids)
+    assert explain.graph_break_count == 0, [str(b.reason)[:200] for b in explain.break_reasons]
+    assert explain.graph_count == 1
+
+
+@pytest.mark.parametrize("preset,mode", BUILDS)
+def test_activation_checkpointing_keeps_gradients_and_load_counts(preset, mode):
+    ids = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for ac in ("none", "block"):
+        m = tiny_model(preset, mode, torch.float64)
+        m.activation_checkpointing = ac
+        loss = m(ids, labels=ids).loss
+        loss.backward()
+        out[ac] = (loss.detach(), {n: p.grad for n, p in m.named_parameters()},
+                   [x.load_counts.clone() for x in m.moe_layers()])
+    (la, ga, ca), (lb, gb, cb) = out["none"], out["block"]
+    assert torch.equal(la, lb)
+    for n in ga:   # fp64: recomputation repeats the same operations, so equal within rounding
+        assert torch.allclose(ga[n], gb[n], rtol=1e-12, atol=1e-14), n
+    # the recomputed forward does not count the tokens a second time
+    assert all(torch.equal(a, b) for a, b in zip(ca, cb))
+
+
+@pytest.fixture
+def corpus(tmp_path, monkeypatch):
+    monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path / "cache"))
+    return write_corpus(tmp_path)
+
+
+def test_log_records_carry_throughput_fields(corpus, tmp_path):
+    cfg = load_config("k3-toy", overrides=TINY_MODEL + TINY_TRAIN + [f"data.source={corpus}",
+                                                                    "train.peak_tflops=0.5"])
+    train(cfg, tmp_path / "run", log=lambda m: None)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 6
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and r["step_ms"] > 0 and r["data_ms"] >= 0 and r["peak_mem_gb"] > 0
+        assert r["mfu"] == pytest.approx(r["tflops"] / 0.5, rel=1e-3, abs=1e-5)
+        # TFLOP/s = tokens/s × analytic FLOPs per token
+        from k3cli.models.flops import flops_per_token
+
+        fpt = flops_per_token(cfg.model, cfg.train.seq_len)["total"]
+        assert r["tflops"] == pytest.approx(r["tokens_per_s"] * fpt / 1e12, rel=1e-2, abs=1e-4)
+
+
+def test_no_mfu_on_cpu_without_a_peak(corpus, tmp_path):
+    cfg = load_config("k3-toy", overrides=TINY_MODEL + TINY_TRAIN + [f"data.source={corpus}"])
+    lines = []
+    train(cfg, tmp_path / "run", log=lines.append)
+    assert any("no MFU" in m and "--peak-tflops" in m for m in lines)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all("mfu" not in r and r["tflops"] > 0 for r in rows)
+
+
+def test_wandb_offline_run_writes_files_and_sends_nothing(corpus, tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")   # installed by `make setup` (the wandb extra)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")   # were anything sent, it would fail here
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = load_config("k3-toy", overrides=TINY_MODEL + TINY_TRAIN + [f"data.source={corpus}"])
+    train(cfg, tmp_path / "run", log=lambda m: None, wandb_mode="offline")
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, list((tmp_path / "run").rglob("*"))
+    files = {p.name for p in runs[0].rglob("*") if p.is_file()}
+    assert any(name.endswith(".wandb") for name in files), files
+    assert wandb.run is None   # finished
+
+
+def test_bench_train_runs_on_cpu():
+    r = runner.invoke(app, ["bench-train", "--preset", "kda-toy", "--steps", "2", "--warmup", "1", "--json",
+                            *[a for s in TINY_MODEL + ["train.seq_len=32", "train.micro_batch_size=2",
+                                                       "train.device=cpu"] for a in ("--set", s)]])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    (row,) = res["rows"]
+    assert res["device_type"] == "cpu" and res["batch"] == 2 and res["seq_len"] == 32
+    assert row["variant"] == "eager" and row["min_ms"] <= row["step_ms"] <= row["max_ms"]
+    assert row["tokens_per_s"] == pytest.approx(64 / (row["step_ms"] / 1e3))
+    assert row["mfu"] is None and res["ratios"] == {}
+    r = runner.invoke(app, ["bench-train", "--backend", "triton", "--device", "cpu"])
+    assert r.exit_code == 2 and "needs a CUDA device" in r.output
