@@ -140,11 +140,13 @@ def test_chunk_kda_matches_recurrent(B, T, H, G, K, V, C, dtype, h0):
 
 def run_plan(p_over: dict, q, k, v, g, beta, initial_state=None, output_final_state=False, chunk_size=64):
     """chunk_kda with fields of its launch plan replaced (e.g. ranges: the CUDA-only chunk ranges on CPU)."""
-    from k3cli.ops.kda.chunk import ChunkKDAFunction, plan
-    B, T, HV, V = v.shape
-    p = plan(B, T, HV, q.shape[-1], V, chunk_size, v.dtype, v.is_cuda)._replace(**p_over)
-    return ChunkKDAFunction.apply(q, k, v, g, beta, initial_state, q.shape[-1] ** -0.5, chunk_size,
-                                  output_final_state, p)
+    from unittest import mock
+
+    from k3cli.ops.kda import chunk
+    plan = chunk.plan
+    with mock.patch.object(chunk, "plan", lambda *a, **kw: plan(*a, **kw)._replace(**p_over)):
+        return chunk.chunk_kda(q, k, v, g, beta, initial_state=initial_state,
+                               output_final_state=output_final_state, chunk_size=chunk_size)
 
 
 # (B, T, H, G, K, V, chunk, ranges): the forward in chunk ranges (on CPU one after another: the carry between

@@ -1,5 +1,5 @@
-"""Triton chunked KDA: the launch plan, the autograd wrapper and the public entry point `chunk_kda`
-(kernels in chunk_fwd.py, chunk_bwd.py).
+"""Triton chunked KDA: the launch plan, the custom ops `k3::chunk_kda` / `k3::chunk_kda_bwd` (README.md,
+"Custom ops") and the public entry point `chunk_kda` (kernels in chunk_fwd.py, chunk_bwd.py).
 
 Forward: stage 1 (Γ with the gated operands, the intra-chunk scores, the solve with W and U), then the
 state scan; on CUDA, for few long sequences, both per chunk range with the scans on a high-priority side
@@ -12,11 +12,14 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch import Tensor
 
 from k3cli.ops import launch
+from k3cli.ops.custom import absent, reference_vjp, triton_runs
 from k3cli.ops.kda.checks import check_kda_inputs
 from k3cli.ops.kda.chunk_bwd import kda_bwd_intra, kda_bwd_state
-from k3cli.ops.kda.chunk_fwd import Intra, kda_fwd_intra, kda_fwd_state, torch_allows_tf32
+from k3cli.ops.kda.chunk_fwd import Intra, intra_buffers, kda_fwd_intra, kda_fwd_state, torch_allows_tf32
+from k3cli.ops.kda.torch_chunk import torch_chunk_kda
 from k3cli.ops.norm import l2norm
 
 _CHUNK_SIZES = (16, 32, 64)
@@ -108,61 +111,157 @@ class _Overlap:
         self.main.wait_stream(self.side)
 
 
-class ChunkKDAFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, p: Plan):
-        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-        h0 = None if initial_state is None else initial_state.contiguous()
-        launch.configure()   # a profiler's launch hook may have been set since the last call
-        B, T, HV = v.shape[:3]
-        ranges = segment_ranges(-(-T // chunk_size), p.ranges)
-        ov = _Overlap(q.device) if ranges and q.is_cuda else None
-        need_grad = any(ctx.needs_input_grad[:6])
-        try:
-            it = kda_fwd_intra(q, k, v, g, beta, scale, chunk_size, p, store_mkk=need_grad, ranges=ranges,
-                               on_range=ov and ov.stage1_done)
-            o, ht, _, _ = kda_fwd_state(it, B, T, HV, chunk_size, h0, p.scan_prec, v.dtype, output_final_state,
-                                        ranges=ranges, on_range=ov and ov.scan_start)
-        finally:
-            if ov is not None:
-                ov.join()   # the current stream again, after all of stage 1 (also when a launch raised)
-        # free Γ now, not earlier: the side stream may still have been reading it
-        ctx.save_for_backward(q, k, v, g, beta, h0, *it._replace(gc=None)[:-1])
-        ctx.scale, ctx.chunk_size, ctx.plan = scale, chunk_size, p
-        return o, ht
+def _forward(q, k, v, g, beta, h0, scale: float, C: int, output_final_state: bool, store_mkk: bool):
+    """The Triton forward: (o, final state or absent, the stage-1 buffers the backward reads)."""
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    h0 = None if h0 is None else h0.contiguous()
+    launch.configure()   # a profiler's launch hook may have been set since the last call
+    B, T, HV, V = v.shape
+    p = plan(B, T, HV, q.shape[-1], V, C, v.dtype, v.is_cuda, torch_allows_tf32())
+    ranges = segment_ranges(-(-T // C), p.ranges)
+    ov = _Overlap(q.device) if ranges and q.is_cuda else None
+    try:
+        it = kda_fwd_intra(q, k, v, g, beta, scale, C, p, store_mkk=store_mkk, ranges=ranges,
+                           on_range=ov and ov.stage1_done)
+        o, ht, _, _ = kda_fwd_state(it, B, T, HV, C, h0, p.scan_prec, v.dtype, output_final_state,
+                                    ranges=ranges, on_range=ov and ov.scan_start)
+    finally:
+        if ov is not None:
+            ov.join()   # the current stream again, after all of stage 1 (also when a launch raised)
+    # Γ (it.gc) is not returned, so it is freed now, not earlier: the side stream may still have been reading it
+    return (o, absent(v) if ht is None else ht, *it[:-2], absent(v) if it.mkk is None else it.mkk)
 
-    @staticmethod
-    def backward(ctx, do, dht):
-        q, k, v, g, beta, h0, *saved = ctx.saved_tensors
-        it = Intra(*saved, gc=None)
-        scale, C, p = ctx.scale, ctx.chunk_size, ctx.plan
-        B, T, H, K = q.shape
-        HV = v.shape[2]
-        do = do.contiguous()
-        dht = None if dht is None else dht.contiguous().float()
-        launch.configure()
-        if q.is_cuda:
-            # the re-scan (S_n, Vn) and the reverse scan (dS_n, dVn) do not read each other's outputs: the
-            # re-scan on a side stream lets the two sequential kernels share the GPU (fwd+bwd 5.962 -> 5.475 ms
-            # at B1 T16384 H16 K=V=128)
-            main = torch.cuda.current_stream(q.device)
-            side = _side_stream(q.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                _, _, h, vn = kda_fwd_state(it, B, T, HV, C, h0, p.scan_prec)
-            h.record_stream(main)    # made on the side stream, read on the main one
-            vn.record_stream(main)
-        else:
+
+def _forward_reference(q, k, v, g, beta, h0, scale: float, C: int, output_final_state: bool):
+    """The torch forward (CPU without the interpreter): `torch_chunk_kda`, no kernel buffers."""
+    o, ht = torch_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=h0,
+                            output_final_state=output_final_state, chunk_size=C)
+    return (o.contiguous(), absent(v) if ht is None else ht.contiguous(), *(absent(v) for _ in Intra._fields[:-1]))
+
+
+_FWD_OUT = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+
+
+@torch.library.custom_op("k3::chunk_kda", mutates_args=(), device_types="cuda")
+def chunk_kda_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
+                 scale: float, chunk_size: int, output_final_state: bool, store_mkk: bool) -> _FWD_OUT:
+    """Returns (o, final state, w, u, qg, kd, eg, aqk, tm, mkk): the final state an empty fp32 tensor unless
+    output_final_state, mkk one unless store_mkk; w .. mkk are the stage-1 buffers (`Intra`) the backward
+    reads (empty on the torch reference path). Inputs as `chunk_kda`'s, already checked, gated and normed."""
+    return _forward(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, store_mkk)
+
+
+@chunk_kda_op.register_kernel("cpu")
+def _(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, store_mkk):
+    if triton_runs(q.device):
+        return _forward(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, store_mkk)
+    return _forward_reference(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state)
+
+
+@chunk_kda_op.register_fake
+def _(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, store_mkk):
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
+    o = torch.empty(B, T, HV, V, device=v.device, dtype=v.dtype)
+    ht = torch.empty(B, HV, K, V, device=v.device, dtype=torch.float32) if output_final_state else absent(v)
+    if not triton_runs(v.device):
+        return (o, ht, *(absent(v) for _ in Intra._fields[:-1]))
+    # the buffers' dtypes do not depend on the TF32 setting (only the dot precisions do)
+    it = intra_buffers(B, T, HV, K, V, chunk_size, plan(B, T, HV, K, V, chunk_size, v.dtype, v.is_cuda),
+                       store_mkk, v.device)
+    return (o, ht, *it[:-2], absent(v) if it.mkk is None else it.mkk)
+
+
+def _backward(q, k, v, g, beta, h0, it: Intra, do, dht, scale: float, C: int):
+    """The Triton backward: (dq, dk, dv, dg, dbeta, dh0 or absent)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    p = plan(B, T, HV, K, V, C, v.dtype, v.is_cuda, torch_allows_tf32())
+    do = do.contiguous()
+    dht = None if dht is None else dht.contiguous().float()
+    launch.configure()
+    if q.is_cuda:
+        # the re-scan (S_n, Vn) and the reverse scan (dS_n, dVn) do not read each other's outputs: the
+        # re-scan on a side stream lets the two sequential kernels share the GPU (fwd+bwd 5.962 -> 5.475 ms
+        # at B1 T16384 H16 K=V=128)
+        main = torch.cuda.current_stream(q.device)
+        side = _side_stream(q.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
             _, _, h, vn = kda_fwd_state(it, B, T, HV, C, h0, p.scan_prec)
-        dh, dvn, dh0 = kda_bwd_state(it, do, dht, B, T, HV, C, h0 is not None, p.prec)
-        if q.is_cuda:
-            main.wait_stream(side)
-        dq, dk, dv, dg, dbeta = kda_bwd_intra(q, k, v, g, beta, do, it, (h, vn, dh, dvn), scale, C, p.prec)
-        if HV != H:
-            # GVA: value head hv used q/k head hv // G, so sum each group's gradients
-            dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
-            dk = dk.view(B, T, H, HV // H, K).sum(3).to(k.dtype)
-        return dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0, None, None, None, None
+        h.record_stream(main)    # made on the side stream, read on the main one
+        vn.record_stream(main)
+    else:
+        _, _, h, vn = kda_fwd_state(it, B, T, HV, C, h0, p.scan_prec)
+    dh, dvn, dh0 = kda_bwd_state(it, do, dht, B, T, HV, C, h0 is not None, p.prec)
+    if q.is_cuda:
+        main.wait_stream(side)
+    dq, dk, dv, dg, dbeta = kda_bwd_intra(q, k, v, g, beta, do, it, (h, vn, dh, dvn), scale, C, p.prec)
+    if HV != H:
+        # GVA: value head hv used q/k head hv // G, so sum each group's gradients
+        dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
+        dk = dk.view(B, T, H, HV // H, K).sum(3).to(k.dtype)
+    return dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype), absent(v) if dh0 is None else dh0
+
+
+def _backward_reference(q, k, v, g, beta, h0, do, dht, scale: float, C: int):
+    """The torch backward: autograd through `torch_chunk_kda`."""
+    def fwd(q, k, v, g, beta, h0):
+        return torch_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
+                               chunk_size=C)
+    *grads, dh0 = reference_vjp(fwd, (q, k, v, g, beta, h0), (do, dht))
+    return (*grads, absent(v) if dh0 is None else dh0)
+
+
+_BWD_OUT = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+
+
+@torch.library.custom_op("k3::chunk_kda_bwd", mutates_args=(), device_types="cuda")
+def chunk_kda_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
+                     w: Tensor, u: Tensor, qg: Tensor, kd: Tensor, eg: Tensor, aqk: Tensor, tm: Tensor,
+                     mkk: Tensor, do: Tensor, dht: Tensor | None, scale: float, chunk_size: int) -> _BWD_OUT:
+    """k3::chunk_kda's backward: (dq, dk, dv, dg, dbeta, dh0), dh0 an empty fp32 tensor without an initial
+    state; w .. mkk as the forward returned them (with store_mkk); dht None where no gradient reaches the
+    final state."""
+    return _backward(q, k, v, g, beta, initial_state, Intra(w, u, qg, kd, eg, aqk, tm, mkk, gc=None), do, dht,
+                     scale, chunk_size)
+
+
+@chunk_kda_bwd_op.register_kernel("cpu")
+def _(q, k, v, g, beta, initial_state, w, u, qg, kd, eg, aqk, tm, mkk, do, dht, scale, chunk_size):
+    if triton_runs(q.device):
+        return _backward(q, k, v, g, beta, initial_state, Intra(w, u, qg, kd, eg, aqk, tm, mkk, gc=None), do,
+                         dht, scale, chunk_size)
+    return _backward_reference(q, k, v, g, beta, initial_state, do, dht, scale, chunk_size)
+
+
+@chunk_kda_bwd_op.register_fake
+def _(q, k, v, g, beta, initial_state, w, u, qg, kd, eg, aqk, tm, mkk, do, dht, scale, chunk_size):
+    dh0 = absent(v) if initial_state is None else torch.empty_like(initial_state, memory_format=torch.contiguous_format)
+    return (*(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, g, beta)), dh0)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, h0, scale, chunk_size, _, store_mkk = inputs
+    buffers = output[2:]
+    ctx.mark_non_differentiable(*buffers)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, v, g, beta, h0, *buffers)
+    ctx.scale, ctx.chunk_size, ctx.store_mkk = scale, chunk_size, store_mkk
+
+
+def _autograd_backward(ctx, do, dht, *_):
+    if not ctx.store_mkk:
+        raise RuntimeError("k3::chunk_kda ran with store_mkk=False, which keeps nothing for a backward")
+    q, k, v, g, beta, h0, *buffers = ctx.saved_tensors
+    if do is None:   # only the final state reached the loss
+        do = torch.zeros_like(v)
+    dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd_op(q, k, v, g, beta, h0, *buffers, do, dht, ctx.scale,
+                                                  ctx.chunk_size)
+    return dq, dk, dv, dg, dbeta, None if h0 is None else dh0, None, None, None, None
+
+
+chunk_kda_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
@@ -197,6 +296,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     if use_gate_in_kernel:
         from k3cli.ops.kda.gate import kda_gate
         g = kda_gate(g, A_log, dt_bias, lower_bound=lower_bound, chunk_size=chunk_size, cumsum=False)
-    B, T, HV, V = v.shape
-    p = plan(B, T, HV, q.shape[-1], V, chunk_size, v.dtype, v.is_cuda, torch_allows_tf32())
-    return ChunkKDAFunction.apply(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, p)
+    # Mkk is stored for the backward only: the op cannot see whether autograd will need one
+    store_mkk = torch.is_grad_enabled() and any(x is not None and x.requires_grad
+                                                for x in (q, k, v, g, beta, initial_state))
+    o, ht, *_ = chunk_kda_op(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, store_mkk)
+    return o, ht if output_final_state else None

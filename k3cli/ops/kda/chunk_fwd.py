@@ -499,6 +499,22 @@ SCORES_BK, SCORES_WARPS = 64, 1    # one key block per step of the score launch
 TAIL_BK, TAIL_WARPS = 32, 2
 
 
+def intra_buffers(B: int, T: int, HV: int, K: int, V: int, chunk_size: int, plan, store_mkk: bool,
+                  device) -> Intra:
+    """Stage 1's buffers, unfilled (also the fake implementation's outputs: one layout for both)."""
+    BT = chunk_size
+    rows = (B * HV, cdiv(T, BT) * BT)
+    tm = torch.empty(*rows, BT, device=device, dtype=torch.float32)
+    return Intra(w=torch.empty(*rows, K, device=device, dtype=plan.inter_dtype),
+                 u=torch.empty(*rows, V, device=device, dtype=plan.inter_dtype),
+                 qg=torch.empty(*rows, K, device=device, dtype=plan.gated_dtype),
+                 kd=torch.empty(*rows, K, device=device, dtype=plan.gated_dtype),
+                 eg=torch.empty(B * HV, cdiv(T, BT), K, device=device, dtype=torch.float32),
+                 aqk=torch.empty(*rows, BT, device=device, dtype=plan.aqk_dtype),
+                 tm=tm, mkk=torch.empty_like(tm) if store_mkk else None,
+                 gc=torch.empty(*rows, K, device=device, dtype=torch.float32))
+
+
 def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, plan, store_mkk: bool,
                   ranges: list[tuple[int, int]] | None = None, on_range=None) -> Intra:
     """Launch stage 1 for chunk range after range (`ranges`, default all chunks), calling `on_range(n0, n1)`
@@ -508,16 +524,8 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, plan, store_m
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
     NT = cdiv(T, BT)
-    dev = q.device
-    w = torch.empty(B * HV, NT * BT, K, device=dev, dtype=plan.inter_dtype)
-    u = torch.empty(B * HV, NT * BT, V, device=dev, dtype=plan.inter_dtype)
-    qg = torch.empty(B * HV, NT * BT, K, device=dev, dtype=plan.gated_dtype)
-    kd = torch.empty_like(qg)
-    eg = torch.empty(B * HV, NT, K, device=dev, dtype=torch.float32)
-    aqk = torch.empty(B * HV, NT * BT, BT, device=dev, dtype=plan.aqk_dtype)
-    tm = torch.empty(B * HV, NT * BT, BT, device=dev, dtype=torch.float32)
-    mkk = torch.empty_like(tm) if store_mkk else None
-    gc = torch.empty(B * HV, NT * BT, K, device=dev, dtype=torch.float32)
+    it = intra_buffers(B, T, HV, K, V, chunk_size, plan, store_mkk, q.device)
+    w, u, qg, kd, eg, aqk, tm, mkk, gc = it
     BK = max(16, next_pow2(K))
     BV = min(64, max(16, next_pow2(V)))
     BC = min(16, BT)
@@ -538,7 +546,7 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, plan, store_m
             PREC=plan.prec, num_warps=TAIL_WARPS, num_stages=1)
         if on_range is not None:
             on_range(n0, n1)
-    return Intra(w, u, qg, kd, eg, aqk, tm, mkk, gc)
+    return it
 
 
 def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_state, precision: str,
