@@ -3,12 +3,16 @@
 g = L * sigmoid(exp(A_log) * (g_raw + dt_bias)), then optionally the inclusive cumsum inside each
 chunk of `chunk_size` tokens. Backward gives d g_raw, dA_log (sum over B, T, K) and d dt_bias
 (sum over B, T); per-program partial sums are reduced in torch (deterministic, no atomics).
+Custom ops `k3::kda_gate` / `k3::kda_gate_bwd` (README.md, "Custom ops").
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
+
+from k3cli.ops.custom import absent, reference_vjp, triton_runs
 
 
 @triton.jit
@@ -67,32 +71,97 @@ def _launch_meta(g_raw, chunk_size):
     return B, T, HV, K, chunk_size, triton.cdiv(T, chunk_size), BK
 
 
-class KDAGateFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, g_raw, A_log, dt_bias, lower_bound, chunk_size, cumsum):
-        g_raw = g_raw.contiguous()
-        B, T, HV, K, BT, NT, BK = _launch_meta(g_raw, chunk_size)
-        out = torch.empty(B, T, HV, K, device=g_raw.device, dtype=torch.float32)
-        _kda_gate_fwd_kernel[(NT, B * HV)](g_raw, A_log, dt_bias, out, lower_bound, T, HV=HV, K=K, BT=BT, BK=BK,
-                                           HAS_BIAS=dt_bias is not None, CUMSUM=cumsum)
-        ctx.save_for_backward(g_raw, A_log, dt_bias)
-        ctx.lower_bound, ctx.chunk_size, ctx.cumsum = lower_bound, chunk_size, cumsum
-        return out
+def _forward(g_raw, A_log, dt_bias, lower_bound: float, chunk_size: int, cumsum: bool):
+    g_raw = g_raw.contiguous()
+    B, T, HV, K, BT, NT, BK = _launch_meta(g_raw, chunk_size)
+    out = torch.empty(B, T, HV, K, device=g_raw.device, dtype=torch.float32)
+    _kda_gate_fwd_kernel[(NT, B * HV)](g_raw, A_log.contiguous(), _contiguous(dt_bias), out, lower_bound, T,
+                                       HV=HV, K=K, BT=BT, BK=BK, HAS_BIAS=dt_bias is not None, CUMSUM=cumsum)
+    return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        g_raw, A_log, dt_bias = ctx.saved_tensors
-        B, T, HV, K, BT, NT, BK = _launch_meta(g_raw, ctx.chunk_size)
-        dev = g_raw.device
-        dg_raw = torch.empty_like(g_raw)
-        da_part = torch.empty(B * NT, HV, device=dev, dtype=torch.float32)
-        db_part = torch.empty(B * NT, HV, K, device=dev, dtype=torch.float32)
-        _kda_gate_bwd_kernel[(NT, B * HV)](g_raw, A_log, dt_bias, dout.contiguous(), dg_raw, da_part, db_part,
-                                           ctx.lower_bound, T, NT, HV=HV, K=K, BT=BT, BK=BK,
-                                           HAS_BIAS=dt_bias is not None, CUMSUM=ctx.cumsum)
-        dA_log = da_part.sum(0).to(A_log.dtype)
-        ddt_bias = None if dt_bias is None else db_part.sum(0).to(dt_bias.dtype)
-        return dg_raw, dA_log, ddt_bias, None, None, None
+
+def _backward(g_raw, A_log, dt_bias, dout, lower_bound: float, chunk_size: int, cumsum: bool):
+    g_raw = g_raw.contiguous()
+    B, T, HV, K, BT, NT, BK = _launch_meta(g_raw, chunk_size)
+    dev = g_raw.device
+    dg_raw = torch.empty_like(g_raw)
+    da_part = torch.empty(B * NT, HV, device=dev, dtype=torch.float32)
+    db_part = torch.empty(B * NT, HV, K, device=dev, dtype=torch.float32)
+    _kda_gate_bwd_kernel[(NT, B * HV)](g_raw, A_log.contiguous(), _contiguous(dt_bias), dout.contiguous(), dg_raw,
+                                       da_part, db_part, lower_bound, T, NT, HV=HV, K=K, BT=BT, BK=BK,
+                                       HAS_BIAS=dt_bias is not None, CUMSUM=cumsum)
+    dA_log = da_part.sum(0).to(A_log.dtype)
+    ddt_bias = absent(g_raw) if dt_bias is None else db_part.sum(0).to(dt_bias.dtype)
+    return dg_raw, dA_log, ddt_bias
+
+
+def _reference(g_raw, A_log, dt_bias, lower_bound: float, chunk_size: int, cumsum: bool):
+    """The torch gate (CPU without the interpreter), fp32 as the kernel's output."""
+    from k3cli.ops.kda.naive import chunk_local_cumsum, naive_kda_gate
+    g = naive_kda_gate(g_raw, A_log, dt_bias, lower_bound)
+    return (chunk_local_cumsum(g, chunk_size) if cumsum else g).float().contiguous()
+
+
+def _contiguous(x):
+    return None if x is None else x.contiguous()
+
+
+@torch.library.custom_op("k3::kda_gate", mutates_args=(), device_types="cuda")
+def kda_gate_op(g_raw: Tensor, A_log: Tensor, dt_bias: Tensor | None, lower_bound: float, chunk_size: int,
+                cumsum: bool) -> Tensor:
+    """`kda_gate` on checked inputs: [B, T, HV, K] fp32."""
+    return _forward(g_raw, A_log, dt_bias, lower_bound, chunk_size, cumsum)
+
+
+@kda_gate_op.register_kernel("cpu")
+def _(g_raw, A_log, dt_bias, lower_bound, chunk_size, cumsum):
+    if triton_runs(g_raw.device):
+        return _forward(g_raw, A_log, dt_bias, lower_bound, chunk_size, cumsum)
+    return _reference(g_raw, A_log, dt_bias, lower_bound, chunk_size, cumsum)
+
+
+@kda_gate_op.register_fake
+def _(g_raw, A_log, dt_bias, lower_bound, chunk_size, cumsum):
+    return torch.empty(g_raw.shape, device=g_raw.device, dtype=torch.float32)
+
+
+@torch.library.custom_op("k3::kda_gate_bwd", mutates_args=(), device_types="cuda")
+def kda_gate_bwd_op(g_raw: Tensor, A_log: Tensor, dt_bias: Tensor | None, dout: Tensor, lower_bound: float,
+                    chunk_size: int, cumsum: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """k3::kda_gate's backward: (d g_raw, dA_log, d dt_bias), the last an empty fp32 tensor without dt_bias."""
+    return _backward(g_raw, A_log, dt_bias, dout, lower_bound, chunk_size, cumsum)
+
+
+@kda_gate_bwd_op.register_kernel("cpu")
+def _(g_raw, A_log, dt_bias, dout, lower_bound, chunk_size, cumsum):
+    if triton_runs(g_raw.device):
+        return _backward(g_raw, A_log, dt_bias, dout, lower_bound, chunk_size, cumsum)
+    dg_raw, dA_log, ddt_bias = reference_vjp(
+        lambda x, a, b: _reference(x, a, b, lower_bound, chunk_size, cumsum), (g_raw, A_log, dt_bias), (dout,))
+    return dg_raw, dA_log, absent(g_raw) if ddt_bias is None else ddt_bias
+
+
+@kda_gate_bwd_op.register_fake
+def _(g_raw, A_log, dt_bias, dout, lower_bound, chunk_size, cumsum):
+    return (torch.empty(g_raw.shape, device=g_raw.device, dtype=g_raw.dtype), torch.empty_like(A_log),
+            absent(g_raw) if dt_bias is None else torch.empty(dt_bias.shape, device=dt_bias.device,
+                                                              dtype=dt_bias.dtype))
+
+
+def _setup_context(ctx, inputs, output):
+    g_raw, A_log, dt_bias, lower_bound, chunk_size, cumsum = inputs
+    ctx.save_for_backward(g_raw, A_log, dt_bias)
+    ctx.lower_bound, ctx.chunk_size, ctx.cumsum = lower_bound, chunk_size, cumsum
+
+
+def _autograd_backward(ctx, dout):
+    g_raw, A_log, dt_bias = ctx.saved_tensors
+    dg_raw, dA_log, ddt_bias = kda_gate_bwd_op(g_raw, A_log, dt_bias, dout, ctx.lower_bound, ctx.chunk_size,
+                                               ctx.cumsum)
+    return dg_raw, dA_log, None if dt_bias is None else ddt_bias, None, None, None
+
+
+kda_gate_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def kda_gate(g_raw, A_log, dt_bias=None, lower_bound=-5.0, chunk_size=64, cumsum=True):
@@ -122,5 +191,4 @@ def kda_gate(g_raw, A_log, dt_bias=None, lower_bound=-5.0, chunk_size=64, cumsum
         raise ValueError(f"kda_gate: lower_bound={lower_bound} must be in [-5, 0)")
     if chunk_size < 1 or chunk_size & (chunk_size - 1):
         raise ValueError(f"kda_gate: chunk_size={chunk_size} must be a power of 2")
-    return KDAGateFunction.apply(g_raw, A_log.contiguous(), None if dt_bias is None else dt_bias.contiguous(),
-                                 float(lower_bound), int(chunk_size), bool(cumsum))
+    return kda_gate_op(g_raw, A_log, dt_bias, float(lower_bound), int(chunk_size), bool(cumsum))
