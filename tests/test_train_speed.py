@@ -110,3 +110,27 @@ def test_bench_train_runs_on_cpu():
     assert row["mfu"] is None and res["ratios"] == {}
     r = runner.invoke(app, ["bench-train", "--backend", "triton", "--device", "cpu"])
     assert r.exit_code == 2 and "needs a CUDA device" in r.output
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["off", "block"])
+def test_training_step_has_no_host_sync_on_cuda(mode):
+    """Forward, backward, clipping and AdamW of k3-toy on the Triton ops, with every device->host
+    synchronisation turned into an error."""
+    cfg = load_config("k3-toy", attnres=mode)
+    torch.manual_seed(0)
+    model = CausalLM(cfg.model).cuda().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, cfg.model.vocab_size, (8, 256), device="cuda")
+    for _ in range(2):   # the first step also initialises the optimiser state and compiles kernels
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(ids, labels=ids).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(loss).item()
