@@ -142,17 +142,12 @@ def _forward_reference(q, k, v, g, beta, h0, scale: float, C: int, output_final_
 _FWD_OUT = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
-@torch.library.custom_op("k3::chunk_kda", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("k3::chunk_kda", mutates_args=(), device_types=("cuda", "cpu"))
 def chunk_kda_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
                  scale: float, chunk_size: int, output_final_state: bool, store_mkk: bool) -> _FWD_OUT:
     """Returns (o, final state, w, u, qg, kd, eg, aqk, tm, mkk): the final state an empty fp32 tensor unless
     output_final_state, mkk one unless store_mkk; w .. mkk are the stage-1 buffers (`Intra`) the backward
     reads (empty on the torch reference path). Inputs as `chunk_kda`'s, already checked, gated and normed."""
-    return _forward(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, store_mkk)
-
-
-@chunk_kda_op.register_kernel("cpu")
-def _(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, store_mkk):
     if triton_runs(q.device):
         return _forward(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, store_mkk)
     return _forward_reference(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state)
@@ -216,19 +211,13 @@ def _backward_reference(q, k, v, g, beta, h0, do, dht, scale: float, C: int):
 _BWD_OUT = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
-@torch.library.custom_op("k3::chunk_kda_bwd", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("k3::chunk_kda_bwd", mutates_args=(), device_types=("cuda", "cpu"))
 def chunk_kda_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
                      w: Tensor, u: Tensor, qg: Tensor, kd: Tensor, eg: Tensor, aqk: Tensor, tm: Tensor,
                      mkk: Tensor, do: Tensor, dht: Tensor | None, scale: float, chunk_size: int) -> _BWD_OUT:
     """k3::chunk_kda's backward: (dq, dk, dv, dg, dbeta, dh0), dh0 an empty fp32 tensor without an initial
     state; w .. mkk as the forward returned them (with store_mkk); dht None where no gradient reaches the
     final state."""
-    return _backward(q, k, v, g, beta, initial_state, Intra(w, u, qg, kd, eg, aqk, tm, mkk, gc=None), do, dht,
-                     scale, chunk_size)
-
-
-@chunk_kda_bwd_op.register_kernel("cpu")
-def _(q, k, v, g, beta, initial_state, w, u, qg, kd, eg, aqk, tm, mkk, do, dht, scale, chunk_size):
     if triton_runs(q.device):
         return _backward(q, k, v, g, beta, initial_state, Intra(w, u, qg, kd, eg, aqk, tm, mkk, gc=None), do,
                          dht, scale, chunk_size)
@@ -242,12 +231,12 @@ def _(q, k, v, g, beta, initial_state, w, u, qg, kd, eg, aqk, tm, mkk, do, dht, 
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, h0, scale, chunk_size, _, store_mkk = inputs
+    q, k, v, g, beta, h0, scale, chunk_size, output_final_state, store_mkk = inputs
     buffers = output[2:]
-    ctx.mark_non_differentiable(*buffers)
+    ctx.mark_non_differentiable(*buffers, *(() if output_final_state else output[1:2]))
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, g, beta, h0, *buffers)
-    ctx.scale, ctx.chunk_size, ctx.store_mkk = scale, chunk_size, store_mkk
+    ctx.scale, ctx.chunk_size, ctx.store_mkk, ctx.has_ht = scale, chunk_size, store_mkk, output_final_state
 
 
 def _autograd_backward(ctx, do, dht, *_):
@@ -256,8 +245,8 @@ def _autograd_backward(ctx, do, dht, *_):
     q, k, v, g, beta, h0, *buffers = ctx.saved_tensors
     if do is None:   # only the final state reached the loss
         do = torch.zeros_like(v)
-    dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd_op(q, k, v, g, beta, h0, *buffers, do, dht, ctx.scale,
-                                                  ctx.chunk_size)
+    dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd_op(q, k, v, g, beta, h0, *buffers, do, dht if ctx.has_ht else None,
+                                                  ctx.scale, ctx.chunk_size)
     return dq, dk, dv, dg, dbeta, None if h0 is None else dh0, None, None, None, None
 
 

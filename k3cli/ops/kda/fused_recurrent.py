@@ -5,16 +5,19 @@ and walks the T tokens: optional L2 norm of q, k and the lower-bound gate (§2.3
 decay, delta write, read. Columns of S are independent (p = Sᵀk is per value column), so splitting
 V over programs needs no reduction across them.
 
-Forward only: decode is inference. Under grad mode with inputs that require grad the call falls
-back to the torch reference (`naive_recurrent_kda` plus the torch gate / L2 norm), which autograd
-differentiates; `inplace_state` is refused there.
+The kernel is forward only (decode is inference): the custom op `k3::fused_recurrent_kda` registers as
+its backward `k3::fused_recurrent_kda_bwd`, autograd through the torch reference (`naive_recurrent_kda`
+plus the torch gate / L2 norm); `inplace_state` (`k3::fused_recurrent_kda_inplace`) is refused under
+grad. On CPU without the interpreter the forward is that reference too (README.md, "Custom ops").
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
+from k3cli.ops.custom import absent, reference_vjp, triton_runs
 from k3cli.ops.kda.checks import check_kda_inputs
 from k3cli.ops.kda.chunk_fwd import interpreting, pick_configs
 from k3cli.ops.norm import l2norm
@@ -186,13 +189,104 @@ def _reference(q, k, v, g, beta, scale, initial_state, output_final_state, use_q
     return naive_recurrent_kda(q, k, v, g, beta, scale, initial_state, output_final_state)
 
 
+def _forward(q, k, v, g, beta, h0, A_log, dt_bias, scale, lower_bound, output_final_state, l2norm_in, gate_in):
+    if triton_runs(q.device):
+        o, ht = fused_recurrent_kda_fwd(q, k, v, g, beta, scale, h0, output_final_state, l2norm_in, gate_in, A_log,
+                                        dt_bias, lower_bound, inplace_state=False)
+    else:
+        o, ht = _reference(q, k, v, g, beta, scale, h0, output_final_state, l2norm_in, gate_in, A_log, dt_bias,
+                           lower_bound)
+        o, ht = o.contiguous(), None if ht is None else ht.contiguous()
+    return o, absent(v) if ht is None else ht
+
+
+@torch.library.custom_op("k3::fused_recurrent_kda", mutates_args=(), device_types=("cuda", "cpu"))
+def fused_recurrent_kda_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
+                           A_log: Tensor | None, dt_bias: Tensor | None, scale: float, lower_bound: float,
+                           output_final_state: bool, use_qk_l2norm_in_kernel: bool,
+                           use_gate_in_kernel: bool) -> tuple[Tensor, Tensor]:
+    """`fused_recurrent_kda` on checked inputs: (o, final state), the state an empty fp32 tensor unless
+    output_final_state. The Triton kernel on CUDA and under the interpreter, else `_reference`."""
+    return _forward(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, lower_bound, output_final_state,
+                    use_qk_l2norm_in_kernel, use_gate_in_kernel)
+
+
+@fused_recurrent_kda_op.register_fake
+def _(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, lower_bound, output_final_state, l2norm_in, gate_in):
+    B, HV, K, V = q.shape[0], v.shape[2], q.shape[3], v.shape[3]
+    o = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    return o, torch.empty(B, HV, K, V, device=v.device, dtype=torch.float32) if output_final_state else absent(v)
+
+
+@torch.library.custom_op("k3::fused_recurrent_kda_inplace", mutates_args=("state",), device_types=("cuda", "cpu"))
+def fused_recurrent_kda_inplace_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                                   A_log: Tensor | None, dt_bias: Tensor | None, scale: float, lower_bound: float,
+                                   use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool) -> Tensor:
+    """The decode step on a cached state: o, with `state` (contiguous fp32) advanced over the T tokens in
+    place. No autograd (`fused_recurrent_kda` refuses inplace_state under grad)."""
+    if triton_runs(q.device):
+        return fused_recurrent_kda_fwd(q, k, v, g, beta, scale, state, True, use_qk_l2norm_in_kernel,
+                                       use_gate_in_kernel, A_log, dt_bias, lower_bound, inplace_state=True)[0]
+    o, ht = _reference(q, k, v, g, beta, scale, state, True, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log,
+                       dt_bias, lower_bound)
+    state.copy_(ht)
+    return o.contiguous()
+
+
+@fused_recurrent_kda_inplace_op.register_fake
+def _(q, k, v, g, beta, state, A_log, dt_bias, scale, lower_bound, l2norm_in, gate_in):
+    return torch.empty(v.shape, device=v.device, dtype=v.dtype)
+
+
+_BWD_OUT = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+
+
+@torch.library.custom_op("k3::fused_recurrent_kda_bwd", mutates_args=(), device_types=("cuda", "cpu"))
+def fused_recurrent_kda_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                               initial_state: Tensor | None, A_log: Tensor | None, dt_bias: Tensor | None,
+                               do: Tensor | None, dht: Tensor | None, scale: float, lower_bound: float,
+                               use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool) -> _BWD_OUT:
+    """k3::fused_recurrent_kda's backward, on every device by autograd through `_reference` (decode has no
+    Triton backward): (dq, dk, dv, dg, dbeta, dh0, dA_log, d dt_bias), empty fp32 tensors for absent inputs."""
+    def fwd(q, k, v, g, beta, h0, A_log, dt_bias):
+        return _reference(q, k, v, g, beta, scale, h0, True, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log,
+                          dt_bias, lower_bound)
+    grads = reference_vjp(fwd, (q, k, v, g, beta, initial_state, A_log, dt_bias), (do, dht))
+    return tuple(absent(v) if d is None else d for d in grads)
+
+
+@fused_recurrent_kda_bwd_op.register_fake
+def _(q, k, v, g, beta, initial_state, A_log, dt_bias, do, dht, scale, lower_bound, l2norm_in, gate_in):
+    return tuple(absent(v) if x is None else torch.empty(x.shape, device=x.device, dtype=x.dtype)
+                 for x in (q, k, v, g, beta, initial_state, A_log, dt_bias))
+
+
+def _setup_context(ctx, inputs, output):
+    *tensors, scale, lower_bound, output_final_state, l2norm_in, gate_in = inputs
+    if not output_final_state:
+        ctx.mark_non_differentiable(output[1])   # the empty stand-in
+    ctx.save_for_backward(*tensors)
+    ctx.args, ctx.has_ht = (scale, lower_bound, l2norm_in, gate_in), output_final_state
+    ctx.set_materialize_grads(False)
+
+
+def _autograd_backward(ctx, do, dht):
+    tensors = ctx.saved_tensors
+    grads = fused_recurrent_kda_bwd_op(*tensors, do, dht if ctx.has_ht else None, *ctx.args)
+    return (*(None if x is None else d for x, d in zip(tensors, grads)), None, None, None, None, None)
+
+
+fused_recurrent_kda_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
 def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                         use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
                         lower_bound=-5.0, inplace_state=False):
     """Recurrent Kimi Delta Attention (docs/math.md §2.1) in one Triton launch, for decoding.
 
-    Forward only (decode is inference): if grad mode is on and an input requires grad, the call runs
-    the torch reference instead so that autograd works (slow; `inplace_state` is then an error).
+    Through the custom op `k3::fused_recurrent_kda` (`k3::fused_recurrent_kda_inplace` with inplace_state).
+    Its backward differentiates the torch reference by autograd (slow: decode is inference); under grad
+    mode with an input that requires grad, `inplace_state` is an error.
 
     Args:
         q, k: [B, T, H, K] (fp32 / fp16 / bf16); v: [B, T, HV, V], HV = G * H (value head hv uses
@@ -212,14 +306,14 @@ def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
     _validate(q, k, v, g, beta, scale, initial_state, output_final_state, use_gate_in_kernel, A_log,
               dt_bias, lower_bound, inplace_state)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    tensors = (q, k, v, g, beta, initial_state, A_log if use_gate_in_kernel else None,
-               dt_bias if use_gate_in_kernel else None)
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
-        if inplace_state:
+    A_log, dt_bias = (A_log, dt_bias) if use_gate_in_kernel else (None, None)
+    args = (A_log, dt_bias, scale, float(lower_bound))
+    flags = (bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel))
+    if inplace_state:
+        tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias)
+        if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
             raise ValueError("fused_recurrent_kda: inplace_state=True cannot be differentiated; call it "
                              "under torch.no_grad() (decode) or pass inplace_state=False")
-        return _reference(q, k, v, g, beta, scale, initial_state, output_final_state,
-                          use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound)
-    return fused_recurrent_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                   use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-                                   inplace_state)
+        return fused_recurrent_kda_inplace_op(q, k, v, g, beta, initial_state, *args, *flags), initial_state
+    o, ht = fused_recurrent_kda_op(q, k, v, g, beta, initial_state, *args, bool(output_final_state), *flags)
+    return o, ht if output_final_state else None

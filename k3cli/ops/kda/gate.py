@@ -106,15 +106,10 @@ def _contiguous(x):
     return None if x is None else x.contiguous()
 
 
-@torch.library.custom_op("k3::kda_gate", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("k3::kda_gate", mutates_args=(), device_types=("cuda", "cpu"))
 def kda_gate_op(g_raw: Tensor, A_log: Tensor, dt_bias: Tensor | None, lower_bound: float, chunk_size: int,
                 cumsum: bool) -> Tensor:
     """`kda_gate` on checked inputs: [B, T, HV, K] fp32."""
-    return _forward(g_raw, A_log, dt_bias, lower_bound, chunk_size, cumsum)
-
-
-@kda_gate_op.register_kernel("cpu")
-def _(g_raw, A_log, dt_bias, lower_bound, chunk_size, cumsum):
     if triton_runs(g_raw.device):
         return _forward(g_raw, A_log, dt_bias, lower_bound, chunk_size, cumsum)
     return _reference(g_raw, A_log, dt_bias, lower_bound, chunk_size, cumsum)
@@ -125,15 +120,10 @@ def _(g_raw, A_log, dt_bias, lower_bound, chunk_size, cumsum):
     return torch.empty(g_raw.shape, device=g_raw.device, dtype=torch.float32)
 
 
-@torch.library.custom_op("k3::kda_gate_bwd", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("k3::kda_gate_bwd", mutates_args=(), device_types=("cuda", "cpu"))
 def kda_gate_bwd_op(g_raw: Tensor, A_log: Tensor, dt_bias: Tensor | None, dout: Tensor, lower_bound: float,
                     chunk_size: int, cumsum: bool) -> tuple[Tensor, Tensor, Tensor]:
     """k3::kda_gate's backward: (d g_raw, dA_log, d dt_bias), the last an empty fp32 tensor without dt_bias."""
-    return _backward(g_raw, A_log, dt_bias, dout, lower_bound, chunk_size, cumsum)
-
-
-@kda_gate_bwd_op.register_kernel("cpu")
-def _(g_raw, A_log, dt_bias, dout, lower_bound, chunk_size, cumsum):
     if triton_runs(g_raw.device):
         return _backward(g_raw, A_log, dt_bias, dout, lower_bound, chunk_size, cumsum)
     dg_raw, dA_log, ddt_bias = reference_vjp(
