@@ -5,6 +5,7 @@ fastest, so the S programs of a tile re-read its sources from L2 rather than fro
 Phase-1 backward runs one program per (source, token tile), walking the S queries; the query
 gradient is a reduction over sources and tokens and runs as a small split-K matmul (`dw_kernel`).
 The merge (phase 2) is one pass over the partial source and the phase-1 state.
+Custom ops `k3::attnres_phase1`, `k3::attnres_merge` and their `_bwd` (README.md, "Custom ops").
 Derivations: README.md.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from k3cli.ops.attnres.fused import (
     INTERPRET,
@@ -25,11 +27,17 @@ from k3cli.ops.attnres.fused import (
     _src_ptr,
     attnres_fwd_kernel,
     block_d,
+    check_sources,
     check_vector,
     num_programs,
+    reference_sources,
+    source_count_shape,
+    source_grads,
+    stacked_grad,
     w_tilde,
     w_tilde_grads,
 )
+from k3cli.ops.custom import absent, reference_vjp, triton_runs
 
 
 @triton.autotune(configs=_configs(ROW_OPTIONS), key=["D", "USE_TABLE"],
@@ -95,7 +103,8 @@ def dw_kernel(x, ptrs, c, part, M, D, n, S, stride_n,
 def merge_fwd_kernel(o, l, m, p, wt, h, y, nw, stat, M, D, eps, norm_eps,
                      HAS_PARTIAL: tl.constexpr, HAS_NORM: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """h = (a·o + b·p) / (a·l + b) with a = e^{m − m'}, b = e^{s_p − m'}, m' = max(m, s_p); without
-    a partial h = o / l. stat rows: A = a / Z (scale of o), α_p = b / Z, rstd of h."""
+    a partial h = o / l. stat rows: A = a / Z (scale of o), α_p = b / Z (0 without a partial), rstd of h
+    (0 without the norm)."""
     i_t = tl.program_id(0)
     o_t = i_t * BT + tl.arange(0, BT)
     o_d = tl.arange(0, BD)
@@ -118,6 +127,8 @@ def merge_fwd_kernel(o, l, m, p, wt, h, y, nw, stat, M, D, eps, norm_eps,
     else:
         b_A = 1. / b_l
         b_h = b_o * b_A[:, None]
+        # every stat row is written (zeros where unused): the op's outputs are defined values
+        tl.store(stat + M + o_t, tl.zeros([BT], tl.float32), mask=m_t)
     tl.store(stat + o_t, b_A, mask=m_t)
     tl.store(h + o_td, b_h.to(h.dtype.element_ty), mask=m_td)
     if HAS_NORM:
@@ -125,6 +136,8 @@ def merge_fwd_kernel(o, l, m, p, wt, h, y, nw, stat, M, D, eps, norm_eps,
         b_nw = tl.load(nw + o_d, mask=m_d, other=0.).to(tl.float32)
         tl.store(y + o_td, (b_h * b_rh[:, None] * b_nw[None, :]).to(y.dtype.element_ty), mask=m_td)
         tl.store(stat + 2 * M + o_t, b_rh, mask=m_t)
+    else:
+        tl.store(stat + 2 * M + o_t, tl.zeros([BT], tl.float32), mask=m_t)
 
 
 @triton.jit
@@ -207,33 +220,74 @@ def phase1_bwd(src: Sources, wt, m, do, dl, eps: float):
     return dx, part.sum(0)
 
 
-class Phase1Function(torch.autograd.Function):
-    """m is a stabiliser: marked non-differentiable. Holding it fixed is exact, because every later
-    use (the merge) is invariant to the choice of m (README.md)."""
+def _phase1_reference(srcs, wt, eps: float, m=None):
+    from k3cli.ops.attnres.naive import naive_attnres_phase1
+    return tuple(t.float().contiguous() for t in naive_attnres_phase1(reference_sources(srcs), wt, None, eps, m=m))
 
-    @staticmethod
-    def forward(ctx, queries, gains, eps, src, *flat):
-        wt = w_tilde(queries, gains)
-        m, l, o = phase1_fwd(src, wt, eps)
-        ctx.save_for_backward(queries, gains, m, wt, *flat)
-        ctx.eps, ctx.src = eps, src
-        ctx.mark_non_differentiable(m)
-        return m, l, o
 
-    @staticmethod
-    def backward(ctx, dm, dl, do):
-        queries, gains, m, wt, *_ = ctx.saved_tensors
-        dl = torch.zeros_like(m) if dl is None else dl.float().contiguous()
-        do = torch.zeros(m.shape + (ctx.src.D,), dtype=torch.float32, device=m.device) if do is None \
-            else do.float().contiguous()
-        dx, dwt = phase1_bwd(ctx.src, wt, m, do, dl, ctx.eps)
-        dq, dg = w_tilde_grads(dwt, queries, gains)
-        return (dq, dg, None, None, *ctx.src.grads(dx))
+@torch.library.custom_op("k3::attnres_phase1", mutates_args=(), device_types=("cuda", "cpu"))
+def attnres_phase1_op(sources: list[Tensor], queries: Tensor, gains: Tensor | None,
+                      eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """`attnres_phase1` on checked inputs: (m, l, o), all fp32; `sources` as k3::fused_attnres's."""
+    wt = w_tilde(queries, gains)
+    if triton_runs(queries.device):
+        return phase1_fwd(Sources(sources), wt, eps)
+    return _phase1_reference(sources, wt, eps)
+
+
+@attnres_phase1_op.register_fake
+def _(sources, queries, gains, eps):
+    _, shape = source_count_shape(sources)
+    S, dev = queries.shape[0], queries.device
+    m = torch.empty((S, *shape[:2]), dtype=torch.float32, device=dev)
+    return m, torch.empty_like(m), torch.empty((S, *shape), dtype=torch.float32, device=dev)
+
+
+@torch.library.custom_op("k3::attnres_phase1_bwd", mutates_args=(), device_types=("cuda", "cpu"))
+def attnres_phase1_bwd_op(sources: list[Tensor], queries: Tensor, gains: Tensor | None, m: Tensor, dl: Tensor,
+                          do: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """k3::attnres_phase1's backward with m held fixed (README.md): (dx [n, B, T, D] in the sources' dtype,
+    dw̃ [S, D] fp32)."""
+    wt = w_tilde(queries, gains)
+    if triton_runs(queries.device):
+        return phase1_bwd(Sources(sources), wt, m, do, dl, eps)
+    dsrc, dwt = reference_vjp(lambda s, w: _phase1_reference(s, w, eps, m=m)[1:], (reference_sources(sources), wt),
+                              (dl, do))
+    return stacked_grad(sources, dsrc if isinstance(dsrc, list) else [dsrc]), dwt
+
+
+@attnres_phase1_bwd_op.register_fake
+def _(sources, queries, gains, m, dl, do, eps):
+    n, shape = source_count_shape(sources)
+    return (torch.empty((n, *shape), dtype=sources[0].dtype, device=queries.device),
+            torch.empty(queries.shape, dtype=torch.float32, device=queries.device))
+
+
+def _phase1_setup_context(ctx, inputs, output):
+    sources, queries, gains, eps = inputs
+    # m is a stabiliser: holding it fixed is exact, as every later use (the merge) is invariant to it
+    ctx.mark_non_differentiable(output[0])
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(queries, gains, output[0], *sources)
+    ctx.eps, ctx.D = eps, source_count_shape(sources)[1][-1]
+
+
+def _phase1_backward(ctx, dm, dl, do):
+    queries, gains, m, *sources = ctx.saved_tensors
+    dl = torch.zeros_like(m) if dl is None else dl.float().contiguous()
+    do = torch.zeros(m.shape + (ctx.D,), dtype=torch.float32, device=m.device) if do is None \
+        else do.float().contiguous()
+    dx, dwt = attnres_phase1_bwd_op(sources, queries, gains, m, dl, do, ctx.eps)
+    dq, dg = w_tilde_grads(dwt, queries, gains)
+    return source_grads(sources, dx), dq, dg, None
+
+
+attnres_phase1_op.register_autograd(_phase1_backward, setup_context=_phase1_setup_context)
 
 
 def attnres_phase1(sources, queries: torch.Tensor, gains: torch.Tensor, eps: float = 1e-6):
     """Block form, phase 1: S queries against the n completed sources (same math as
-    `naive_attnres_phase1`).
+    `naive_attnres_phase1`), through the custom op `k3::attnres_phase1`.
 
     Args:
         sources: list of n tensors [B, T, D] or one stacked [n, B, T, D] (b_0 and the completed
@@ -242,54 +296,135 @@ def attnres_phase1(sources, queries: torch.Tensor, gains: torch.Tensor, eps: flo
     Returns:
         m [S, B, T] (non-differentiable), l [S, B, T], o [S, B, T, D] (unnormalised), all fp32.
     """
-    src = Sources(sources)
-    if queries.dim() != 2 or queries.shape[1] != src.D:
-        raise ValueError(f"queries: expected [S, {src.D}], got {tuple(queries.shape)}")
-    check_vector("gains", gains, tuple(queries.shape), src.x.device)   # None: queries are w̃
-    check_vector("queries", queries, tuple(queries.shape), src.x.device)
-    return Phase1Function.apply(queries, gains, float(eps), src, *src.flat)
+    srcs, shape = check_sources(sources)
+    D = shape[-1]
+    if queries.dim() != 2 or queries.shape[1] != D:
+        raise ValueError(f"queries: expected [S, {D}], got {tuple(queries.shape)}")
+    check_vector("gains", gains, tuple(queries.shape), srcs[0].device)   # None: queries are w̃
+    check_vector("queries", queries, tuple(queries.shape), srcs[0].device)
+    return attnres_phase1_op(srcs, queries, gains, float(eps))
 
 
-class MergeFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, l, o, m, partial, query, gain, norm_weight, eps, norm_eps, out_dtype):
-        M, D = l.numel(), o.shape[-1]
-        wt = w_tilde(query, gain)
-        h = torch.empty(o.shape, dtype=out_dtype, device=o.device)
-        y = torch.empty_like(h) if norm_weight is not None else None
-        stat = torch.empty(3, M, dtype=torch.float32, device=o.device)
-        launch = _row_launch(D)
-        merge_fwd_kernel[(triton.cdiv(M, launch["BT"]),)](
-            o, l, m, o if partial is None else partial, wt, h, h if y is None else y,
-            wt if norm_weight is None else norm_weight, stat, M, D, eps, norm_eps,
-            HAS_PARTIAL=partial is not None, HAS_NORM=norm_weight is not None, **launch)
-        ctx.save_for_backward(partial, query, gain, norm_weight, h, stat, wt)
-        ctx.eps = eps
-        ctx.set_materialize_grads(False)
-        return h if y is None else (h, y)
+def _merge_forward(m, l, o, partial, query, gain, norm_weight, eps: float, norm_eps: float, out_dtype):
+    M, D = l.numel(), o.shape[-1]
+    wt = w_tilde(query, gain)
+    l, o, m = l.contiguous(), o.contiguous(), m.contiguous()
+    partial = None if partial is None else partial.contiguous()
+    h = torch.empty(o.shape, dtype=out_dtype, device=o.device)
+    y = torch.empty_like(h) if norm_weight is not None else None
+    stat = torch.empty(3, M, dtype=torch.float32, device=o.device)
+    launch = _row_launch(D)
+    merge_fwd_kernel[(triton.cdiv(M, launch["BT"]),)](
+        o, l, m, o if partial is None else partial, wt, h, h if y is None else y,
+        wt if norm_weight is None else norm_weight, stat, M, D, eps, norm_eps,
+        HAS_PARTIAL=partial is not None, HAS_NORM=norm_weight is not None, **launch)
+    return h, y, stat
 
-    @staticmethod
-    def backward(ctx, dh, dy=None):
-        partial, query, gain, norm_weight, h, stat, wt = ctx.saved_tensors
-        M, D = stat.shape[1], h.shape[-1]
-        G = num_programs(M, h.device)
-        do = torch.empty(h.shape, dtype=torch.float32, device=h.device)
-        dl = torch.empty(h.shape[:-1], dtype=torch.float32, device=h.device)
-        dp = torch.empty_like(partial) if partial is not None else None
-        dw_part = torch.empty(G, D, dtype=torch.float32, device=h.device)
-        dnw_part = torch.empty(G, D, dtype=torch.float32, device=h.device)
-        if dh is None and dy is None:
-            dh = torch.zeros_like(h)
-        merge_bwd_kernel[(G,)](
-            h if partial is None else partial, wt, h, h if dh is None else dh.contiguous(),
-            h if dy is None else dy.contiguous(), wt if norm_weight is None else norm_weight, stat,
-            do, dl, do if dp is None else dp, dw_part, dnw_part, M, D, ctx.eps,
-            HAS_PARTIAL=partial is not None, HAS_NORM=norm_weight is not None, HAS_DH=dh is not None,
-            HAS_DY=dy is not None, **_row_launch(D))
-        # without a partial the merge does not depend on w̃
-        dq, dg = w_tilde_grads(dw_part.sum(0), query, gain) if partial is not None else (None, None)
-        dnw = dnw_part.sum(0).to(norm_weight.dtype) if norm_weight is not None else None
-        return dl, do, None, dp, dq, dg, dnw, None, None, None
+
+def _merge_backward(partial, query, gain, norm_weight, h, stat, dh, dy, eps: float):
+    M, D = stat.shape[1], h.shape[-1]
+    wt = w_tilde(query, gain)
+    partial = None if partial is None else partial.contiguous()
+    G = num_programs(M, h.device)
+    do = torch.empty(h.shape, dtype=torch.float32, device=h.device)
+    dl = torch.empty(h.shape[:-1], dtype=torch.float32, device=h.device)
+    dp = torch.empty_like(partial) if partial is not None else None
+    dw_part = torch.empty(G, D, dtype=torch.float32, device=h.device)
+    dnw_part = torch.empty(G, D, dtype=torch.float32, device=h.device)
+    if dh is None and dy is None:
+        dh = torch.zeros_like(h)
+    merge_bwd_kernel[(G,)](
+        h if partial is None else partial, wt, h, h if dh is None else dh.contiguous(),
+        h if dy is None else dy.contiguous(), wt if norm_weight is None else norm_weight, stat,
+        do, dl, do if dp is None else dp, dw_part, dnw_part, M, D, eps,
+        HAS_PARTIAL=partial is not None, HAS_NORM=norm_weight is not None, HAS_DH=dh is not None,
+        HAS_DY=dy is not None, **_row_launch(D))
+    return dl, do, dp, dw_part.sum(0), dnw_part.sum(0) if norm_weight is not None else None
+
+
+def _merge_reference(m, l, o, partial, wt, norm_weight, eps: float, norm_eps: float, out_dtype):
+    from k3cli.ops.attnres.naive import naive_attnres_merge
+    out = naive_attnres_merge(m, l, o, partial, wt, None, eps, norm_weight=norm_weight, norm_eps=norm_eps,
+                              out_dtype=out_dtype)
+    return (out, None) if norm_weight is None else out
+
+
+@torch.library.custom_op("k3::attnres_merge", mutates_args=(), device_types=("cuda", "cpu"))
+def attnres_merge_op(m: Tensor, l: Tensor, o: Tensor, partial: Tensor | None, query: Tensor, gain: Tensor | None,
+                     norm_weight: Tensor | None, eps: float, norm_eps: float,
+                     out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """`attnres_merge` on checked inputs: (h, y, stat); y an empty fp32 tensor without norm_weight, stat
+    [3, B*T] fp32 (A, α_p, rstd of h) for the Triton backward, empty on the torch reference path."""
+    if triton_runs(o.device):
+        h, y, stat = _merge_forward(m, l, o, partial, query, gain, norm_weight, eps, norm_eps, out_dtype)
+    else:
+        (h, y), stat = _merge_reference(m, l, o, partial, w_tilde(query, gain), norm_weight, eps, norm_eps,
+                                        out_dtype), None
+    return (*(absent(o) if t is None else t.contiguous() for t in (h, y)), absent(o) if stat is None else stat)
+
+
+@attnres_merge_op.register_fake
+def _(m, l, o, partial, query, gain, norm_weight, eps, norm_eps, out_dtype):
+    h = torch.empty(o.shape, dtype=out_dtype, device=o.device)
+    y = absent(o) if norm_weight is None else torch.empty_like(h)
+    stat = torch.empty(3, l.numel(), dtype=torch.float32, device=o.device) if triton_runs(o.device) else absent(o)
+    return h, y, stat
+
+
+@torch.library.custom_op("k3::attnres_merge_bwd", mutates_args=(), device_types=("cuda", "cpu"))
+def attnres_merge_bwd_op(m: Tensor | None, l: Tensor | None, o: Tensor | None, partial: Tensor | None,
+                         query: Tensor, gain: Tensor | None, norm_weight: Tensor | None, h: Tensor,
+                         stat: Tensor | None, dh: Tensor | None, dy: Tensor | None, eps: float, norm_eps: float,
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """k3::attnres_merge's backward: (dl, do, d partial, dw̃ [D], dnw [D]), fp32 but d partial (partial's
+    dtype); d partial and dnw empty fp32 tensors without partial / norm_weight, dw̃ meaningless without
+    partial (the merge then does not read w̃). The Triton backward reads h and stat, the torch reference
+    m, l, o (the forward saves only what its own path needs: None for the others)."""
+    if stat is not None:
+        dl, do, dp, dwt, dnw = _merge_backward(partial, query, gain, norm_weight, h, stat, dh, dy, eps)
+    else:
+        dl, do, dp, dwt, dnw = reference_vjp(
+            lambda l, o, p, w, nw: _merge_reference(m, l, o, p, w, nw, eps, norm_eps, h.dtype),
+            (l, o, partial, w_tilde(query, gain), norm_weight), (dh, dy))
+        dnw = None if dnw is None else dnw.float()
+    return dl, do, absent(h) if dp is None else dp, dwt, absent(h) if dnw is None else dnw
+
+
+@attnres_merge_bwd_op.register_fake
+def _(m, l, o, partial, query, gain, norm_weight, h, stat, dh, dy, eps, norm_eps):
+    D = h.shape[-1]
+    vec = torch.empty(D, dtype=torch.float32, device=h.device)
+    return (torch.empty(h.shape[:-1], dtype=torch.float32, device=h.device),
+            torch.empty(h.shape, dtype=torch.float32, device=h.device),
+            absent(h) if partial is None else torch.empty(partial.shape, dtype=partial.dtype, device=h.device),
+            vec, absent(h) if norm_weight is None else torch.empty_like(vec))
+
+
+def _merge_setup_context(ctx, inputs, output):
+    m, l, o, partial, query, gain, norm_weight, eps, norm_eps, _ = inputs
+    h, y, stat = output
+    ctx.mark_non_differentiable(stat, *(() if norm_weight is not None else (y,)))
+    ctx.set_materialize_grads(False)
+    if triton_runs(o.device):
+        m = l = o = None   # the kernels' backward reads h and stat: o is not kept alive
+    else:
+        stat = None
+    ctx.save_for_backward(m, l, o, partial, query, gain, norm_weight, h, stat)
+    ctx.eps, ctx.norm_eps = eps, norm_eps
+
+
+def _merge_backward_autograd(ctx, dh, dy, _):
+    m, l, o, partial, query, gain, norm_weight, h, stat = ctx.saved_tensors
+    dy = dy if norm_weight is not None else None
+    dl, do, dp, dwt, dnw = attnres_merge_bwd_op(m, l, o, partial, query, gain, norm_weight, h, stat, dh, dy,
+                                                ctx.eps, ctx.norm_eps)
+    # without a partial the merge does not depend on w̃
+    dq, dg = w_tilde_grads(dwt, query, gain) if partial is not None else (None, None)
+    return (None, dl, do, None if partial is None else dp, dq, dg,
+            None if norm_weight is None else dnw.to(norm_weight.dtype), None, None, None)
+
+
+attnres_merge_op.register_autograd(_merge_backward_autograd, setup_context=_merge_setup_context)
 
 
 def attnres_merge(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, partial: torch.Tensor | None,
@@ -297,7 +432,7 @@ def attnres_merge(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, partial: to
                   norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6,
                   out_dtype: torch.dtype | None = None):
     """Block form, phase 2: merge the block's partial sum into one query's phase-1 state and
-    normalise (same math as `naive_attnres_merge`).
+    normalise (same math as `naive_attnres_merge`), through the custom op `k3::attnres_merge`.
 
     Args:
         m, l: [B, T] fp32; o: [B, T, D] fp32 — one query's slice of `attnres_phase1`'s output.
@@ -320,7 +455,6 @@ def attnres_merge(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, partial: to
     check_vector("query", query, (D,), o.device)
     check_vector("gain", gain, (D,), o.device)
     check_vector("norm_weight", norm_weight, (D,), o.device)
-    partial = None if partial is None else partial.contiguous()
     out_dtype = o.dtype if out_dtype is None else out_dtype
-    return MergeFunction.apply(l.contiguous(), o.contiguous(), m.contiguous(), partial, query, gain,
-                               norm_weight, float(eps), float(norm_eps), out_dtype)
+    h, y, _ = attnres_merge_op(m, l, o, partial, query, gain, norm_weight, float(eps), float(norm_eps), out_dtype)
+    return h if norm_weight is None else (h, y)

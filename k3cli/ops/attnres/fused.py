@@ -8,7 +8,8 @@ a list of [B, T, D] tensors whose addresses travel in an int64 pointer table loa
 Loops over sources are `while` loops: under TRITON_INTERPRET=1 with numpy ≥ 2.4, `range(n)` over a
 runtime int fails (the interpreter calls int() on a 1-element array); `while` works in both modes.
 
-Block-form kernels (phase 1, merge) live in block.py and share the helpers here.
+Block-form kernels (phase 1, merge) live in block.py and share the helpers here. Each entry point is a
+custom op (`k3::fused_attnres` and its `_bwd` here; README.md, "Custom ops").
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from collections import OrderedDict
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
+
+from k3cli.ops.custom import absent, reference_vjp, triton_runs
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_SOURCES = 32
@@ -201,49 +205,82 @@ def attnres_bwd_kernel(x, ptrs, wt, h, dh, dy, nw, stat, dx, dw_part, dnw_part,
 
 
 # ------------------------------------------------------------------ host side, shared with block.py
-class Sources:
-    """Sources resolved for a launch: `x` is the stacked buffer or sources[0], `ptrs` the address
-    table (list input) or None; `flat` the list of tensors autograd sees."""
+def check_sources(sources, name: str = "sources") -> tuple[list[torch.Tensor], tuple]:
+    """Shapes, dtypes and devices of a list of n [B, T, D] sources or one stacked [n, B, T, D] buffer
+    (no data is read: also run while tracing). Returns the ops' `Tensor[]` form ([buffer] when stacked,
+    a list of 3-D tensors otherwise) and the shape [B, T, D] of one source."""
+    if isinstance(sources, torch.Tensor):
+        if sources.dim() != 4:
+            raise ValueError(f"{name}: expected [n, B, T, D] or a list of [B, T, D], got {tuple(sources.shape)}")
+        srcs, n, shape = [sources], sources.shape[0], tuple(sources.shape[1:])
+    else:
+        srcs = list(sources)
+        if not srcs:
+            raise ValueError(f"{name}: needs at least one source")
+        for i, s in enumerate(srcs):
+            if s.dim() != 3 or s.shape != srcs[0].shape:
+                raise ValueError(f"{name}[{i}]: expected [B, T, D] = {tuple(srcs[0].shape)}, got {tuple(s.shape)}")
+            if s.dtype != srcs[0].dtype or s.device != srcs[0].device:
+                raise ValueError(f"{name}[{i}]: dtype/device {s.dtype}/{s.device} differs from "
+                                 f"{name}[0] ({srcs[0].dtype}/{srcs[0].device})")
+        n, shape = len(srcs), tuple(srcs[0].shape)
+    if not 1 <= n <= MAX_SOURCES:
+        raise ValueError(f"{name}: {n} sources; supported 1..{MAX_SOURCES}")
+    if not srcs[0].is_floating_point():
+        raise ValueError(f"{name}: expected a float dtype, got {srcs[0].dtype}")
+    if shape[-1] > MAX_D:
+        raise ValueError(f"{name}: D = {shape[-1]} > {MAX_D} (the row must fit in registers)")
+    return srcs, shape
 
-    def __init__(self, sources, name: str = "sources"):
-        if isinstance(sources, torch.Tensor):
-            if sources.dim() != 4:
-                raise ValueError(f"{name}: expected [n, B, T, D] or a list of [B, T, D], got {tuple(sources.shape)}")
-            x = sources if sources[0].is_contiguous() else sources.contiguous()
-            self.stacked, self.x, self.flat, self.ptrs = True, x, [x], None
+
+def is_stacked(srcs: list[torch.Tensor]) -> bool:
+    """Whether an op's `Tensor[]` sources are one stacked [n, B, T, D] buffer (else n [B, T, D] tensors)."""
+    return len(srcs) == 1 and srcs[0].dim() == 4
+
+
+def source_count_shape(srcs: list[torch.Tensor]) -> tuple[int, tuple]:
+    """(n, [B, T, D]) of an op's `Tensor[]` sources."""
+    return (srcs[0].shape[0], tuple(srcs[0].shape[1:])) if is_stacked(srcs) else (len(srcs), tuple(srcs[0].shape))
+
+
+class Sources:
+    """An op's `Tensor[]` sources (checked by `check_sources`) resolved for a launch: `x` is the stacked
+    buffer or sources[0], `ptrs` the address table (list input) or None."""
+
+    def __init__(self, srcs: list[torch.Tensor]):
+        if is_stacked(srcs):
+            x = srcs[0] if srcs[0][0].is_contiguous() else srcs[0].contiguous()
+            self.stacked, self.x, self.ptrs = True, x, None
             self.n, self.shape, self.stride_n = x.shape[0], tuple(x.shape[1:]), x.stride(0)
         else:
             # the kernel assumes 16-byte aligned table addresses: copy the rare misaligned view
-            srcs = [s.contiguous() for s in sources]
+            srcs = [s.contiguous() for s in srcs]
             srcs = [s if s.data_ptr() % 16 == 0 else s.clone() for s in srcs]
-            if not srcs:
-                raise ValueError(f"{name}: needs at least one source")
-            for i, s in enumerate(srcs):
-                if s.dim() != 3 or s.shape != srcs[0].shape:
-                    raise ValueError(f"{name}[{i}]: expected [B, T, D] = {tuple(srcs[0].shape)}, got {tuple(s.shape)}")
-                if s.dtype != srcs[0].dtype or s.device != srcs[0].device:
-                    raise ValueError(f"{name}[{i}]: dtype/device {s.dtype}/{s.device} differs from "
-                                     f"{name}[0] ({srcs[0].dtype}/{srcs[0].device})")
-            self.stacked, self.x, self.flat = False, srcs[0], srcs
+            self.stacked, self.x = False, srcs[0]
             self.ptrs = address_table(srcs)
             self.n, self.shape, self.stride_n = len(srcs), tuple(srcs[0].shape), 0
-        if not 1 <= self.n <= MAX_SOURCES:
-            raise ValueError(f"{name}: {self.n} sources; supported 1..{MAX_SOURCES}")
-        if not self.x.is_floating_point():
-            raise ValueError(f"{name}: expected a float dtype, got {self.x.dtype}")
         self.D = self.shape[-1]
         self.M = self.shape[0] * self.shape[1]
-        if self.D > MAX_D:
-            raise ValueError(f"{name}: D = {self.D} > {MAX_D} (the row must fit in registers)")
 
     @property
     def table(self) -> torch.Tensor:
         # the kernel ignores ptrs when USE_TABLE is off; any tensor does as a placeholder
         return self.ptrs if self.ptrs is not None else self.x
 
-    def grads(self, dx: torch.Tensor):
-        """dx [n, B, T, D] -> the gradient(s) matching how the sources were passed."""
-        return (dx,) if self.stacked else tuple(dx.unbind(0))
+
+def source_grads(srcs: list[torch.Tensor], dx: torch.Tensor) -> list[torch.Tensor]:
+    """dx [n, B, T, D] -> the gradients of an op's `Tensor[]` sources, one per tensor."""
+    return [dx] if is_stacked(srcs) else list(dx.unbind(0))
+
+
+def reference_sources(srcs: list[torch.Tensor]):
+    """An op's `Tensor[]` sources as the torch references take them (the stacked buffer, or the list)."""
+    return srcs[0] if is_stacked(srcs) else srcs
+
+
+def stacked_grad(srcs: list[torch.Tensor], grads: list[torch.Tensor]) -> torch.Tensor:
+    """The reference's source gradients as the kernels' one [n, B, T, D] dx."""
+    return grads[0] if is_stacked(srcs) else torch.stack(grads)
 
 
 # Address tables by (device, stream, pointers). A table's contents are the pointers themselves, so a
@@ -310,11 +347,12 @@ def num_programs(M: int, device: torch.device) -> int:
 
 
 def attnres_fwd(src: Sources, wt: torch.Tensor, eps: float, norm_weight, norm_eps: float):
-    """Full form forward launcher. Returns h, y (or None), stat [2, M] fp32 (lse, rstd of h)."""
+    """Full form forward launcher. Returns h, y (or None), stat [2, M] fp32 (lse, rstd of h; [1, M] without
+    the norm, which leaves the rstd row unwritten)."""
     x, M, D = src.x, src.M, src.D
     h = torch.empty(src.shape, dtype=x.dtype, device=x.device)
     y = torch.empty_like(h) if norm_weight is not None else None
-    stat = torch.empty(2, M, dtype=torch.float32, device=x.device)
+    stat = torch.empty(1 + (norm_weight is not None), M, dtype=torch.float32, device=x.device)
     grid = lambda meta: (1, triton.cdiv(M, meta["BT"]))
     attnres_fwd_kernel[grid](x, src.table, wt, h, h if y is None else y,
                              wt if norm_weight is None else norm_weight, stat, stat, stat,
@@ -341,31 +379,85 @@ def attnres_bwd(src: Sources, wt, h, dh, dy, norm_weight, stat, eps: float):
     return dx, dw_part.sum(0), dnw
 
 
-class FusedAttnResFunction(torch.autograd.Function):
-    """Inputs: query, gain [D]; norm_weight [D] or None; eps, norm_eps; the resolved `Sources`;
-    then its tensors again (so autograd tracks them and each receives its gradient)."""
+def _fused_reference(srcs, query, gain, norm_weight, eps: float, norm_eps: float):
+    from k3cli.ops.attnres.naive import naive_attnres
+    out = naive_attnres(reference_sources(srcs), query, gain, eps, norm_weight=norm_weight, norm_eps=norm_eps)
+    return (out, None) if norm_weight is None else out
 
-    @staticmethod
-    def forward(ctx, query, gain, norm_weight, eps, norm_eps, src, *flat):
-        wt = w_tilde(query, gain)
-        h, y, stat = attnres_fwd(src, wt, eps, norm_weight, norm_eps)
-        ctx.save_for_backward(query, gain, norm_weight, h, stat, wt, *flat)
-        ctx.eps, ctx.src = eps, src
-        ctx.set_materialize_grads(False)
-        return h if y is None else (h, y)
 
-    @staticmethod
-    def backward(ctx, dh, dy=None):
-        query, gain, norm_weight, h, stat, wt, *flat = ctx.saved_tensors
-        src = ctx.src
-        if dh is None and dy is None:
-            return (None,) * (6 + len(flat))
-        dh = None if dh is None else dh.contiguous()
-        dy = None if dy is None else dy.contiguous()
-        dx, dwt, dnw = attnres_bwd(src, wt, h, dh, dy, norm_weight, stat, ctx.eps)
-        dq, dg = w_tilde_grads(dwt, query, gain)
-        dnw = None if dnw is None else dnw.to(norm_weight.dtype)
-        return (dq, dg, dnw, None, None, None, *src.grads(dx))
+@torch.library.custom_op("k3::fused_attnres", mutates_args=(), device_types=("cuda", "cpu"))
+def fused_attnres_op(sources: list[Tensor], query: Tensor, gain: Tensor | None, norm_weight: Tensor | None,
+                     eps: float, norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """`fused_attnres` on checked inputs: (h, y, stat); y an empty fp32 tensor without norm_weight, stat
+    [2, B*T] fp32 (lse, rstd of h; [1, B*T] without norm_weight) for the Triton backward, empty on the torch
+    reference path. `sources`:
+    n [B, T, D] tensors, or [the stacked [n, B, T, D] buffer]."""
+    if triton_runs(query.device):
+        h, y, stat = attnres_fwd(Sources(sources), w_tilde(query, gain), eps, norm_weight, norm_eps)
+    else:
+        (h, y), stat = _fused_reference(sources, query, gain, norm_weight, eps, norm_eps), None
+    return (*(absent(query) if t is None else t.contiguous() for t in (h, y)), absent(query) if stat is None
+            else stat)
+
+
+@fused_attnres_op.register_fake
+def _(sources, query, gain, norm_weight, eps, norm_eps):
+    _, shape = source_count_shape(sources)
+    h = torch.empty(shape, dtype=sources[0].dtype, device=query.device)
+    y = absent(query) if norm_weight is None else torch.empty_like(h)
+    rows = 1 + (norm_weight is not None)
+    return h, y, torch.empty(rows, shape[0] * shape[1], dtype=torch.float32, device=query.device) \
+        if triton_runs(query.device) else absent(query)
+
+
+@torch.library.custom_op("k3::fused_attnres_bwd", mutates_args=(), device_types=("cuda", "cpu"))
+def fused_attnres_bwd_op(sources: list[Tensor], query: Tensor, gain: Tensor | None, norm_weight: Tensor | None,
+                         h: Tensor, stat: Tensor, dh: Tensor | None, dy: Tensor | None, eps: float,
+                         norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """k3::fused_attnres's backward: (dx [n, B, T, D] in the sources' dtype, dw̃ [D] fp32, dnw [D] fp32 or
+    empty without norm_weight), for dh and / or dy (None: no gradient reached that output)."""
+    wt = w_tilde(query, gain)
+    if triton_runs(query.device):
+        dx, dwt, dnw = attnres_bwd(Sources(sources), wt, h, None if dh is None else dh.contiguous(),
+                                   None if dy is None else dy.contiguous(), norm_weight, stat, eps)
+    else:
+        dsrc, dwt, dnw = reference_vjp(lambda s, w, nw: _fused_reference(s, w, None, nw, eps, norm_eps),
+                                       (reference_sources(sources), wt, norm_weight), (dh, dy))
+        dx, dnw = stacked_grad(sources, dsrc if isinstance(dsrc, list) else [dsrc]), \
+            None if dnw is None else dnw.float()
+    return dx, dwt, absent(query) if dnw is None else dnw
+
+
+@fused_attnres_bwd_op.register_fake
+def _(sources, query, gain, norm_weight, h, stat, dh, dy, eps, norm_eps):
+    n, shape = source_count_shape(sources)
+    D = shape[-1]
+    dnw = absent(query) if norm_weight is None else torch.empty(D, dtype=torch.float32, device=query.device)
+    return (torch.empty((n, *shape), dtype=sources[0].dtype, device=query.device),
+            torch.empty(D, dtype=torch.float32, device=query.device), dnw)
+
+
+def _fused_setup_context(ctx, inputs, output):
+    sources, query, gain, norm_weight, eps, norm_eps = inputs
+    h, y, stat = output
+    ctx.mark_non_differentiable(stat, *(() if norm_weight is not None else (y,)))
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(query, gain, norm_weight, h, stat, *sources)
+    ctx.eps, ctx.norm_eps = eps, norm_eps
+
+
+def _fused_backward(ctx, dh, dy, _):
+    query, gain, norm_weight, h, stat, *sources = ctx.saved_tensors
+    dy = dy if norm_weight is not None else None
+    if dh is None and dy is None:
+        return None, None, None, None, None, None
+    dx, dwt, dnw = fused_attnres_bwd_op(sources, query, gain, norm_weight, h, stat, dh, dy, ctx.eps, ctx.norm_eps)
+    dq, dg = w_tilde_grads(dwt, query, gain)
+    return (source_grads(sources, dx), dq, dg, None if norm_weight is None else dnw.to(norm_weight.dtype),
+            None, None)
+
+
+fused_attnres_op.register_autograd(_fused_backward, setup_context=_fused_setup_context)
 
 
 def fused_attnres(sources, query: torch.Tensor, gain: torch.Tensor, eps: float = 1e-6,
@@ -382,8 +474,8 @@ def fused_attnres(sources, query: torch.Tensor, gain: torch.Tensor, eps: float =
     Returns:
         h [B, T, D] in the sources' dtype, and y [B, T, D] if norm_weight is given.
     """
-    src = Sources(sources)
-    check_vector("query", query, (src.D,), src.x.device)
-    check_vector("gain", gain, (src.D,), src.x.device)
-    check_vector("norm_weight", norm_weight, (src.D,), src.x.device)
-    return FusedAttnResFunction.apply(query, gain, norm_weight, float(eps), float(norm_eps), src, *src.flat)
+    srcs, shape = check_sources(sources)
+    for name, t in (("query", query), ("gain", gain), ("norm_weight", norm_weight)):
+        check_vector(name, t, (shape[-1],), srcs[0].device)
+    h, y, _ = fused_attnres_op(srcs, query, gain, norm_weight, float(eps), float(norm_eps))
+    return h if norm_weight is None else (h, y)

@@ -76,13 +76,15 @@ def naive_attnres(sources, query, gain, eps: float = 1e-6, *, norm_weight=None, 
 
 @_fp32_math
 def naive_attnres_phase1(sources, queries, gains, eps: float = 1e-6, *,
-                         keys: Sequence[torch.Tensor] | None = None):
+                         keys: Sequence[torch.Tensor] | None = None, m: torch.Tensor | None = None):
     """Block form, phase 1: all S queries of a block against its n completed sources at once.
 
     Args:
         sources: list of n tensors [B, T, D] or one [n, B, T, D] (b_0 and the completed block sums).
         queries, gains: [S, D].
         keys: as in naive_attnres.
+        m: [S, B, T] stabiliser to use, held fixed (as the kernels' backward holds it), or None for the
+            max score.
     Returns:
         online-softmax state per query, working dtype: m [S, B, T] (max score),
         l [S, B, T] (Σ_i exp(s_i − m)), o [S, B, T, D] (Σ_i exp(s_i − m) · v_i, unnormalised).
@@ -91,7 +93,7 @@ def naive_attnres_phase1(sources, queries, gains, eps: float = 1e-6, *,
     keys = source_keys(sources, eps) if keys is None else keys
     w = _w_tilde(queries, gains, wd)
     s = torch.stack([key @ w.T for key in keys]).permute(3, 0, 1, 2)                    # (S, n, B, T)
-    m = s.amax(1)                                                                         # (S, B, T)
+    m = s.amax(1) if m is None else m.detach().to(wd)                                     # (S, B, T)
     p = (s - m[:, None]).exp()
     o = sum(p[:, j, ..., None] * v.to(wd) for j, v in enumerate(sources))                # (S, B, T, D)
     return m, p.sum(1), o
