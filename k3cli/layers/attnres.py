@@ -94,7 +94,8 @@ class AttnResMixer(nn.Module):
         return self._block_two_phase(emb, sublayers, ops, rows, norms, final_norm)
 
     def _triton_ops(self, emb: torch.Tensor):
-        """The Triton kernels (fused_attnres, attnres_phase1, attnres_merge), or None for torch."""
+        """The Triton kernels (fused_attnres, attnres_phase1, attnres_merge: entry points of the k3:: custom
+        ops, opaque nodes under torch.compile), or None for torch."""
         if self.impl in ("naive", "two_phase") or (self.impl == "auto" and not emb.is_cuda):
             return None
         try:

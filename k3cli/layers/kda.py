@@ -174,7 +174,8 @@ class KDAAttention(nn.Module):
         return o
 
     def _triton_op(self, q: torch.Tensor, name: str = "chunk_kda"):
-        """The Triton op `name` (chunk_kda | fused_recurrent_kda), or None for the torch path."""
+        """The Triton op `name` (chunk_kda | fused_recurrent_kda: entry points of the k3:: custom ops, opaque
+        nodes under torch.compile), or None for the torch path."""
         if self.backend == "torch" or (self.backend == "auto" and not q.is_cuda):
             return None
         try:
