@@ -1,0 +1,453 @@
+"""Sharded training checkpoints through torch.distributed.checkpoint (DCP), beside the
+single-process format of `k3cli.checkpoint`.
+
+Layout: `run_dir/checkpoints/step_{step:08d}/` (the same folder names as the single-process format)
+  .metadata, __<rank>_<i>.distcp   DCP files of {"model", "optimizer"}: every rank writes its own
+                                   FSDP2 shards (nothing is gathered to rank 0); replicated tensors once
+  state.pt                         scheduler, loader state, RNG (rank 0's and every rank's), step, world
+                                   size, extra — from rank 0
+  COMPLETE                         JSON {step, format: "dcp", world_size, files: {name: {bytes, sha256}}}
+
+A save goes into `step_XXXXXXXX.tmp-<token>` (one token, chosen by rank 0, for all ranks); every rank
+hashes the files it wrote after they are fsynced; rank 0 writes COMPLETE once it has every rank's
+list (so only when all have finished), then renames the folder. Readers trust only folders whose
+marker matches the files; temp folders are never listed. No step folder is ever overwritten.
+
+Names inside are plain parameter names (`get_state_dict` strips DDP's `module.` and compile's
+`_orig_mod.`), and tensors are stored with their global shapes, so DCP reshards on load: a
+checkpoint of N ranks loads under M ranks, into a plain model in one process, or into nothing but a
+state dict (`load_full_model_state`, `export_consolidated`, no process group needed).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+
+from k3cli.checkpoint import (
+    _NUMPY_SAFE,
+    MARKER,
+    MODEL_FILE,
+    STATE_FILE,
+    CheckpointError,
+    _fsync_dir,
+    _fsync_file,
+    _rng_state,
+    _set_rng_state,
+    _sha256,
+    _unwrap,
+    is_complete,
+    list_checkpoints,
+    load_checkpoint,
+)
+
+__all__ = ["DCP_FORMAT", "DCP_METADATA", "save_dcp", "load_dcp", "is_dcp", "is_dcp_complete",
+           "is_checkpoint_complete", "find_latest", "prune", "resume_checkpoint", "load_dcp_model_into",
+           "load_full_model_state", "export_consolidated"]
+
+DCP_FORMAT, DCP_METADATA = "dcp", ".metadata"
+TEMP_TAG = ".tmp-"  # in the name of every save's temp folder, both formats
+
+
+def _group() -> tuple[int, int, bool]:
+    """(rank, world size, whether collectives run)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), dist.get_world_size() > 1
+    return 0, 1, False
+
+
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _single_process_ok():
+    # DCP warns on every save/load without a process group, which is a use we intend here
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _broadcast(obj):
+    rank, world, on = _group()
+    if not on:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_gather(obj) -> list:
+    rank, world, on = _group()
+    if not on:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _raise_if(error: str | None) -> None:
+    if error:
+        raise CheckpointError(error)
+
+
+# ---- markers -------------------------------------------------------------------------------------
+
+def _dcp_marker(path: Path) -> dict | None:
+    try:
+        marker = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(marker, dict) or marker.get("format") != DCP_FORMAT or not isinstance(marker.get("files"), dict):
+        return None
+    return marker
+
+
+def is_dcp(path: str | os.PathLike) -> bool:
+    """`path` is a DCP checkpoint folder (complete or not): its marker says so, or it has DCP's
+    .metadata file (a folder whose save did not finish)."""
+    path = Path(path)
+    return _dcp_marker(path) is not None or (path / DCP_METADATA).is_file()
+
+
+def _is_temp(path: Path) -> bool:
+    # a save's temp folder may already hold its marker (a crash before the rename): never trusted
+    return TEMP_TAG in path.name
+
+
+def is_dcp_complete(path: str | os.PathLike, verify: bool = True) -> bool:
+    """True when `path` has a DCP COMPLETE marker listing .metadata and state.pt, every listed file
+    has its size (and, with verify, its sha256), and `path` is not a save's temp folder."""
+    path = Path(path)
+    marker = _dcp_marker(path)
+    if _is_temp(path) or marker is None or not {DCP_METADATA, STATE_FILE} <= set(marker["files"]):
+        return False
+    for name, meta in marker["files"].items():
+        f = path / name
+        if not isinstance(meta, dict) or not f.is_file() or f.stat().st_size != meta.get("bytes"):
+            return False
+        if verify and _sha256(f) != meta.get("sha256"):
+            return False
+    return True
+
+
+def is_checkpoint_complete(path: str | os.PathLike, verify: bool = True) -> bool:
+    """Complete in either format (single-process k3cli.checkpoint, or DCP), and not a temp folder."""
+    if is_dcp(path):
+        return is_dcp_complete(path, verify)
+    return not _is_temp(Path(path)) and is_complete(path, verify)
+
+
+def find_latest(run_dir: str | os.PathLike, verify: bool = True) -> Path | None:
+    """The newest complete checkpoint of `run_dir` in either format, or None; temp folders and
+    folders without a matching marker are skipped. Under a process group rank 0 looks (and hashes)
+    and every rank gets its answer."""
+    rank, _, _ = _group()
+    found = None
+    if rank == 0:
+        found = next((p for _, p in reversed(list_checkpoints(run_dir)) if is_checkpoint_complete(p, verify)), None)
+    found = _broadcast(None if found is None else str(found))
+    return None if found is None else Path(found)
+
+
+def prune(run_dir: str | os.PathLike, keep_last: int, newest: Path | None = None) -> list[Path]:
+    """`k3cli.checkpoint.prune_checkpoints` over both formats: delete complete checkpoints older than
+    the newest `keep_last` complete ones (at least one kept, and always the newest verified one;
+    `newest`: one just saved, taken as that). Incomplete and temp folders stay. Rank 0 deletes;
+    the other ranks return []."""
+    if _group()[0] != 0:
+        return []
+    complete = [p for _, p in list_checkpoints(run_dir) if is_checkpoint_complete(p, verify=False)]
+    latest = Path(newest) if newest is not None else next(
+        (p for p in reversed(complete) if is_checkpoint_complete(p, verify=True)), None)
+    doomed = [p for p in complete[:-max(1, keep_last)] if p != latest]
+    for p in doomed:
+        shutil.rmtree(p)
+    return doomed
+
+
+# ---- save ----------------------------------------------------------------------------------------
+
+def _hash_files(folder: Path, names: list[str]) -> dict:
+    out = {}
+    for name in names:
+        _fsync_file(folder / name)
+        out[name] = {"bytes": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}
+    return out
+
+
+def save_dcp(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer=None, scheduler=None,
+             loader_state: dict | None = None, extra: dict | None = None) -> Path:
+    """Write checkpoint `step` of `run_dir` in the DCP format, on every rank (a collective: all
+    ranks call it with the same step), and return its folder. `model`: the wrapped or plain model
+    (FSDP2, DDP, compiled or not); `loader_state` must be the same on every rank (rank 0's is kept;
+    a difference raises). Refuses (CheckpointError, on every rank) to replace an existing folder.
+    Without a process group it writes the same format from one process."""
+    rank, world, _ = _group()
+    parent = Path(run_dir) / "checkpoints"
+    final = parent / f"step_{step:08d}"
+    error, tmp_name = None, None
+    if rank == 0:
+        if final.exists():
+            error = f"checkpoint {final} already exists; refusing to overwrite it"
+        else:
+            parent.mkdir(parents=True, exist_ok=True)
+            tmp_name = f"{final.name}{TEMP_TAG}{os.getpid()}-{time.time_ns()}"
+            (parent / tmp_name).mkdir()
+    # every rank learns rank 0's decision, so none raises alone and leaves the others waiting
+    error, tmp_name = _broadcast((error, tmp_name))
+    _raise_if(error)
+    tmp = parent / tmp_name
+
+    optimizers = (optimizer,) if optimizer is not None else ()
+    model_sd, optim_sd = get_state_dict(model, optimizers)
+    state = {"model": model_sd}
+    if optimizer is not None:
+        state["optimizer"] = optim_sd
+    try:
+        with _single_process_ok():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=_no_dist())
+    except dcp.CheckpointException as e:
+        # DCP hands every rank the failure of any rank; the temp folder stays, never listed
+        raise CheckpointError(f"{final}: the save failed on rank(s) {sorted(e.failures)} "
+                              f"({_first_line(e)})") from None
+
+    rng = _rng_state()
+    mine = sorted(n for n in os.listdir(tmp) if n.startswith(f"__{rank}_"))
+    gathered = _all_gather((_hash_files(tmp, mine), rng, loader_state))
+    # the gather is the barrier: rank 0 is past it only once every rank has written and hashed
+    error = None
+    if rank == 0:
+        try:
+            if any(g[2] != loader_state for g in gathered):
+                raise CheckpointError(f"{final}: the ranks' loader states differ; every rank must read "
+                                      "the same global batches (shard_batch) for one saved loader state")
+            torch.save({
+                "step": step, "format": DCP_FORMAT, "world_size": world,
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "loader": loader_state, "rng": rng, "rng_ranks": [g[1] for g in gathered],
+                "extra": extra or {}, "has_optimizer": optimizer is not None,
+            }, tmp / STATE_FILE)
+            files = {name: meta for g in gathered for name, meta in g[0].items()}
+            files.update(_hash_files(tmp, sorted(n for n in os.listdir(tmp) if n not in files)))
+            with open(tmp / MARKER, "w") as f:
+                json.dump({"step": step, "format": DCP_FORMAT, "world_size": world, "files": files}, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            os.rename(tmp, final)
+            _fsync_dir(parent)
+        except (OSError, CheckpointError) as e:
+            error = str(e)
+    _raise_if(_broadcast(error))
+    return final
+
+
+# ---- load ----------------------------------------------------------------------------------------
+
+def _read_state(path: Path) -> dict:
+    try:
+        with torch.serialization.safe_globals(_NUMPY_SAFE):
+            return torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
+        raise CheckpointError(f"{path}: cannot read {STATE_FILE} ({str(e).strip().splitlines()[0][:160]})") from None
+
+
+def _check_complete(path: Path, verify: bool, dcp_only: bool = False) -> None:
+    """Raise on every rank unless rank 0 finds `path` complete (only rank 0 hashes)."""
+    ok = None
+    if _group()[0] == 0:
+        ok = is_dcp_complete(path, verify) if dcp_only else is_checkpoint_complete(path, verify)
+    if not _broadcast(ok):
+        raise CheckpointError(f"{path} is not a complete checkpoint (missing or mismatched {MARKER})")
+
+
+def _restore_rng(state: dict) -> None:
+    rank, world, _ = _group()
+    ranks = state.get("rng_ranks") or []
+    # the same world size: each rank continues its own streams; otherwise all take rank 0's
+    _set_rng_state(ranks[rank] if len(ranks) == world else state["rng"])
+
+
+def load_dcp(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=None,
+             restore_rng: bool = True, verify: bool = True) -> dict:
+    """Load a DCP checkpoint into `model` (FSDP2, DDP or plain; any world size, resharded by DCP)
+    and, when given, the optimizer and scheduler; restore the RNG. A collective under a process
+    group (every rank calls it); works without one. Returns the state.pt dict (step, loader, extra,
+    scheduler, rng, world_size, ...) plus 'path'."""
+    path = Path(path)
+    _check_complete(path, verify, dcp_only=True)
+    state = _read_state(path)
+    if optimizer is not None and not state.get("has_optimizer", True):
+        raise CheckpointError(f"{path} holds no optimizer state")
+    if scheduler is not None and state["scheduler"] is None:
+        raise CheckpointError(f"{path} holds no scheduler state")
+    optimizers = (optimizer,) if optimizer is not None else ()
+    # a fresh optimizer gets zero-initialised state here (get_state_dict steps it with lr 0), so
+    # DCP has tensors to load into
+    model_sd, optim_sd = get_state_dict(model, optimizers)
+    target = {"model": model_sd}
+    if optimizer is not None:
+        target["optimizer"] = optim_sd
+    try:
+        with _single_process_ok():
+            dcp.load(target, storage_reader=dcp.FileSystemReader(str(path)), no_dist=_no_dist())
+    except (dcp.CheckpointException, RuntimeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{path}: does not fit this model / optimizer ({_first_line(e)})") from None
+    set_state_dict(model, optimizers, model_state_dict=model_sd,
+                   optim_state_dict=optim_sd if optimizer is not None else {})
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if restore_rng:
+        _restore_rng(state)
+    return {**state, "path": path}
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines() or [type(e).__name__])[-1].strip()[:200]
+
+
+def _has_dtensor(model: nn.Module) -> bool:
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())
+
+
+def _full_optimizer_state(model: nn.Module, optimizer, saved: dict) -> dict:
+    """A single-process `optimizer.state_dict()` (parameters by position) → the FQN-keyed form
+    `set_optimizer_state_dict` takes. Positions follow the param groups as this optimizer has them,
+    so it must be built the same way (same groups, same order) as the one that was saved."""
+    names = {p: n for n, p in _unwrap(model).named_parameters()}
+    groups, saved_groups = optimizer.param_groups, saved["param_groups"]
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in saved_groups]:
+        raise CheckpointError("the saved optimizer's parameter groups do not match this optimizer's "
+                              f"({[len(g['params']) for g in saved_groups]} vs {[len(g['params']) for g in groups]})")
+    fqn = {i: names[p] for g, sg in zip(groups, saved_groups) for i, p in zip(sg["params"], g["params"])}
+    return {"state": {fqn[i]: s for i, s in saved["state"].items()},
+            "param_groups": [{**sg, "params": [fqn[i] for i in sg["params"]]} for sg in saved_groups]}
+
+
+def resume_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=None,
+                      restore_rng: bool = True, verify: bool = True) -> dict:
+    """Resume from a checkpoint of either format into a model of any parallel mode and world size.
+    Returns {'step', 'loader', 'extra', 'path'} as `k3cli.checkpoint.load_checkpoint` does.
+
+    - DCP: `load_dcp` (model and optimizer resharded by DCP; each rank its own RNG when the world
+      size is unchanged, else rank 0's);
+    - single-process, plain or DDP model: `load_checkpoint` on every rank (full weights each);
+    - single-process into FSDP2: the full weights and the full optimizer state are read on every
+      rank and each keeps its shards (`set_*_state_dict(full_state_dict=True)`); the optimizer must
+      be built with the same param groups in the same order as the saved one (train.param_groups)."""
+    path = Path(path)
+    _check_complete(path, verify)
+    if is_dcp(path):
+        state = load_dcp(path, model, optimizer, scheduler, restore_rng, verify=False)
+        return {"step": state["step"], "loader": state["loader"], "extra": state["extra"], "path": path}
+    if not _has_dtensor(model):
+        return load_checkpoint(path, model, optimizer, scheduler, restore_rng=restore_rng, verify=False)
+    state = _read_state(path)
+    full = safetensors.torch.load_file(str(path / MODEL_FILE))
+    try:
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=True))
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise CheckpointError(f"{path}: weights do not fit this model ({_first_line(e)})") from None
+    if optimizer is not None:
+        if state["optimizer"] is None:
+            raise CheckpointError(f"{path} holds no optimizer state")
+        set_optimizer_state_dict(model, optimizer, _full_optimizer_state(model, optimizer, state["optimizer"]),
+                                 options=StateDictOptions(full_state_dict=True))
+    if scheduler is not None:
+        if state["scheduler"] is None:
+            raise CheckpointError(f"{path} holds no scheduler state")
+        scheduler.load_state_dict(state["scheduler"])
+    if restore_rng:
+        _set_rng_state(state["rng"])
+    return {"step": state["step"], "loader": state["loader"], "extra": state["extra"], "path": path}
+
+
+# ---- one process, no process group ---------------------------------------------------------------
+
+def _model_entries(path: Path) -> dict[str, tuple[str, object]]:
+    """{parameter name: (DCP key, tensor metadata)} of the model part of a DCP checkpoint."""
+    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    out = {}
+    for key, md in meta.state_dict_metadata.items():
+        where = (meta.planner_data or {}).get(key)
+        if where is not None and len(where) == 2 and where[0] == "model" and hasattr(md, "size"):
+            out[where[1]] = (key, md)
+    return out
+
+
+def load_full_model_state(path: str | os.PathLike, verify: bool = True) -> dict[str, torch.Tensor]:
+    """{name: full CPU tensor} of a complete checkpoint of either format, read in this process
+    alone (no process group, no collective even if one is up)."""
+    path = Path(path)
+    if not is_checkpoint_complete(path, verify):
+        raise CheckpointError(f"{path} is not a complete checkpoint (missing or mismatched {MARKER})")
+    if not is_dcp(path):
+        return safetensors.torch.load_file(str(path / MODEL_FILE))
+    entries = _model_entries(path)
+    sd = {name: torch.empty(md.size, dtype=md.properties.dtype) for name, (_, md) in entries.items()}
+    with _single_process_ok():
+        dcp.load({"model": sd}, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    return sd
+
+
+def load_dcp_model_into(path: str | os.PathLike, model: nn.Module, verify: bool = True) -> nn.Module:
+    """Load only the weights of a DCP checkpoint (any world size) into a plain, unwrapped model,
+    in place and in this process alone (no process group needed; none used if one is up): for
+    eval, generate and export. Names must match exactly. Returns the model."""
+    path = Path(path)
+    if not is_dcp_complete(path, verify):
+        raise CheckpointError(f"{path} is not a complete DCP checkpoint (missing or mismatched {MARKER})")
+    target = _unwrap(model)
+    sd = target.state_dict()
+    saved = _model_entries(path)
+    missing, unexpected = sorted(set(sd) - set(saved)), sorted(set(saved) - set(sd))
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: weights do not fit this model (missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]})")
+    for name, t in sd.items():
+        if tuple(t.shape) != tuple(saved[name][1].size):
+            raise CheckpointError(f"{path}: {name} has shape {tuple(saved[name][1].size)} in the checkpoint, "
+                                  f"{tuple(t.shape)} in this model")
+    with _single_process_ok():
+        dcp.load({"model": sd}, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    return model
+
+
+def export_consolidated(path: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Write the weights of checkpoint `path` (DCP or single-process) as one `out_dir/model.safetensors`
+    (full tensors, plain names; metadata: step, source format), atomically. No process group needed.
+    Refuses to replace an existing file unless `overwrite`. Returns the file."""
+    path, out_dir = Path(path), Path(out_dir)
+    out = out_dir / MODEL_FILE
+    if out.exists() and not overwrite:
+        raise CheckpointError(f"{out} already exists; refusing to overwrite it")
+    sd = load_full_model_state(path)
+    step = json.loads((path / MARKER).read_text()).get("step")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / f".{MODEL_FILE}.tmp-{os.getpid()}"
+    safetensors.torch.save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp),
+                                metadata={"step": str(step), "source_format": DCP_FORMAT if is_dcp(path) else "single"})
+    _fsync_file(tmp)
+    os.replace(tmp, out)
+    _fsync_dir(out_dir)
+    return out
