@@ -209,9 +209,11 @@ def save_dcp(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer=
         if final.exists():
             error = f"checkpoint {final} already exists; refusing to overwrite it"
         else:
-            parent.mkdir(parents=True, exist_ok=True)
             tmp_name = f"{final.name}{TEMP_TAG}{os.getpid()}-{time.time_ns()}"
-            (parent / tmp_name).mkdir()
+            try:
+                (parent / tmp_name).mkdir(parents=True)
+            except OSError as e:
+                error = f"{final}: cannot create its temp folder ({e})"
     # every rank learns rank 0's decision, so none raises alone and leaves the others waiting
     error, tmp_name = _broadcast((error, tmp_name))
     _raise_if(error)
@@ -230,11 +232,14 @@ def save_dcp(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer=
         raise CheckpointError(f"{final}: the save failed on rank(s) {sorted(e.failures)} "
                               f"({_first_line(e)})") from None
 
-    rng = _rng_state()
-    mine = sorted(n for n in os.listdir(tmp) if n.startswith(f"__{rank}_"))
-    gathered = _all_gather((_hash_files(tmp, mine), rng, loader_state))
+    rng, hashes, error = _rng_state(), {}, None
+    try:
+        hashes = _hash_files(tmp, sorted(n for n in os.listdir(tmp) if n.startswith(f"__{rank}_")))
+    except OSError as e:
+        error = f"{final}: rank {rank} cannot read back its files ({e})"
+    gathered = _all_gather((hashes, rng, loader_state, error))
     # the gather is the barrier: rank 0 is past it only once every rank has written and hashed
-    error = None
+    _raise_if(next((g[3] for g in gathered if g[3]), None))
     if rank == 0:
         try:
             if any(g[2] != loader_state for g in gathered):
@@ -410,10 +415,11 @@ def load_full_model_state(path: str | os.PathLike, verify: bool = True) -> dict[
     return sd
 
 
-def load_dcp_model_into(path: str | os.PathLike, model: nn.Module, verify: bool = True) -> nn.Module:
-    """Load only the weights of a DCP checkpoint (any world size) into a plain, unwrapped model,
-    in place and in this process alone (no process group needed; none used if one is up): for
-    eval, generate and export. Names must match exactly. Returns the model."""
+def load_dcp_model_into(path: str | os.PathLike, model: nn.Module, verify: bool = True) -> dict:
+    """Load only the weights of a DCP checkpoint (any world size) into a plain, unwrapped model
+    (on any device, in place) in this process alone (no process group needed; none used if one is
+    up): for eval, generate and export. Names and shapes must match exactly. Returns {'step',
+    'loader', 'extra', 'path'} as `k3cli.checkpoint.load_checkpoint` does; no RNG is touched."""
     path = Path(path)
     if not is_dcp_complete(path, verify):
         raise CheckpointError(f"{path} is not a complete DCP checkpoint (missing or mismatched {MARKER})")
@@ -430,7 +436,8 @@ def load_dcp_model_into(path: str | os.PathLike, model: nn.Module, verify: bool 
                                   f"{tuple(t.shape)} in this model")
     with _single_process_ok():
         dcp.load({"model": sd}, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
-    return model
+    state = _read_state(path)
+    return {"step": state["step"], "loader": state["loader"], "extra": state["extra"], "path": path}
 
 
 def export_consolidated(path: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bool = False) -> Path:
