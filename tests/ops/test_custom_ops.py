@@ -101,6 +101,41 @@ def test_chunk_kda_op_matches_reference(device, h0):
             assert_close(name, out[name], ref[name], TOL[name], rel_rms)
 
 
+def strided(t):
+    """The same values in a non-contiguous layout (the short convs hand the layer transposed tensors)."""
+    return None if t is None else t.transpose(0, -1).contiguous().transpose(0, -1)
+
+
+def test_ops_take_strided_inputs(device):
+    """Each op called directly with non-contiguous inputs: outputs and gradients as with contiguous ones
+    (the kernels index dense rows, so the implementations make contiguous copies and keep the copies a
+    pointer table refers to alive). Exact for the kernels; torch's own kernels may sum in another order
+    for another layout."""
+    def same(a, b):
+        return torch.equal(a, b) if not reference_path(device) else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+    def chunk(q, k, v, g, beta, initial_state=None, output_final_state=True):
+        return chunk_kda_op(q, k, v, g, beta, initial_state, 0.25, 16, output_final_state, True)[:2]
+
+    x = kda_inputs(2, 20, 1, 2, 16, 16, device=device)
+    want, got = run_with_grads(chunk, *x), run_with_grads(chunk, *map(strided, x))
+    assert all(same(got[n], want[n]) for n in want), [n for n in want if not same(got[n], want[n])]
+    gate = gate_inputs(2, 20, 3, 8, True, device)
+    srcs, q, g, nw, p = attnres_inputs(2, 2, 5, 48, 1, device)
+    m, l, o = (t[0] for t in attnres_phase1_op(srcs, q, g, 1e-6))
+    calls = [(lambda a, b, c: kda_gate_op(a, b, c, -5.0, 16, True), gate),
+             (lambda *s: fused_attnres_op(list(s), q[0], g[0], nw, 1e-6, 1e-6)[:2], srcs),
+             (lambda l, o, p: attnres_merge_op(m, l, o, p, q[0], g[0], nw, 1e-6, 1e-6, torch.float32)[:2], (l, o, p))]
+    for fn, inputs in calls:
+        results = []
+        for xs in (leaves(*inputs), leaves(*map(strided, inputs))):
+            outs = fn(*xs)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            loss = sum((t * rand(*t.shape, seed=30 + i, device=device)).sum() for i, t in enumerate(outs))
+            results.append((*outs, *torch.autograd.grad(loss, xs)))
+        assert all(same(a, b) for a, b in zip(*results)), [i for i, (a, b) in enumerate(zip(*results)) if not same(a, b)]
+
+
 def test_chunk_kda_without_store_mkk_refuses_backward(device):
     q, k, v, g, beta, s0 = leaves(*kda_inputs(1, 5, 1, 1, 16, 16, device=device))
     o = chunk_kda_op(q, k, v, g, beta, s0, 0.25, 16, False, False)[0]

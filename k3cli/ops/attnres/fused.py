@@ -245,18 +245,19 @@ def source_count_shape(srcs: list[torch.Tensor]) -> tuple[int, tuple]:
 
 class Sources:
     """An op's `Tensor[]` sources (checked by `check_sources`) resolved for a launch: `x` is the stacked
-    buffer or sources[0], `ptrs` the address table (list input) or None."""
+    buffer or sources[0], `ptrs` the address table (list input) or None, `flat` the tensors read."""
 
     def __init__(self, srcs: list[torch.Tensor]):
         if is_stacked(srcs):
             x = srcs[0] if srcs[0][0].is_contiguous() else srcs[0].contiguous()
-            self.stacked, self.x, self.ptrs = True, x, None
+            self.stacked, self.x, self.ptrs, self.flat = True, x, None, [x]
             self.n, self.shape, self.stride_n = x.shape[0], tuple(x.shape[1:]), x.stride(0)
         else:
             # the kernel assumes 16-byte aligned table addresses: copy the rare misaligned view
             srcs = [s.contiguous() for s in srcs]
             srcs = [s if s.data_ptr() % 16 == 0 else s.clone() for s in srcs]
-            self.stacked, self.x = False, srcs[0]
+            # the table holds bare addresses: `flat` keeps any copies alive while a Sources is in use
+            self.stacked, self.x, self.flat = False, srcs[0], srcs
             self.ptrs = address_table(srcs)
             self.n, self.shape, self.stride_n = len(srcs), tuple(srcs[0].shape), 0
         self.D = self.shape[-1]

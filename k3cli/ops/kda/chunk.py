@@ -169,6 +169,9 @@ def _(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, st
 
 def _backward(q, k, v, g, beta, h0, it: Intra, do, dht, scale: float, C: int):
     """The Triton backward: (dq, dk, dv, dg, dbeta, dh0 or absent)."""
+    # the kernels index dense [B, T, heads, X] rows (chunk_kda passes contiguous inputs: no copies then)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    h0 = None if h0 is None else h0.contiguous()
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     p = plan(B, T, HV, K, V, C, v.dtype, v.is_cuda, torch_allows_tf32())
@@ -285,6 +288,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     if use_gate_in_kernel:
         from k3cli.ops.kda.gate import kda_gate
         g = kda_gate(g, A_log, dt_bias, lower_bound=lower_bound, chunk_size=chunk_size, cumsum=False)
+    # contiguous here, so that the copies (of the short convs' transposed outputs) are the ones saved
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     # Mkk is stored for the backward only: the op cannot see whether autograd will need one
     store_mkk = torch.is_grad_enabled() and any(x is not None and x.requires_grad
                                                 for x in (q, k, v, g, beta, initial_state))
