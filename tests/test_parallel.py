@@ -379,14 +379,14 @@ def test_two_ranks_fsdp_ddp_checkpoints(tmp_path):
     assert list((tmp_path / "run" / "checkpoints").glob("step_00000099.tmp-*"))
     assert dc.find_latest(tmp_path / "run") == ckpt
 
-    # 1-process checkpoints of both formats into 2-rank FSDP: weights and optimizer state equal
-    for name in ("single", "single_dcp"):
+    # 1-process checkpoints of both formats into 2-rank FSDP and DDP: weights, optimizer, schedule equal
+    for name in ("single_fsdp", "single_ddp", "single_dcp_fsdp", "single_dcp_ddp"):
         assert_state_close(res[0][name]["params"], ref_params, 0.0, f"{name} -> 2 ranks")
         assert_state_close(res[0][name]["optim"], ref_optim, 0.0, f"{name} optimizer -> 2 ranks")
-        assert all(r[name]["step"] == STEPS for r in res)
+        assert all(r[name]["step"] == STEPS and r[name]["lr"] == sched.get_last_lr() for r in res)
     assert single.is_dir() and single_dcp.is_dir()
 
-    # AttnRes on: attn and ffn sharded one by one, the pre-norms with the root
+    # AttnRes on (and recomputed in backward): attn and ffn sharded one by one, the pre-norms with the root
     attnres = tiny_model(attnres="block")
     opt_a, sched_a = optimizer_for(attnres)
     train_steps(attnres, attnres, opt_a, sched_a, same_groups(data[:STEPS]))
@@ -434,6 +434,8 @@ def _scenario_main(info: DistInfo, out: Path) -> dict:
     res = {}
     for mode in ("fsdp_attnres", "ddp", "fsdp"):
         model = tiny_model(attnres="block" if mode == "fsdp_attnres" else "off")
+        # AttnRes run also recomputes its sublayers in backward (activation checkpointing)
+        model.activation_checkpointing = "block" if mode == "fsdp_attnres" else "none"
         module = parallelize(model, mode.split("_")[0], info.device)
         opt, sched = optimizer_for(model)
         loads = train_steps(module, model, opt, sched, data[:STEPS], rank, world)
@@ -466,11 +468,13 @@ def _scenario_main(info: DistInfo, out: Path) -> dict:
     res["fsdp"]["params_after"] = full_params(model)
 
     for name in ("single", "single_dcp"):
-        model = tiny_model(seed=3)
-        module = parallelize(model, "fsdp", info.device)
-        opt, sched = optimizer_for(model)
-        state = dc.resume_checkpoint(dc.find_latest(out / name), module, opt, sched)
-        res[name] = {"step": state["step"], "params": full_params(model), "optim": full_optim_state(model, opt)}
+        for mode in ("fsdp", "ddp"):
+            model = tiny_model(seed=3)
+            module = parallelize(model, mode, info.device)
+            opt, sched = optimizer_for(model)
+            state = dc.resume_checkpoint(dc.find_latest(out / name), module, opt, sched)
+            res[f"{name}_{mode}"] = {"step": state["step"], "params": full_params(model),
+                                     "optim": full_optim_state(model, opt), "lr": sched.get_last_lr()}
     return res
 
 
