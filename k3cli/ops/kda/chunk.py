@@ -128,7 +128,7 @@ def _forward(q, k, v, g, beta, h0, scale: float, C: int, output_final_state: boo
     finally:
         if ov is not None:
             ov.join()   # the current stream again, after all of stage 1 (also when a launch raised)
-    # Γ (it.gc) is not returned, so it is freed now, not earlier: the side stream may still have been reading it
+    # Γ (it.gc) is not returned: freed now, not earlier (the side stream may still have been reading it)
     return (o, absent(v) if ht is None else ht, *it[:-2], absent(v) if it.mkk is None else it.mkk)
 
 
@@ -267,7 +267,8 @@ def _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log,
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
               lower_bound=-5.0, chunk_size=64):
-    """Chunked Kimi Delta Attention (docs/math.md §2.2) with Triton forward and backward.
+    """Chunked Kimi Delta Attention (docs/math.md §2.2) with Triton forward and backward, through the custom
+    ops `k3::chunk_kda` / `k3::chunk_kda_bwd` (README.md, "Custom ops").
 
     Args:
         q, k: [B, T, H, K] (fp32 / fp16 / bf16); v: [B, T, HV, V], HV = G * H.
