@@ -22,7 +22,8 @@ def compile_model(model: nn.Module, mode: str = "default") -> Callable:
     every checkpoint) keeps plain parameter names, without `_orig_mod.` prefixes."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"unknown compile mode '{mode}'; valid: {', '.join(COMPILE_MODES)}")
-    # train/eval switches and a few batch shapes each need a graph; the default limit of 8 is enough
-    # for one run, but tests compile many models in one process
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
+    # each model instance, train/eval switch and batch shape is a cache entry of the one forward code
+    # object; past the limit Dynamo would quietly run eager, so raise the limit and make hitting it an error
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     return torch.compile(model, mode=mode, fullgraph=True, dynamic=False)

@@ -21,6 +21,15 @@ pytestmark = pytest.mark.slow
 BUILDS = [(p, m) for p in ("kda-toy", "k3-toy") for m in ("off", "full", "block")]
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test starts from empty compile caches: entries of earlier tests' models would count
+    towards the recompile limit of the same forward code object."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def _loss_and_grads(model, forward, ids):
     model.zero_grad(set_to_none=True)
     loss = forward(ids, labels=ids).loss
