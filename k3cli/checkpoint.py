@@ -9,6 +9,8 @@ A save goes into `step_XXXXXXXX.tmp-<pid>` beside the final folder, every file i
 `os.rename` publishes it, so a crash leaves either a temp folder or nothing, never a half checkpoint
 under the final name. Readers trust only folders whose COMPLETE marker matches the files on disk.
 Nothing here deletes a checkpoint except `prune_checkpoints`, and it never removes the newest one.
+Multi-process runs write the sharded format of `k3cli.dist_checkpoint` into the same folders;
+`is_complete`, `find_latest_checkpoint` and `load_checkpoint` accept it too.
 """
 
 from __future__ import annotations
@@ -149,14 +151,21 @@ def _marker(path: Path) -> dict | None:
 
 
 def is_complete(path: str | os.PathLike, verify: bool = True) -> bool:
-    """True when `path` has a COMPLETE marker whose sizes (and, with verify, sha256) match its files."""
+    """True when `path` has a COMPLETE marker whose sizes (and, with verify, sha256) match its files:
+    this format's two files, or a sharded checkpoint (`k3cli.dist_checkpoint`, format "dcp") with
+    its DCP metadata and state.pt among them. A save's temp folder (`.tmp-` in its name) never is."""
     path = Path(path)
     marker = _marker(path)
-    if marker is None or set(marker["files"]) != {MODEL_FILE, STATE_FILE}:
+    if marker is None or ".tmp-" in path.name:
+        return False
+    if marker.get("format") == "dcp":
+        if not {".metadata", STATE_FILE} <= set(marker["files"]):
+            return False
+    elif set(marker["files"]) != {MODEL_FILE, STATE_FILE}:
         return False
     for name, meta in marker["files"].items():
         f = path / name
-        if not f.is_file() or f.stat().st_size != meta.get("bytes"):
+        if not isinstance(meta, dict) or not f.is_file() or f.stat().st_size != meta.get("bytes"):
             return False
         if verify and _sha256(f) != meta.get("sha256"):
             return False
@@ -187,10 +196,15 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, s
                     restore_rng: bool = True, verify: bool = True) -> dict:
     """Load weights into `model` (on its own device) and, when given, the optimizer and scheduler
     state; restore the RNG states. Returns {'step', 'loader', 'extra', 'path'}. `verify=False` skips
-    the checksums (marker and sizes are still checked) for a path find_latest_checkpoint just verified."""
+    the checksums (marker and sizes are still checked) for a path find_latest_checkpoint just verified.
+    A sharded (DCP) checkpoint is read by `k3cli.dist_checkpoint.resume_checkpoint`."""
     path = Path(path)
     if not is_complete(path, verify=verify):
         raise CheckpointError(f"{path} is not a complete checkpoint (missing or mismatched {MARKER})")
+    if (_marker(path) or {}).get("format") == "dcp":
+        from k3cli.dist_checkpoint import resume_checkpoint  # it builds on this module
+
+        return resume_checkpoint(path, model, optimizer, scheduler, restore_rng=restore_rng, verify=False)
     try:
         safetensors.torch.load_model(_unwrap(model), str(path / MODEL_FILE), strict=True)
     except RuntimeError as e:

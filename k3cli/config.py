@@ -55,9 +55,12 @@ class TrainConfig:
     compile_mode: str = "default"  # torch.compile mode
     activation_checkpointing: str = "none"  # none | block: recompute each block's activations in backward
     peak_tflops: float = 0.0  # dense peak for MFU; 0 = from the device table (none on CPU)
+    # more than one process (torchrun / k3 train --nproc): auto = fsdp then, none alone; ddp | fsdp
+    parallel: str = "auto"
 
     CHOICES: typing.ClassVar[dict] = {
         "device": ("auto", "cpu", "cuda"),
+        "parallel": ("auto", "none", "ddp", "fsdp"),
         "compile_mode": ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
         "activation_checkpointing": ("none", "block"),
     }

@@ -361,10 +361,17 @@ class PackedLoader:
     The stream is cut into W = N // T non-overlapping windows. Epoch e visits all W windows in a
     permutation drawn from (seed, e); a batch that runs past the end of an epoch continues into the
     next, so every batch is full. `state_dict()` = (epoch, position) reproduces the batch sequence.
+
+    The position counts windows of the one order, whatever the batch size: a multi-process run
+    draws global micro-batches (micro_batch_size × processes rows, each rank keeps its slice), and
+    `rows_per_step` (the global batch) is what a resumed loader must share, so a state saved at a
+    step boundary continues under any number of processes with every window seen once.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int = 0):
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int = 0,
+                 rows_per_step: int | None = None):
         self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
+        self.rows_per_step = rows_per_step
         self.num_windows = len(tokens) // seq_len
         if self.num_windows < 1:
             raise DataError(f"the train split has {len(tokens)} tokens, fewer than train.seq_len "
@@ -394,11 +401,16 @@ class PackedLoader:
         return torch.from_numpy(rows)  # [B, T]
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "seq_len": self.seq_len,
-                "batch_size": self.batch_size, "num_windows": self.num_windows}
+        state = {"epoch": self.epoch, "position": self.position, "seed": self.seed, "seq_len": self.seq_len,
+                 "batch_size": self.batch_size, "num_windows": self.num_windows}
+        if self.rows_per_step is not None:
+            state["rows_per_step"] = self.rows_per_step
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("seed", "seq_len", "batch_size", "num_windows"):
+        # with a global batch on both sides only it must match: the batch size follows the number of processes
+        shared = ("rows_per_step",) if self.rows_per_step is not None and "rows_per_step" in state else ("batch_size",)
+        for key in ("seed", "seq_len", "num_windows") + shared:
             if state[key] != getattr(self, key):
                 raise DataError(f"cannot resume the data loader: checkpoint has {key}={state[key]}, "
                                 f"this run has {getattr(self, key)} (different data or config?)")
@@ -435,8 +447,8 @@ class PreparedData:
     tokenizer_cached: bool
     tokens_cached: bool
 
-    def train_loader(self, batch_size: int, seed: int = 0) -> PackedLoader:
-        return PackedLoader(self.train_tokens, self.seq_len, batch_size, seed)
+    def train_loader(self, batch_size: int, seed: int = 0, rows_per_step: int | None = None) -> PackedLoader:
+        return PackedLoader(self.train_tokens, self.seq_len, batch_size, seed, rows_per_step)
 
     def val_batches(self, n: int, batch_size: int) -> list[torch.Tensor]:
         return val_batches(self.val_tokens, self.seq_len, n, batch_size)

@@ -59,7 +59,7 @@ from k3cli.checkpoint import (
     load_checkpoint,
 )
 
-__all__ = ["DCP_FORMAT", "DCP_METADATA", "save_dcp", "load_dcp", "is_dcp", "is_dcp_complete",
+__all__ = ["DCP_FORMAT", "DCP_METADATA", "SharedCheckpointError", "save_dcp", "load_dcp", "is_dcp", "is_dcp_complete",
            "is_checkpoint_complete", "find_latest", "prune", "resume_checkpoint", "load_dcp_model_into",
            "load_full_model_state", "export_consolidated"]
 
@@ -104,9 +104,15 @@ def _all_gather(obj) -> list:
     return out
 
 
+class SharedCheckpointError(CheckpointError):
+    """A CheckpointError every rank raises with the same message (the CLI prints it once)."""
+
+    on_every_rank = True
+
+
 def _raise_if(error: str | None) -> None:
     if error:
-        raise CheckpointError(error)
+        raise SharedCheckpointError(error)
 
 
 # ---- markers -------------------------------------------------------------------------------------
@@ -229,7 +235,7 @@ def save_dcp(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer=
             dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=_no_dist())
     except dcp.CheckpointException as e:
         # DCP hands every rank the failure of any rank; the temp folder stays, never listed
-        raise CheckpointError(f"{final}: the save failed on rank(s) {sorted(e.failures)} "
+        raise SharedCheckpointError(f"{final}: the save failed on rank(s) {sorted(e.failures)} "
                               f"({_first_line(e)})") from None
 
     rng, hashes, error = _rng_state(), {}, None
@@ -282,7 +288,7 @@ def _check_complete(path: Path, verify: bool, dcp_only: bool = False) -> None:
     if _group()[0] == 0:
         ok = is_dcp_complete(path, verify) if dcp_only else is_checkpoint_complete(path, verify)
     if not _broadcast(ok):
-        raise CheckpointError(f"{path} is not a complete checkpoint (missing or mismatched {MARKER})")
+        raise SharedCheckpointError(f"{path} is not a complete checkpoint (missing or mismatched {MARKER})")
 
 
 def _restore_rng(state: dict) -> None:

@@ -1,6 +1,6 @@
 """Multi-process training on torch.distributed: process group, wrappers, reductions, batch shards.
 
-Launch with `torchrun --nproc-per-node N k3 train ...`; without torchrun's environment everything
+Launch with `torchrun --nproc-per-node N -m k3cli train ...` (or `k3 train --nproc N`); without torchrun's environment everything
 here runs as one process and the collectives are no-ops. The pieces the training loop needs:
 
 - `init_distributed(device_type)` → `DistInfo`; `destroy()` at the end;
@@ -8,7 +8,9 @@ here runs as one process and the collectives are no-ops. The pieces the training
 - `parallelize(model, mode, device, compile_mode)` → the module to run forward/backward on;
 - `grad_sync(module, enabled)` around gradient-accumulation micro-steps, `clip_grad_norm_`;
 - `all_reduce_moe_loads(model)` before `update_bias()`, `all_reduce_mean` for logged scalars;
-- `shard_batch(batch, rank, world_size)`: each rank's rows of one global batch.
+- `shard_batch(batch, rank, world_size)`: each rank's rows of one global batch; `eval_rows` for
+  validation batches that do not split evenly;
+- `main_first(fn)`: rank 0 runs `fn` (filling caches, writing the run's files) before the others.
 
 Parameter names (what `named_parameters()` / `state_dict()` show):
 - none: the model itself, plain names; with compile_mode the returned callable is
@@ -37,9 +39,10 @@ from torch import nn
 from k3cli.compile import COMPILE_MODES, compile_model
 from k3cli.models.causal_lm import CausalLM
 
-__all__ = ["DistInfo", "PARALLEL_MODES", "init_distributed", "destroy", "env_world_size", "resolve_parallel",
-           "parallelize", "fsdp_units", "grad_sync", "clip_grad_norm_", "all_reduce_sum_", "all_reduce_mean",
-           "all_reduce_moe_loads", "barrier", "broadcast_object", "shard_batch", "is_distributed"]
+__all__ = ["DistInfo", "PARALLEL_MODES", "init_distributed", "destroy", "env_world_size", "env_rank",
+           "resolve_parallel", "parallelize", "fsdp_units", "grad_sync", "clip_grad_norm_", "all_reduce_sum_",
+           "all_reduce_mean", "all_reduce_moe_loads", "barrier", "broadcast_object", "shard_batch", "eval_rows",
+           "main_first", "PeerFailed", "is_distributed"]
 
 PARALLEL_MODES = ("auto", "none", "ddp", "fsdp")
 
@@ -66,6 +69,11 @@ def is_distributed() -> bool:
 def env_world_size() -> int:
     """WORLD_SIZE as torchrun sets it; 1 without torchrun."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def env_rank() -> int:
+    """RANK as torchrun sets it; 0 without torchrun."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def init_distributed(device_type: str, timeout_s: float = 300, single_process_group: bool = False) -> DistInfo:
@@ -100,7 +108,9 @@ def init_distributed(device_type: str, timeout_s: float = 300, single_process_gr
 
 
 def destroy() -> None:
-    """Leave the process group (a no-op without one)."""
+    """Leave the process group and every group made from it (a no-op without one)."""
+    global _CONTROL_GROUP
+    _CONTROL_GROUP = None
     if is_distributed():
         dist.destroy_process_group()
 
@@ -281,3 +291,58 @@ def shard_batch(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor
                          "make the global micro-batch a multiple of the number of processes")
     n = rows // world_size
     return batch[rank * n:(rank + 1) * n]
+
+
+def eval_rows(batch: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor, bool]:
+    """Rank `rank`'s part of a validation batch and whether it counts: contiguous, near-even parts
+    (`torch.tensor_split`), so any batch size works. A rank left without rows gets the batch's
+    first row, not counted: under FSDP every rank must run every forward (the all-gathers)."""
+    part = torch.tensor_split(batch, world_size)[rank]
+    return (part, True) if part.shape[0] else (batch[:1], False)
+
+
+class PeerFailed(RuntimeError):
+    """Rank 0 failed in a `main_first` section and has reported it; this rank stops quietly with
+    the same exit code (`code`), so the error is printed once."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+_CONTROL_GROUP = None
+# rank 0 may tokenise a large corpus inside main_first; the others wait this long, not the collective timeout
+MAIN_FIRST_TIMEOUT_S = 6 * 3600
+
+
+def _control_group():
+    # a gloo group of its own: a long timeout for this one wait, and CPU objects whatever the backend
+    global _CONTROL_GROUP
+    if _CONTROL_GROUP is None:
+        _CONTROL_GROUP = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=MAIN_FIRST_TIMEOUT_S))
+    return _CONTROL_GROUP
+
+
+def main_first(fn):
+    """`fn()` on rank 0, then (once it returned) on the other ranks; its result on every rank.
+    When rank 0 raises, it re-raises there and the others raise PeerFailed with the exit code the
+    CLI gives that error (`code` attribute, else 2 for ValueError / FileNotFoundError, else 1)."""
+    if not is_distributed() or dist.get_world_size() == 1:
+        return fn()
+    group = _control_group()
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            result = fn()
+        except BaseException as e:
+            code = getattr(e, "code", None)
+            code = code if isinstance(code, int) else 2 if isinstance(e, (ValueError, FileNotFoundError)) else 1
+            box[0] = (f"rank 0 failed: {type(e).__name__}", code)
+            dist.broadcast_object_list(box, src=0, group=group)
+            raise
+        dist.broadcast_object_list(box, src=0, group=group)
+        return result
+    dist.broadcast_object_list(box, src=0, group=group)
+    if box[0] is not None:
+        raise PeerFailed(*box[0])
+    return fn()

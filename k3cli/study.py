@@ -30,9 +30,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from k3cli.checkpoint import find_latest_checkpoint
 from k3cli.compare import run_summary
 from k3cli.config import ConfigError, dump_config, load_config
+from k3cli.dist_checkpoint import find_latest
 from k3cli.stats import interp, mean_std, paired_interval
 
 STUDY_FILE = "study.json"
@@ -173,7 +173,7 @@ def prepare_shared_data(out: Path, design: dict, log: Callable[[str], None] = pr
 
 def run_state(run_dir: Path, steps: int) -> int:
     """The step of the run's newest complete checkpoint (0 if none); `steps` means finished."""
-    ckpt = find_latest_checkpoint(run_dir, verify=False) if run_dir.is_dir() else None
+    ckpt = find_latest(run_dir, verify=False) if run_dir.is_dir() else None
     return min(steps, int(ckpt.name.split("_")[-1])) if ckpt is not None else 0
 
 
