@@ -301,14 +301,26 @@ def train(
     peak_tflops: Annotated[Optional[float], typer.Option(
         "--peak-tflops", min=0, help="Dense peak TFLOP/s for the MFU column (default: the device table; "
                                      "none on CPU).")] = None,
+    nproc: Annotated[Optional[int], typer.Option(
+        "--nproc", min=1, help="Train on N processes of this machine (one per GPU): starts `torchrun "
+                               "--standalone --nproc-per-node N -m k3cli train` with the other options; "
+                               "train.parallel (auto: fsdp) says how they share the model.")] = None,
 ):
-    """Train a model on real text (default: the Python standard library's own source)."""
+    """Train a model on real text (default: the Python standard library's own source).
+
+    Several processes: `--nproc N`, or `torchrun --nproc-per-node N -m k3cli train ...` yourself."""
     from k3cli.report import TrainProgress, make_logger
-    from k3cli.train import TrainingStopped, require_wandb
+    from k3cli.train import TrainingStopped, check_parallel, require_wandb
     from k3cli.train import train as run_training
 
+    world, rank = _torchrun_world()
+    if world > 1 and rank != 0:
+        # rank 0 reports; the other ranks speak only of a failure of their own
+        console.quiet = err_console.quiet = True
     if resume not in (None, "auto"):
         fail(f"--resume takes 'auto', got '{resume}'")
+    if nproc is not None and world > 1:
+        fail("--nproc starts torchrun itself; under torchrun leave it out")
     try:
         require_wandb(wandb.value)   # fail before any data or model work
     except ValueError as e:
@@ -325,13 +337,26 @@ def train(
         cfg = resolve(str(run_dir / "config.yaml"), config, sets, attnres, flags)
     else:
         cfg = resolve(preset, config, sets, attnres, flags)
-    if run_dir is None:
-        run_dir = _new_run_dir(Path(preset).stem, cfg.model.attnres.mode)
-    elif not resume and (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+    try:
+        check_parallel(cfg, nproc or world)
+    except ValueError as e:
+        fail(str(e))
+    if run_dir is not None and not resume and (run_dir / "checkpoints").is_dir() \
+            and any((run_dir / "checkpoints").iterdir()):
         fail(f"{run_dir} already holds checkpoints; pass --resume auto to continue it, or choose another --out")
+    if run_dir is None and world == 1:
+        run_dir = _new_run_dir(Path(preset).stem, cfg.model.attnres.mode)
+    if nproc is not None:
+        args = _train_args(preset, config, sets, attnres, data, steps, run_dir, resume, until, device, seed,
+                           time_limit, wandb, peak_tflops)
+        return _launch_torchrun(nproc, args, run_dir)
+    if world > 1:
+        run_dir = _join_ranks(cfg, run_dir, Path(preset).stem)
 
     err_console.print(f"run directory: {run_dir}", highlight=False)
-    progress = TrainProgress(console) if console.is_terminal else None  # plain lines in logs
+    progress = TrainProgress(console) if console.is_terminal and rank == 0 else None  # plain lines in logs
+    from k3cli.parallel import PeerFailed
+
     try:
         result = run_training(cfg, run_dir, resume=bool(resume), log=make_logger(progress), progress=progress,
                               wandb_mode=wandb.value, stop_at=until)
@@ -341,18 +366,120 @@ def train(
         last = find_latest_checkpoint(run_dir) if run_dir.is_dir() else None
         fail(f"interrupted; last checkpoint: {last or 'none'}"
              + (f"; continue with --out {run_dir} --resume auto" if last else ""), code=130)
+    except PeerFailed as e:   # rank 0 has printed why
+        raise typer.Exit(e.code) from None
     except TrainingStopped as e:
-        fail(str(e), code=e.code)
+        _fail_rank(str(e), e.code, every_rank=True)
     except (ConfigError, ValueError, FileNotFoundError) as e:  # DataError, CheckpointError are ValueErrors
-        fail(str(e))
+        _fail_rank(str(e), 2, every_rank=getattr(e, "on_every_rank", False))
+    except Exception as e:
+        if world == 1:
+            raise
+        # a failed collective, a bug: one line naming this rank; torchrun stops the others
+        _fail_rank(f"{type(e).__name__}: {_first_line(e)}", 1)
     finally:
         if progress is not None:
             progress.stop()
-        if run_dir.is_dir() and not any(run_dir.iterdir()):
+        if rank == 0 and run_dir.is_dir() and not any(run_dir.iterdir()):
             run_dir.rmdir()  # failed before writing anything: leave no empty run behind
+    if world > 1:
+        from k3cli.parallel import destroy
+
+        destroy()
     console.print(f"done: step {result.step}, train loss {result.train_loss:.4f}"
                   + (f", val loss {result.val_loss:.4f}" if result.val_loss is not None else "")
                   + f"; run directory {result.run_dir}", highlight=False, soft_wrap=True)
+
+
+def _torchrun_world() -> tuple[int, int]:
+    """(WORLD_SIZE, RANK) as torchrun sets them; (1, 0) otherwise. Read here without importing torch."""
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return (lines[0] if lines else type(e).__name__)[:300]
+
+
+def _fail_rank(msg: str, code: int, every_rank: bool = False) -> None:
+    # under torchrun each rank names itself; an error every rank raises alike is printed by rank 0 alone
+    world, rank = _torchrun_world()
+    if world > 1:
+        err_console.quiet = rank != 0 and every_rank
+        msg = f"rank {rank}: {msg}"
+    fail(msg, code)
+
+
+def _join_ranks(cfg, run_dir: Optional[Path], preset: str) -> Path:
+    """Under torchrun: join the process group (train reuses it) and take rank 0's run directory,
+    created by rank 0 when none was given."""
+    from k3cli.parallel import broadcast_object, init_distributed
+    from k3cli.train import resolve_device
+
+    try:
+        info = init_distributed(resolve_device(cfg.train.device).type)
+    except ValueError as e:
+        fail(str(e))
+    if run_dir is None and info.is_main:
+        run_dir = _new_run_dir(preset, cfg.model.attnres.mode)
+    return Path(broadcast_object(str(run_dir) if run_dir is not None else None))
+
+
+def _train_args(preset, config, sets, attnres, data, steps, run_dir, resume, until, device, seed, time_limit,
+                wandb, peak_tflops) -> list[str]:
+    """`k3 train`'s options for the ranks, with the run directory fixed (all ranks share it)."""
+    args = ["--preset", preset, "--out", str(run_dir)]
+    for flag, value in (("--config", config), ("--attnres", attnres.value if attnres else None), ("--data", data),
+                        ("--steps", steps), ("--resume", resume), ("--until", until), ("--device", device),
+                        ("--seed", seed), ("--time-limit", time_limit), ("--wandb", wandb.value),
+                        ("--peak-tflops", peak_tflops)):
+        if value is not None:
+            args += [flag, str(value)]
+    for s in sets or []:
+        args += ["--set", s]
+    return args
+
+
+def _launch_torchrun(nproc: int, args: list[str], run_dir: Path) -> None:
+    """`torchrun --standalone --nproc-per-node N -m k3cli train ARGS` in this process; one error line
+    naming the first rank that failed, with its exit code."""
+    import logging
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    from k3cli.checkpoint import find_latest_checkpoint
+
+    # the launcher's own log lines (closing signals, the failure table) would repeat the one line below
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    argv = ["--standalone", f"--nproc-per-node={nproc}", "-m", "k3cli", "train", *args]
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as e:
+        # the cause first: a rank killed from outside, else the lowest rank that exited with an error
+        # (ranks that were only told to stop, or followed rank 0's reported error, come after it)
+        def blame(item):
+            rank, f = item
+            killed = f.exitcode < 0 and f.exitcode != -signal.SIGTERM
+            return (not killed, f.exitcode <= 0, rank)
+
+        rank, failure = min(e.failures.items(), key=blame)
+        code = failure.exitcode
+        how = f"was killed by {failure.signal_name()}" if code < 0 else f"exited with code {code}"
+        last = find_latest_checkpoint(run_dir) if run_dir.is_dir() else None
+        fail(f"rank {rank} {how}; every rank has stopped"
+             + (f". Last complete checkpoint: {last}; continue with --out {run_dir} --resume auto" if last else ""),
+             code=code if 0 < code < 128 else 1)
+    except (KeyboardInterrupt, SignalException):
+        last = find_latest_checkpoint(run_dir) if run_dir.is_dir() else None
+        fail(f"interrupted; last checkpoint: {last or 'none'}"
+             + (f"; continue with --out {run_dir} --resume auto" if last else ""), code=130)
 
 
 @app.command("eval")
@@ -376,6 +503,32 @@ def eval_cmd(
         sys.stdout.write(json.dumps(res, indent=2) + "\n")
     else:
         print_eval(console, res)
+
+
+@app.command("export")
+def export_cmd(
+    out: Annotated[Path, typer.Option(help="New folder for the model (must not exist, or be empty).")],
+    run: Annotated[Optional[str], typer.Option(help="Run directory (its newest complete checkpoint, or --ckpt's).")] = None,
+    ckpt: Annotated[Optional[str], typer.Option(help="A checkpoint directory (runs/X/checkpoints/step_N).")] = None,
+):
+    """Write one checkpoint (sharded DCP at any world size, or single-process) as a consolidated folder.
+
+    OUT gets model.safetensors (full tensors, plain names), the run's config.yaml and tokenizer.json
+    and a checksummed EXPORT marker; `k3 eval` and `k3 generate` read it with --run OUT or --ckpt OUT
+    on one device. Weights only: training does not resume from it."""
+    from k3cli.evaluate import locate
+    from k3cli.export import export_checkpoint
+
+    try:
+        if run is not None and ckpt is not None:
+            run_dir, ckpt_dir = Path(run), Path(ckpt)
+        else:
+            run_dir, ckpt_dir = locate(run, ckpt)
+        marker = export_checkpoint(run_dir, ckpt_dir, out)
+    except (ConfigError, ValueError, FileNotFoundError) as e:  # CheckpointError is a ValueError
+        fail(str(e))
+    console.print(f"exported {ckpt_dir} (step {marker['step']}) to {out}: "
+                  + ", ".join(sorted(marker["files"])), highlight=False, soft_wrap=True)
 
 
 @app.command("generate")

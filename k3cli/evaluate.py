@@ -10,26 +10,33 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from k3cli.checkpoint import find_latest_checkpoint, load_checkpoint
+from k3cli.checkpoint import load_checkpoint
 from k3cli.config import ConfigError, RunConfig, load_config
 from k3cli.data import load_tokenizer, prepare_data
+from k3cli.dist_checkpoint import find_latest, is_dcp, load_dcp_model_into
+from k3cli.export import is_export, load_export_into
 from k3cli.models.causal_lm import CausalLM
 from k3cli.train import evaluate_loss, flush_denormals, resolve_device
 
 
 def locate(run: str | None, ckpt: str | None) -> tuple[Path, Path]:
-    """(run_dir, checkpoint_dir) from `--run DIR` (newest complete checkpoint) or `--ckpt PATH`."""
+    """(run_dir, checkpoint_dir) from `--run DIR` (newest complete checkpoint) or `--ckpt PATH`;
+    a `k3 export` folder is both (its own config and tokenizer beside the weights)."""
     if (run is None) == (ckpt is None):
         raise ConfigError("give exactly one of --run DIR or --ckpt PATH")
     if ckpt is not None:
         path = Path(ckpt)
+        if is_export(path):
+            return path, path
         if not (path / "COMPLETE").is_file():
             raise ConfigError(f"not a complete checkpoint directory: {ckpt}")
         return path.parent.parent, path
     run_dir = Path(run)
+    if is_export(run_dir):
+        return run_dir, run_dir
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"not a k3 run directory (no config.yaml): {run}")
-    path = find_latest_checkpoint(run_dir)
+    path = find_latest(run_dir)
     if path is None:
         raise ConfigError(f"run {run} has no complete checkpoint yet")
     return run_dir, path
@@ -37,9 +44,16 @@ def locate(run: str | None, ckpt: str | None) -> tuple[Path, Path]:
 
 def load_model(run_dir: Path, ckpt: Path, device: torch.device,
                verify: bool = True) -> tuple[RunConfig, CausalLM, int]:
+    """The model of checkpoint `ckpt` (single-process, sharded DCP of any world size, or an export)
+    on `device`, in eval mode, read in this one process."""
     cfg = load_config(str(run_dir / "config.yaml"))
     model = CausalLM(cfg.model).to(device)
-    state = load_checkpoint(ckpt, model, restore_rng=False, verify=verify)
+    if is_export(ckpt):
+        state = load_export_into(ckpt, model, verify=verify)
+    elif is_dcp(ckpt):
+        state = load_dcp_model_into(ckpt, model, verify=verify)
+    else:
+        state = load_checkpoint(ckpt, model, restore_rng=False, verify=verify)
     model.eval()
     return cfg, model, state["step"]
 
@@ -61,7 +75,8 @@ def open_run(run: str | None, ckpt: str | None, device: str = "auto") -> OpenedR
     dev = resolve_device(device)
     flush_denormals(dev)
     tok = load_tokenizer(run_dir)
-    cfg, model, step = load_model(run_dir, ckpt_dir, dev, verify=run is None)
+    # --run: find_latest has just checksummed the checkpoint (an export is not looked at before)
+    cfg, model, step = load_model(run_dir, ckpt_dir, dev, verify=run is None or is_export(ckpt_dir))
     return OpenedRun(run_dir, ckpt_dir, dev, cfg, model, step, tok)
 
 

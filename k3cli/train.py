@@ -1,9 +1,14 @@
 """The training loop: AdamW + warmup/cosine, gradient accumulation, MoE bias balancing,
-periodic evaluation, atomic checkpoints and exact resume.
+periodic evaluation, atomic checkpoints and exact resume, in one process or several.
 
 Everything a run needs to continue bit-for-bit lives in its directory: `config.yaml`,
 `tokenizer.json`, `metrics.jsonl` and `checkpoints/step_*/` (model safetensors + optimiser,
-scheduler, loader and RNG state).
+scheduler, loader and RNG state; sharded DCP files when the run is DDP / FSDP).
+
+Under torchrun every rank runs `train`: the same global batches in the same order (each rank
+trains on its slice, `k3cli.parallel`), gradient accumulation sized so that an optimiser step sees
+`train.global_batch_size` sequences at any world size; rank 0 alone writes the run's files, logs
+and reports, and the logged loss, gradient norm and MoE imbalance are the global ones.
 """
 
 from __future__ import annotations
@@ -17,16 +22,11 @@ from pathlib import Path
 
 import torch
 
-from k3cli.checkpoint import (
-    find_latest_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    prune_checkpoints,
-    save_checkpoint,
-)
-from k3cli.compile import compile_model
+from k3cli import parallel as par
+from k3cli.checkpoint import list_checkpoints, save_checkpoint
 from k3cli.config import RunConfig, config_to_dict, dump_config, flatten, load_config
 from k3cli.data import load_tokenizer, prepare_data, save_tokenizer, write_text_atomic
+from k3cli.dist_checkpoint import SharedCheckpointError, find_latest, prune, resume_checkpoint, save_dcp
 from k3cli.layers.moe import max_over_mean
 from k3cli.models.causal_lm import CausalLM
 from k3cli.models.flops import device_peak_tflops, flops_per_token
@@ -36,9 +36,10 @@ NO_DECAY_NAMES = ("norm", "bias", "A_log", "dt_bias", "attnres", "query", "gain"
 
 
 class TrainingStopped(RuntimeError):
-    """Raised on a non-finite loss; `code` is the CLI exit code."""
+    """Raised on a non-finite loss; `code` is the CLI exit code. Every rank raises it together."""
 
     code = 3
+    on_every_rank = True
 
 
 def resolve_device(name: str) -> torch.device:
@@ -78,31 +79,40 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 @torch.no_grad()
 def evaluate_loss(forward, batches: list[torch.Tensor], device: torch.device,
-                  autocast_dtype: torch.dtype | None, module: CausalLM | None = None) -> float:
-    """Mean validation loss over `batches`; `forward` is the model or its compiled form (then
-    `module` is the model, whose train/eval mode is switched)."""
+                  autocast_dtype: torch.dtype | None, module: CausalLM | None = None,
+                  rank: int = 0, world_size: int = 1) -> float:
+    """Mean validation loss over `batches`; `forward` is the model or its compiled / wrapped form
+    (then `module` is the model, whose train/eval mode is switched). With several ranks (all call
+    it) each evaluates its rows of every batch and the sums are added over ranks."""
     model = forward if module is None else module
     was_training = model.training
     model.eval()
-    total, n = 0.0, 0
+    # fp64 on the device: the same sums as adding Python floats, one read-back at the end
+    total = torch.zeros(2, dtype=torch.float64, device=device)
     for ids in batches:
+        ids, counted = par.eval_rows(ids, rank, world_size)
         ids = ids.to(device)
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             out = forward(ids, labels=ids)
-        total += out.loss.float().item() * ids.numel()
-        n += ids.numel()
+        if counted:
+            total[0] += out.loss.float().double() * ids.numel()
+            total[1] += ids.numel()
+    par.all_reduce_sum_(total)
     model.train(was_training)
-    return total / max(1, n)
+    loss_sum, n = total.tolist()
+    return loss_sum / max(1, n)
 
 
 class Throughput:
     """Per log window: tokens/s, step and data-wait time, model TFLOP/s, MFU and peak memory.
 
     FLOPs per token are the analytic training count (`k3cli.models.flops`, docs/math.md §9); MFU
-    is against `train.peak_tflops`, else the device's dense bf16 peak from the table (none on CPU)."""
+    is against `train.peak_tflops`, else the device's dense bf16 peak from the table (none on CPU).
+    `window` takes this process's tokens: tokens/s is for all `world_size` processes together,
+    TFLOP/s, MFU and memory are per process (per GPU)."""
 
-    def __init__(self, cfg: RunConfig, device: torch.device):
-        self.device = device
+    def __init__(self, cfg: RunConfig, device: torch.device, world_size: int = 1):
+        self.device, self.world_size = device, world_size
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)["total"]
         self.peak, self.peak_name = cfg.train.peak_tflops or None, "train.peak_tflops"
         if self.peak is None and device.type == "cuda":
@@ -119,7 +129,7 @@ class Throughput:
     def window(self, tokens: int, seconds: float) -> dict:
         seconds = max(seconds, 1e-9)
         tflops = tokens * self.flops_per_token / seconds / 1e12
-        out = {"tokens_per_s": round(tokens / seconds, 1), "step_ms": round(1e3 * seconds / max(1, self.steps), 2),
+        out = {"tokens_per_s": round(tokens * self.world_size / seconds, 1), "step_ms": round(1e3 * seconds / max(1, self.steps), 2),
                "data_ms": round(1e3 * self.data_s / max(1, self.steps), 3), "tflops": _sig(tflops)}
         if self.peak:
             out["mfu"] = _sig(tflops / self.peak)
@@ -165,71 +175,117 @@ class TrainResult:
     val_loss: float | None
 
 
+def check_parallel(cfg: RunConfig, world_size: int) -> tuple[str, int]:
+    """(wrapper from `train.parallel`, micro-steps per optimiser step) for `world_size` processes,
+    or a one-line ValueError: the global batch must split into whole micro-batches on every rank."""
+    tc = cfg.train
+    mode = par.resolve_parallel(tc.parallel, world_size)
+    per_pass = tc.micro_batch_size * world_size
+    if tc.global_batch_size % per_pass:
+        raise ValueError(f"train.global_batch_size ({tc.global_batch_size}) must be a multiple of "
+                         f"micro_batch_size x processes ({tc.micro_batch_size} x {world_size} = {per_pass}) "
+                         "so that every optimiser step sees the same sequences at any number of processes")
+    return mode, tc.global_batch_size // per_pass
+
+
 def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[str], None] = print,
           progress=None, wandb_mode: str = "off", stop_at: int | None = None) -> TrainResult:
     """Train `cfg` into `run_dir`. With `resume`, continue from the newest complete checkpoint;
-    with `stop_at`, stop (with a checkpoint) after that step without changing the schedule."""
-    tc = cfg.train
-    device = resolve_device(tc.device)
+    with `stop_at`, stop (with a checkpoint) after that step without changing the schedule.
+    Under torchrun every rank calls it (it joins the process group, or uses the caller's); only
+    rank 0 logs, reports progress and writes the run's files."""
+    device = resolve_device(cfg.train.device)
+    mode, accum = check_parallel(cfg, par.env_world_size())
+    owns_group = not par.is_distributed()
+    info = par.init_distributed(device.type, single_process_group=mode != "none")
+    try:
+        if not info.is_main:
+            log, progress = (lambda msg: None), None
+        return _train(cfg, run_dir, info, mode, accum, resume, log, progress, wandb_mode, stop_at)
+    finally:
+        if owns_group:
+            par.destroy()
+
+
+def _prepare(cfg: RunConfig, run_dir: Path, resuming: bool, log):
+    if resuming:
+        # the run's own files stay untouched until its checkpoint has loaded
+        check_resume_config(load_config(str(run_dir / "config.yaml")), cfg)
+        return prepare_data(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, progress=log,
+                            tokenizer=load_tokenizer(run_dir))
+    return prepare_data(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, progress=log)
+
+
+def _train(cfg: RunConfig, run_dir: Path, info: par.DistInfo, mode: str, accum: int, resume: bool, log,
+           progress, wandb_mode: str, stop_at: int | None) -> TrainResult:
+    tc, device, main = cfg.train, info.device, info.is_main
+    rank, world = info.rank, info.world_size
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(tc.seed)
     flush_denormals(device)
 
-    resuming = resume and (run_dir / "config.yaml").is_file()
-    if resuming:
-        # the run's own files stay untouched until its checkpoint has loaded
-        check_resume_config(load_config(str(run_dir / "config.yaml")), cfg)
-        data = prepare_data(cfg.data, cfg.model.vocab_size, tc.seq_len, progress=log,
-                            tokenizer=load_tokenizer(run_dir))
-    else:
-        data = prepare_data(cfg.data, cfg.model.vocab_size, tc.seq_len, progress=log)
+    # rank 0's view, taken before it writes anything: every rank takes the same branch
+    resuming = par.broadcast_object(resume and (run_dir / "config.yaml").is_file())
+    # rank 0 first: it fills the data cache (tokenizer, token streams), the others then read it
+    data = par.main_first(lambda: _prepare(cfg, run_dir, resuming, log))
+    if main and not resuming:
         save_tokenizer(data.tokenizer, run_dir)
         write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
     log(f"data: {data.n_train_docs} train / {data.n_val_docs} val documents, {len(data.train_tokens):,} / "
         f"{len(data.val_tokens):,} tokens, {data.bytes_per_token_val:.2f} bytes per val token")
 
-    model = build_model(cfg).to(device)
+    model = build_model(cfg).to(device)   # the same seed on every rank: the same initial weights
     model.activation_checkpointing = tc.activation_checkpointing
     log(f"model: {cfg.model.arch}, {model.num_parameters():,} parameters "
         f"({model.num_active_parameters():,} active per token), device {device}")
-    forward = compile_model(model, tc.compile_mode) if tc.compile else model
+    if mode != "none":
+        log(f"parallel: {mode} over {world} process{'es' if world > 1 else ''}; per step {accum} "
+            f"micro-batch{'es' if accum > 1 else ''} of {tc.micro_batch_size} sequences on each "
+            f"({tc.global_batch_size} in all)")
+    forward = par.parallelize(model, mode, device, tc.compile_mode if tc.compile else None)
     if tc.compile:
-        log(f"compile: torch.compile mode {tc.compile_mode}, full graph (the first steps include compiling)")
-    speed = Throughput(cfg, device)
+        log(f"compile: torch.compile mode {tc.compile_mode}, full graph"
+            + (" per block" if mode != "none" else "") + " (the first steps include compiling)")
+    speed = Throughput(cfg, device, world)
     log(speed.describe())
+    # built after parallelize: FSDP2 replaces the parameters with its shards.
     # on CPU the fused kernel (one pass per parameter) took a k3-toy AdamW step from 17.7 to 3.3 ms
     opt = torch.optim.AdamW(param_groups(model, tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2),
                             eps=1e-8, fused=True if device.type == "cpu" else None)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_lambda(s, tc.warmup_steps, tc.steps, tc.min_lr_ratio))
-    loader = data.train_loader(tc.micro_batch_size, seed=tc.seed)
+    # one global order on every rank; each takes its rows of every global micro-batch
+    loader = data.train_loader(tc.micro_batch_size * world, seed=tc.seed, rows_per_step=tc.global_batch_size)
     val = data.val_batches(cfg.eval.batches, cfg.eval.batch_size)
 
     step, loss_val, val_loss, time_before = 0, float("nan"), None, 0.0
     if resume:
-        ckpt = find_latest_checkpoint(run_dir)
-        if ckpt is None and list_checkpoints(run_dir):
-            raise ValueError(f"{run_dir} has checkpoint folders but none verifies; nothing was changed. "
+        ckpt = find_latest(run_dir)
+        if ckpt is None and par.broadcast_object(bool(list_checkpoints(run_dir))):
+            raise SharedCheckpointError(f"{run_dir} has checkpoint folders but none verifies; nothing was changed. "
                              "Move them aside to start over, or resume from a copy that is intact")
         if ckpt is not None:
-            state = load_checkpoint(ckpt, model, opt, sched, verify=False)   # just verified above
+            # either format, saved at any world size; just verified by find_latest
+            state = resume_checkpoint(ckpt, model if mode == "none" else forward, opt, sched, verify=False)
             loader.load_state_dict(state["loader"])
             step = state["step"]
             loss_val = state["extra"].get("train_loss", loss_val)
             val_loss = state["extra"].get("val_loss")
             time_before = state["extra"].get("time_s", 0.0)
-            _set_aside_unverified(run_dir, step, log)
+            if main:
+                _set_aside_unverified(run_dir, step, log)
+            par.barrier()
             log(f"resumed from {ckpt} at step {step}")
         else:
             log(f"no checkpoint in {run_dir} yet; starting from step 0")
-        if resuming:  # only keys that may change on resume differ; record them now
+        if resuming and main:  # only keys that may change on resume differ; record them now
             write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
 
     autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
-    accum = tc.global_batch_size // tc.micro_batch_size
     metrics_path = run_dir / "metrics.jsonl"
-    _truncate_metrics(metrics_path, step)
-    wb = _wandb_init(wandb_mode, cfg, run_dir)
+    if main:
+        _truncate_metrics(metrics_path, step)
+    wb = _wandb_init(wandb_mode, cfg, run_dir) if main else None
     model.train()
     t_start = time.time()
     t_last, tokens_since = time.time(), 0
@@ -244,18 +300,21 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
         opt.zero_grad(set_to_none=True)
         # fp64 on the device, the same sums as adding Python floats
         loss_acc = torch.zeros((), dtype=torch.float64, device=device)
-        for _ in range(accum):
+        for i in range(accum):
             t_data = time.perf_counter()
-            ids = next(loader).to(device)
+            ids = par.shard_batch(next(loader), rank, world).to(device)
             speed.data_s += time.perf_counter() - t_data
-            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                out = forward(ids, labels=ids)
-            (out.loss / accum).backward()
+            # gradients are reduced over ranks once a step, in the last micro-step's backward
+            with par.grad_sync(forward, enabled=i == accum - 1):
+                with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                    out = forward(ids, labels=ids)
+                (out.loss / accum).backward()
             loss_acc += out.loss.detach().float().double() / accum
             tokens_since += ids.numel()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0
-                                                   else float("inf"))
+        grad_norm = par.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+        par.all_reduce_moe_loads(model)   # the global loads: the same router biases on every rank
         imb = moe_imbalance(moe)
+        loss_acc = par.all_reduce_mean(loss_acc)
         # the step's scalars in one read-back (one host sync), checked before the update
         vals = torch.stack([loss_acc, grad_norm.double()] + ([] if imb is None else [imb])).tolist()
         loss_sum, grad_norm, imbalance = vals[0], vals[1], (vals[2] if imb is not None else None)
@@ -277,10 +336,12 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
             record["moe_imbalance"] = round(imbalance, 4)
         last_step = step == tc.steps
         out_of_time = tc.time_limit_s > 0 and time.time() - t_start >= tc.time_limit_s
+        if tc.time_limit_s > 0:
+            out_of_time = par.broadcast_object(out_of_time)   # rank 0's clock stops every rank
         paused = stop_at is not None and step >= stop_at
         speed.steps += 1
         if (tc.eval_every and step % tc.eval_every == 0) or last_step or out_of_time:
-            val_loss = evaluate_loss(forward, val, device, autocast_dtype, module=model)
+            val_loss = evaluate_loss(forward, val, device, autocast_dtype, module=model, rank=rank, world_size=world)
             record["val_loss"] = round(val_loss, 6)
         record["time_s"] = round(time_before + time.time() - t_start, 3)
         if step % tc.log_every == 0 or "val_loss" in record:
@@ -288,17 +349,20 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
             record.update(speed.window(tokens_since, now - t_last))
             t_last, tokens_since = now, 0
             log(_format(record))
-        with metrics_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        if main:
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
         if wb is not None:
             wb.log(record, step=step)
         if progress is not None:
             progress.update(step, loss=loss_val, tokens_per_s=record.get("tokens_per_s"))
         if (tc.ckpt_every and step % tc.ckpt_every == 0) or last_step or out_of_time or paused:
-            path = save_checkpoint(run_dir, step, model, opt, sched, loader.state_dict(),
-                                   extra={"val_loss": val_loss, "train_loss": loss_val,
-                                          "time_s": record["time_s"]})
-            prune_checkpoints(run_dir, tc.keep_last, newest=path)
+            extra = {"val_loss": val_loss, "train_loss": loss_val, "time_s": record["time_s"]}
+            if mode == "none":
+                path = save_checkpoint(run_dir, step, model, opt, sched, loader.state_dict(), extra=extra)
+            else:   # every rank writes its shards
+                path = save_dcp(run_dir, step, forward, opt, sched, loader.state_dict(), extra=extra)
+            prune(run_dir, tc.keep_last, newest=path)
             log(f"checkpoint: {path}")
         if out_of_time and not last_step:
             log(f"time limit of {tc.time_limit_s:.0f} s reached at step {step}; resume with --resume auto")
@@ -318,7 +382,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
 # state come from the checkpoint) or would not fit the checkpoint at all
 RESUMABLE_KEYS = ("train.steps", "train.device", "train.log_every", "train.eval_every", "train.ckpt_every",
                   "train.keep_last", "train.time_limit_s", "train.compile", "train.activation_checkpointing",
-                  "train.peak_tflops", "eval.")
+                  "train.peak_tflops", "train.parallel", "eval.")
 
 
 def check_resume_config(saved: RunConfig, new: RunConfig) -> None:
@@ -328,7 +392,7 @@ def check_resume_config(saved: RunConfig, new: RunConfig) -> None:
         shown = ", ".join(f"{k} ({a[k]!r} -> {b.get(k)!r})" for k in changed[:4])
         raise ValueError(f"cannot resume with a changed {shown}{' …' if len(changed) > 4 else ''}; only "
                          "train.steps/device/log_every/eval_every/ckpt_every/keep_last/time_limit_s/compile*/"
-                         "activation_checkpointing/peak_tflops and eval.* "
+                         "activation_checkpointing/peak_tflops/parallel (and the number of processes) and eval.* "
                          "may change. Train into a new --out instead")
 
 
@@ -343,7 +407,7 @@ def _set_aside_unverified(run_dir: Path, step: int, log) -> None:
 
 
 def _stop(run_dir: Path, why: str) -> None:
-    last = find_latest_checkpoint(run_dir)
+    last = find_latest(run_dir)   # every rank stops here together (the loss and norm are global)
     raise TrainingStopped(f"{why}. Last good checkpoint: {last if last else 'none'}")
 
 

@@ -1,0 +1,104 @@
+"""`k3 export`: one training checkpoint (sharded DCP or single-process) as a consolidated model folder.
+
+OUT/ holds
+  model.safetensors  full tensors under plain parameter names (any safetensors reader opens it)
+  config.yaml        the run's resolved config
+  tokenizer.json     the run's tokenizer
+  EXPORT             JSON {step, source, files: {name: {bytes, sha256}}}, written last
+
+It is built in a temp folder beside OUT and renamed into place, so OUT is either complete or absent.
+`k3 eval` and `k3 generate` read it with `--run OUT` or `--ckpt OUT`, on one device, without a
+process group; no optimiser state is kept, so it does not resume training.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from torch import nn
+
+from k3cli.checkpoint import MODEL_FILE, CheckpointError, _fsync_dir, _fsync_file, _sha256
+from k3cli.dist_checkpoint import export_consolidated
+
+__all__ = ["EXPORT_MARKER", "is_export", "export_checkpoint", "load_export_into"]
+
+EXPORT_MARKER = "EXPORT"
+RUN_FILES = ("config.yaml", "tokenizer.json")
+
+
+def is_export(path: str | os.PathLike) -> bool:
+    """`path` is a folder written by `export_checkpoint` (complete or not: see `load_export_into`)."""
+    return (Path(path) / EXPORT_MARKER).is_file()
+
+
+def export_checkpoint(run_dir: str | os.PathLike, ckpt: str | os.PathLike, out: str | os.PathLike) -> dict:
+    """Write checkpoint `ckpt` of `run_dir` as the folder `out` (see the module docstring); returns
+    its EXPORT marker. Refuses (CheckpointError) an `out` that exists and is not an empty folder."""
+    run_dir, ckpt, out = Path(run_dir), Path(ckpt), Path(out)
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise CheckpointError(f"{out} already exists; refusing to overwrite it (choose a new --out)")
+    for name in RUN_FILES:
+        if not (run_dir / name).is_file():
+            raise CheckpointError(f"{run_dir} has no {name}; not a k3 run directory")
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    if tmp.exists():  # left by an earlier crashed export of this same process id: ours by name
+        shutil.rmtree(tmp)
+    try:
+        export_consolidated(ckpt, tmp)          # verifies the checkpoint's checksums first
+        for name in RUN_FILES:
+            shutil.copyfile(run_dir / name, tmp / name)
+        files = {}
+        for name in (MODEL_FILE, *RUN_FILES):
+            _fsync_file(tmp / name)
+            files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+        step = json.loads((ckpt / "COMPLETE").read_text()).get("step")
+        marker = {"step": step, "source": str(ckpt.resolve()), "files": files}
+        with open(tmp / EXPORT_MARKER, "w") as f:
+            json.dump(marker, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if out.is_dir():
+            out.rmdir()   # the empty folder checked above
+        os.rename(tmp, out)
+        _fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return marker
+
+
+def _marker(path: Path, verify: bool) -> dict:
+    try:
+        marker = json.loads((path / EXPORT_MARKER).read_text())
+        files = marker["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        files, marker = None, None
+    ok = isinstance(files, dict) and set(files) == {MODEL_FILE, *RUN_FILES}
+    for name, meta in (files or {}).items() if ok else ():
+        f = path / name
+        if not f.is_file() or f.stat().st_size != meta.get("bytes") or (verify and _sha256(f) != meta.get("sha256")):
+            ok = False
+            break
+    if not ok:
+        raise CheckpointError(f"{path} is not a complete export (missing or mismatched {EXPORT_MARKER})")
+    return marker
+
+
+def load_export_into(path: str | os.PathLike, model: nn.Module, verify: bool = True) -> dict:
+    """Load an export's weights into a plain model (names and shapes must match exactly); returns
+    {'step', 'path'}."""
+    path = Path(path)
+    marker = _marker(path, verify)
+    state = safetensors.torch.load_file(str(path / MODEL_FILE))
+    try:
+        with torch.no_grad():
+            model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        raise CheckpointError(f"{path}: weights do not fit this model ({lines[-1][:200]})") from None
+    return {"step": marker["step"], "path": path}
