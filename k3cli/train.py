@@ -124,7 +124,9 @@ class Throughput:
     def describe(self) -> str:
         peak = (f"MFU against {self.peak:g} TFLOP/s ({self.peak_name})" if self.peak else
                 "no MFU (no peak known for this device; give one with --peak-tflops)")
-        return f"throughput: {self.flops_per_token / 1e6:.1f} MFLOP per token (forward+backward); {peak}"
+        per = (f"; tokens/s of all {self.world_size} processes, TFLOP/s, MFU and memory per process"
+               if self.world_size > 1 else "")
+        return f"throughput: {self.flops_per_token / 1e6:.1f} MFLOP per token (forward+backward); {peak}{per}"
 
     def window(self, tokens: int, seconds: float) -> dict:
         seconds = max(seconds, 1e-9)
@@ -180,6 +182,10 @@ def check_parallel(cfg: RunConfig, world_size: int) -> tuple[str, int]:
     or a one-line ValueError: the global batch must split into whole micro-batches on every rank."""
     tc = cfg.train
     mode = par.resolve_parallel(tc.parallel, world_size)
+    if mode == "fsdp" and tc.compile and tc.compile_mode == "reduce-overhead":
+        # CUDA graphs would capture the all-gathered buffers FSDP2 frees and refills every step
+        raise ValueError("train.compile_mode reduce-overhead (CUDA graphs) does not work with train.parallel "
+                         "fsdp; use another compile mode or ddp")
     per_pass = tc.micro_batch_size * world_size
     if tc.global_batch_size % per_pass:
         raise ValueError(f"train.global_batch_size ({tc.global_batch_size}) must be a multiple of "
