@@ -54,7 +54,7 @@ def test_config_show_round_trips(tmp_path):
     assert load_config(str(f)).train.steps == 11
 
 
-@pytest.mark.parametrize("cmd", [[], ["layout"], ["config", "show"], ["train"]])
+@pytest.mark.parametrize("cmd", [[], ["layout"], ["config", "show"], ["train"], ["export"]])
 def test_help(cmd):
     r = runner.invoke(app, cmd + ["--help"])
     assert r.exit_code == 0

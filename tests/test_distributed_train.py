@@ -256,16 +256,22 @@ def _env() -> dict:
     return env
 
 
-def run_ranks(out: Path, runs: list[dict], world: int = 2, timeout: int = 300) -> list[dict]:
-    """Each rank trains `runs` ({name, preset, sets, stop_at, resume}) in order; their records."""
+def torchrun(out: Path, runs: list[dict], world: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Start `world` ranks of this file's worker on `runs` (see `_worker`)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.json").write_text(json.dumps(runs))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", "--nnodes=1",
            "--master-addr=127.0.0.1", f"--master-port={_free_port()}", __file__, str(out)]
     t = time.time()
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     print(f"{world} ranks, {len(runs)} runs: {time.time() - t:.1f} s")
+    return proc
+
+
+def run_ranks(out: Path, runs: list[dict], world: int = 2) -> list[dict]:
+    """Each rank trains `runs` ({name, preset, sets, stop_at, resume}) in order; their records."""
+    proc = torchrun(out, runs, world)
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
@@ -408,6 +414,22 @@ def test_a_killed_rank_stops_the_run_and_resume_auto_continues(corpus, tmp_path)
 
 
 @pytest.mark.slow
+def test_an_exception_on_one_rank_is_one_line_naming_it(corpus, tmp_path):
+    """Rank 1 raises in its third micro-batch of `k3 train` under torchrun: it prints one error line
+    naming itself, every rank exits (rank 0's next collective fails at once; torchrun stops the
+    rest) and the run keeps its last complete checkpoint."""
+    args = ["train", "--preset", "k3-toy", "--out", str(tmp_path / "ranks" / "run")] + tiny_sets(corpus)
+    t = time.time()
+    proc = torchrun(tmp_path / "ranks", [{"cli": args, "fail_rank": 1, "fail_at": 3}])
+    assert proc.returncode != 0 and time.time() - t < 120
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: rank 1:")]
+    assert lines == ["error: rank 1: RuntimeError: injected failure (test)"], proc.stderr[-3000:]
+    from k3cli.dist_checkpoint import find_latest
+
+    assert find_latest(tmp_path / "ranks" / "run").name == "step_00000002"
+
+
+@pytest.mark.slow
 def test_eval_export_generate_of_a_two_rank_fsdp_checkpoint(corpus, tmp_path):
     """`k3 train --nproc 2` (fsdp) writes sharded checkpoints; `k3 eval` reads them in one process
     (the same val loss as the run logged), `k3 export` consolidates one, `k3 generate` reads the
@@ -418,7 +440,7 @@ def test_eval_export_generate_of_a_two_rank_fsdp_checkpoint(corpus, tmp_path):
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.count("done: step 6") == 1                             # rank 0 alone reports
-    assert proc.stderr.count("run directory:") == 1
+    assert proc.stdout.count("step 1 | loss") == 1 and proc.stderr.count("run directory:") == 1
     ckpt = run / "checkpoints" / "step_00000006"
     marker = json.loads((ckpt / "COMPLETE").read_text())
     assert marker["format"] == "dcp" and marker["world_size"] == 2
@@ -450,12 +472,29 @@ def _worker(out: Path) -> None:
     res = {}
     try:
         for spec in json.loads((out / "spec.json").read_text()):
+            if "cli" in spec:   # the command line itself, rank `fail_rank` raising in micro-batch `fail_at`
+                _fail_on(info.rank == spec["fail_rank"], spec["fail_at"])
+                app(spec["cli"])
             cfg = tiny_cfg(corpus, spec["preset"], *spec["sets"])
             res[spec["name"]] = train_here(cfg, out / spec["name"], resume=spec.get("resume", False),
                                            stop_at=spec.get("stop_at"))
         torch.save(res, out / f"rank{info.rank}.pt")
     finally:
         destroy()
+
+
+def _fail_on(this_rank: bool, at: int) -> None:
+    import k3cli.parallel as par
+
+    shard, calls = par.shard_batch, []
+
+    def shard_batch(batch, rank, world):
+        calls.append(1)
+        if this_rank and len(calls) == at:
+            raise RuntimeError("injected failure (test)")
+        return shard(batch, rank, world)
+
+    par.shard_batch = shard_batch
 
 
 if __name__ == "__main__":
