@@ -27,6 +27,7 @@ from k3cli.ops.attnres.fused import (
     _src_ptr,
     attnres_fwd_kernel,
     block_d,
+    check_eps,
     check_sources,
     check_vector,
     num_programs,
@@ -37,6 +38,7 @@ from k3cli.ops.attnres.fused import (
     w_tilde,
     w_tilde_grads,
 )
+from k3cli.ops.checks import FLOATS, InputTypeError, check_tensor, dtype_names
 from k3cli.ops.custom import absent, reference_vjp, triton_runs
 
 
@@ -296,12 +298,14 @@ def attnres_phase1(sources, queries: torch.Tensor, gains: torch.Tensor, eps: flo
     Returns:
         m [S, B, T] (non-differentiable), l [S, B, T], o [S, B, T, D] (unnormalised), all fp32.
     """
-    srcs, shape = check_sources(sources)
+    op = "attnres_phase1"
+    srcs, shape = check_sources(sources, op)
     D = shape[-1]
-    if queries.dim() != 2 or queries.shape[1] != D:
-        raise ValueError(f"queries: expected [S, {D}], got {tuple(queries.shape)}")
-    check_vector("gains", gains, tuple(queries.shape), srcs[0].device)   # None: queries are w̃
-    check_vector("queries", queries, tuple(queries.shape), srcs[0].device)
+    check_tensor(op, "queries", queries, 2, srcs[0].device, ref="the sources")
+    if queries.shape[0] == 0 or queries.shape[1] != D:
+        raise ValueError(f"{op}: queries shape {tuple(queries.shape)} must be (S, D) with S >= 1, D = {D}")
+    check_vector(op, "gains", gains, tuple(queries.shape), srcs[0].device)   # None: queries are w̃
+    check_eps(op, eps=eps)
     return attnres_phase1_op(srcs, queries, gains, float(eps))
 
 
@@ -443,18 +447,25 @@ def attnres_merge(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, partial: to
     Returns:
         h [B, T, D], and y if norm_weight is given.
     """
-    D = o.shape[-1]
-    if o.dim() != 3 or tuple(m.shape) != tuple(o.shape[:2]) or tuple(l.shape) != tuple(o.shape[:2]):
-        raise ValueError(f"m, l, o: expected [B, T], [B, T], [B, T, D]; got {tuple(m.shape)}, "
-                         f"{tuple(l.shape)}, {tuple(o.shape)}")
-    if o.dtype != torch.float32 or l.dtype != torch.float32 or m.dtype != torch.float32:
-        raise ValueError("m, l, o: expected fp32 (attnres_phase1's outputs)")
+    op = "attnres_merge"
+    f32 = (torch.float32,)   # attnres_phase1's outputs
+    check_tensor(op, "o", o, 3, dtypes=f32)
+    B, T, D = o.shape
+    check_tensor(op, "m", m, 2, o.device, f32, (B, T), ref="o")
+    check_tensor(op, "l", l, 2, o.device, f32, (B, T), ref="o")
+    if 0 in o.shape:
+        raise ValueError(f"{op}: o shape {tuple(o.shape)} is empty: B, T, D must be >= 1 (empty inputs are "
+                         "rejected)")
     if D > MAX_D:
-        raise ValueError(f"o: D = {D} > {MAX_D} (the row must fit in registers)")
-    check_vector("partial", partial, tuple(o.shape), o.device)
-    check_vector("query", query, (D,), o.device)
-    check_vector("gain", gain, (D,), o.device)
-    check_vector("norm_weight", norm_weight, (D,), o.device)
+        raise ValueError(f"{op}: o: D = {D} > {MAX_D} (the row must fit in registers)")
+    check_vector(op, "partial", partial, (B, T, D), o.device)
+    if query is None:
+        raise ValueError(f"{op}: query is required")
+    for name, t in (("query", query), ("gain", gain), ("norm_weight", norm_weight)):
+        check_vector(op, name, t, (D,), o.device)
+    check_eps(op, eps=eps, norm_eps=norm_eps)
     out_dtype = o.dtype if out_dtype is None else out_dtype
+    if out_dtype not in FLOATS:
+        raise InputTypeError(f"{op}: out_dtype {out_dtype} not in [{dtype_names(FLOATS)}]")
     h, y, _ = attnres_merge_op(m, l, o, partial, query, gain, norm_weight, float(eps), float(norm_eps), out_dtype)
     return h if norm_weight is None else (h, y)

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from k3cli.ops.checks import InputTypeError, check_number, check_tensor
 from k3cli.ops.custom import absent, reference_vjp, triton_runs
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -205,31 +206,37 @@ def attnres_bwd_kernel(x, ptrs, wt, h, dh, dy, nw, stat, dx, dw_part, dnw_part,
 
 
 # ------------------------------------------------------------------ host side, shared with block.py
-def check_sources(sources, name: str = "sources") -> tuple[list[torch.Tensor], tuple]:
+def check_sources(sources, op: str) -> tuple[list[torch.Tensor], tuple]:
     """Shapes, dtypes and devices of a list of n [B, T, D] sources or one stacked [n, B, T, D] buffer
-    (no data is read: also run while tracing). Returns the ops' `Tensor[]` form ([buffer] when stacked,
-    a list of 3-D tensors otherwise) and the shape [B, T, D] of one source."""
+    (no data is read: also run while tracing; `op` names the entry point in the messages). Returns the ops'
+    `Tensor[]` form ([buffer] when stacked, a list of 3-D tensors otherwise) and the shape [B, T, D] of one
+    source. Sources are fp32 / fp16 / bf16 (the kernels compute in fp32: fp64 is the naive references'),
+    1 <= n <= 32, B, T, D >= 1 (empty inputs are rejected), D <= MAX_D."""
     if isinstance(sources, torch.Tensor):
         if sources.dim() != 4:
-            raise ValueError(f"{name}: expected [n, B, T, D] or a list of [B, T, D], got {tuple(sources.shape)}")
+            raise ValueError(f"{op}: sources must be [n, B, T, D] or a list of [B, T, D], got shape "
+                             f"{tuple(sources.shape)}")
+        check_tensor(op, "sources", sources, 4)
         srcs, n, shape = [sources], sources.shape[0], tuple(sources.shape[1:])
     else:
+        if not isinstance(sources, (list, tuple)):
+            raise InputTypeError(f"{op}: sources must be a list of [B, T, D] tensors or one [n, B, T, D] "
+                                 f"tensor, got {type(sources).__name__}")
         srcs = list(sources)
         if not srcs:
-            raise ValueError(f"{name}: needs at least one source")
-        for i, s in enumerate(srcs):
-            if s.dim() != 3 or s.shape != srcs[0].shape:
-                raise ValueError(f"{name}[{i}]: expected [B, T, D] = {tuple(srcs[0].shape)}, got {tuple(s.shape)}")
-            if s.dtype != srcs[0].dtype or s.device != srcs[0].device:
-                raise ValueError(f"{name}[{i}]: dtype/device {s.dtype}/{s.device} differs from "
-                                 f"{name}[0] ({srcs[0].dtype}/{srcs[0].device})")
+            raise ValueError(f"{op}: sources: needs at least one source")
+        check_tensor(op, "sources[0]", srcs[0], 3)
+        for i, s in enumerate(srcs[1:], 1):
+            check_tensor(op, f"sources[{i}]", s, 3, srcs[0].device, (srcs[0].dtype,), tuple(srcs[0].shape),
+                         ref="sources[0]")
         n, shape = len(srcs), tuple(srcs[0].shape)
     if not 1 <= n <= MAX_SOURCES:
-        raise ValueError(f"{name}: {n} sources; supported 1..{MAX_SOURCES}")
-    if not srcs[0].is_floating_point():
-        raise ValueError(f"{name}: expected a float dtype, got {srcs[0].dtype}")
+        raise ValueError(f"{op}: sources: {n} sources; supported 1..{MAX_SOURCES}")
+    if 0 in shape:
+        raise ValueError(f"{op}: sources: source shape {shape} is empty: B, T, D must be >= 1 (empty inputs "
+                         "are rejected)")
     if shape[-1] > MAX_D:
-        raise ValueError(f"{name}: D = {shape[-1]} > {MAX_D} (the row must fit in registers)")
+        raise ValueError(f"{op}: sources: D = {shape[-1]} > {MAX_D} (the row must fit in registers)")
     return srcs, shape
 
 
@@ -325,13 +332,15 @@ def w_tilde_grads(dwt: torch.Tensor, query: torch.Tensor, gain: torch.Tensor | N
     return (dwt * gain.float()).to(query.dtype), (dwt * query.float()).to(gain.dtype)
 
 
-def check_vector(name: str, t: torch.Tensor | None, shape: tuple, device) -> None:
-    if t is None:
-        return
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name}: on {t.device}, sources on {device}")
+def check_vector(op: str, name: str, t: torch.Tensor | None, shape: tuple, device) -> None:
+    """t is None or an fp32 / fp16 / bf16 tensor of exactly `shape` on the sources' `device`."""
+    if t is not None:
+        check_tensor(op, name, t, len(shape), device, shape=shape, ref="the sources")
+
+
+def check_eps(op: str, **eps) -> None:
+    for name, x in eps.items():
+        check_number(op, name, x, low=0.0)
 
 
 def block_d(D: int) -> int:
@@ -475,8 +484,11 @@ def fused_attnres(sources, query: torch.Tensor, gain: torch.Tensor, eps: float =
     Returns:
         h [B, T, D] in the sources' dtype, and y [B, T, D] if norm_weight is given.
     """
-    srcs, shape = check_sources(sources)
+    srcs, shape = check_sources(sources, "fused_attnres")
+    if query is None:
+        raise ValueError("fused_attnres: query is required")
     for name, t in (("query", query), ("gain", gain), ("norm_weight", norm_weight)):
-        check_vector(name, t, (shape[-1],), srcs[0].device)
+        check_vector("fused_attnres", name, t, (shape[-1],), srcs[0].device)
+    check_eps("fused_attnres", eps=eps, norm_eps=norm_eps)
     h, y, _ = fused_attnres_op(srcs, query, gain, norm_weight, float(eps), float(norm_eps))
     return h if norm_weight is None else (h, y)

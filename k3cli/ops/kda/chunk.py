@@ -271,13 +271,18 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     ops `k3::chunk_kda` / `k3::chunk_kda_bwd` (README.md, "Custom ops").
 
     Args:
-        q, k: [B, T, H, K] (fp32 / fp16 / bf16); v: [B, T, HV, V], HV = G * H.
-        g: [B, T, HV, K] per-step log-decay (<= 0, >= lower_bound per step for fp32 safety), or the
-            raw gate input g_raw when use_gate_in_kernel (then A_log [HV], dt_bias [HV, K] apply §2.3).
-        beta: [B, T, HV] write strength (already through its sigmoid).
+        q, k: [B, T, H, K] (fp32 / fp16 / bf16, one dtype with v); v: [B, T, HV, V], HV = G * H.
+        g: [B, T, HV, K] per-step log-decay in [-5, 0] (below -5 the kernel's anchored exponents overflow:
+            inf / NaN, unchecked since checking would read the data), or the raw gate input g_raw when
+            use_gate_in_kernel (then A_log [HV], dt_bias [HV, K] apply §2.3 and g is in range for any g_raw).
+        beta: [B, T, HV] write strength (already through its sigmoid), in [0, 1].
         scale: query scale, default K ** -0.5.
         initial_state: [B, HV, K, V] fp32 or None.
-        use_qk_l2norm_in_kernel: L2-normalise q and k (eps 1e-6) before the recurrence.
+        use_qk_l2norm_in_kernel: L2-normalise q and k (eps 1e-6) before the recurrence. Without it the keys
+            must keep β‖k‖² <= 2, else the state grows geometrically (in any dtype, the reference too).
+    Every tensor on q's device; any strides (dense copies are made once); B, T, H, HV, V >= 1: empty inputs,
+    wrong ranks, shapes, dtypes or devices raise a ValueError naming the argument (README.md, "Input
+    contract").
     Returns:
         o [B, T, HV, V] in v.dtype, final state [B, HV, K, V] fp32 (or None).
     """

@@ -300,6 +300,9 @@ def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
         use_qk_l2norm_in_kernel: L2-normalise q and k (eps 1e-6) in the kernel.
         A_log: [HV]; dt_bias: [HV, K] or None; lower_bound: L in [-5, 0).
         inplace_state: write the final state into initial_state (contiguous) and return it.
+    Every tensor on q's device; any strides but the in-place state's; B, T, H, HV, V >= 1: empty inputs,
+    wrong ranks, shapes, dtypes or devices raise a ValueError naming the argument (README.md, "Input
+    contract"). Any g <= 0 stays finite here (no chunk anchoring); the keys' bound is chunk_kda's.
     Returns:
         o [B, T, HV, V] in v.dtype, final state [B, HV, K, V] fp32 (or None).
     """

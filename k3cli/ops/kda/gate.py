@@ -12,7 +12,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from k3cli.ops.checks import FLOATS, check_number, check_tensor
 from k3cli.ops.custom import absent, reference_vjp, triton_runs
+
+# g_raw, A_log, dt_bias: the kernels' dtypes and float64 (read as fp32; the output is fp32 anyway)
+GATE_FLOATS = (*FLOATS, torch.float64)
 
 
 @triton.jit
@@ -75,6 +79,8 @@ def _forward(g_raw, A_log, dt_bias, lower_bound: float, chunk_size: int, cumsum:
     g_raw = g_raw.contiguous()
     B, T, HV, K, BT, NT, BK = _launch_meta(g_raw, chunk_size)
     out = torch.empty(B, T, HV, K, device=g_raw.device, dtype=torch.float32)
+    if out.numel() == 0:   # an empty grid (and BK = 0 for K = 0) is not launched
+        return out
     _kda_gate_fwd_kernel[(NT, B * HV)](g_raw, A_log.contiguous(), _contiguous(dt_bias), out, lower_bound, T,
                                        HV=HV, K=K, BT=BT, BK=BK, HAS_BIAS=dt_bias is not None, CUMSUM=cumsum)
     return out
@@ -85,6 +91,8 @@ def _backward(g_raw, A_log, dt_bias, dout, lower_bound: float, chunk_size: int, 
     B, T, HV, K, BT, NT, BK = _launch_meta(g_raw, chunk_size)
     dev = g_raw.device
     dg_raw = torch.empty_like(g_raw)
+    if g_raw.numel() == 0:
+        return dg_raw, torch.zeros_like(A_log), absent(g_raw) if dt_bias is None else torch.zeros_like(dt_bias)
     da_part = torch.empty(B * NT, HV, device=dev, dtype=torch.float32)
     db_part = torch.empty(B * NT, HV, K, device=dev, dtype=torch.float32)
     _kda_gate_bwd_kernel[(NT, B * HV)](g_raw, A_log.contiguous(), _contiguous(dt_bias), dout.contiguous(), dg_raw,
@@ -158,27 +166,21 @@ def kda_gate(g_raw, A_log, dt_bias=None, lower_bound=-5.0, chunk_size=64, cumsum
     """Fused lower-bound gate (+ chunk-local cumsum).
 
     Args:
-        g_raw: [B, T, HV, K] gate projection output (any float dtype).
-        A_log: [HV] log rate; dt_bias: [HV, K] or None.
+        g_raw: [B, T, HV, K] gate projection output (fp32 / fp16 / bf16 / fp64); empty (any dim 0): an empty
+            result, zero gradients for A_log and dt_bias.
+        A_log: [HV] log rate; dt_bias: [HV, K] or None (same dtypes, on g_raw's device).
         lower_bound: L in [-5, 0); chunk_size: cumsum restarts every chunk_size tokens (power of 2).
         cumsum: False returns the per-step gate g itself.
     Returns:
         [B, T, HV, K] fp32: g, or its chunk-local inclusive cumsum.
     """
-    if not isinstance(g_raw, torch.Tensor) or g_raw.dim() != 4:
-        raise ValueError(f"kda_gate: g_raw must be a [B, T, HV, K] tensor, got {getattr(g_raw, 'shape', g_raw)}")
+    check_tensor("kda_gate", "g_raw", g_raw, 4, dtypes=GATE_FLOATS)
     _, _, HV, K = g_raw.shape
-    if not isinstance(A_log, torch.Tensor) or A_log.shape != (HV,):
-        raise ValueError(f"kda_gate: A_log must have shape (HV,) = {(HV,)}, got {getattr(A_log, 'shape', A_log)}")
-    if dt_bias is not None and (not isinstance(dt_bias, torch.Tensor) or dt_bias.shape != (HV, K)):
-        raise ValueError(f"kda_gate: dt_bias must have shape (HV, K) = {(HV, K)}, got {getattr(dt_bias, 'shape', dt_bias)}")
-    for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
-        if x is not None and x.device != g_raw.device:
-            raise ValueError(f"kda_gate: {name} is on {x.device}, expected {g_raw.device} (the device of g_raw)")
-    if not g_raw.is_floating_point():
-        raise TypeError(f"kda_gate: g_raw must be floating point, got {g_raw.dtype}")
-    if not (-5.0 <= lower_bound < 0.0):
-        raise ValueError(f"kda_gate: lower_bound={lower_bound} must be in [-5, 0)")
-    if chunk_size < 1 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"kda_gate: chunk_size={chunk_size} must be a power of 2")
+    check_tensor("kda_gate", "A_log", A_log, 1, g_raw.device, GATE_FLOATS, shape=(HV,), ref="g_raw")
+    if dt_bias is not None:
+        check_tensor("kda_gate", "dt_bias", dt_bias, 2, g_raw.device, GATE_FLOATS, shape=(HV, K), ref="g_raw")
+    check_number("kda_gate", "lower_bound", lower_bound, -5.0, 0.0, high_open=True)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, torch.SymInt)) or chunk_size < 1 \
+            or chunk_size & (chunk_size - 1):
+        raise ValueError(f"kda_gate: chunk_size={chunk_size!r} must be a power of 2")
     return kda_gate_op(g_raw, A_log, dt_bias, float(lower_bound), int(chunk_size), bool(cumsum))
