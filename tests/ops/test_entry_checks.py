@@ -1,11 +1,12 @@
-"""The kernel entry points' argument checks (README.md of k3cli/ops/kda and k3cli/ops/attnres, "Input
-contract").
+"""The kernel entry points' argument checks and their handling of strided inputs (README.md of
+k3cli/ops/kda and k3cli/ops/attnres, "Input contract").
 
 Bad inputs: one row per bad argument per op; each must raise a ValueError (dtype and type errors are
 `InputTypeError`, a TypeError too) whose one-line message starts with the op's name and names the
 argument, with the shape / dtype / device it got. The checks read no data, so these rows run no kernel
 (CPU, no interpreter needed); "meta" tensors stand in for a second device.
-Empty gate inputs: the kernels under the interpreter (`triton` marker) and the torch reference path.
+Strided inputs (transposed, sliced, misaligned views) and empty gate inputs: the kernels under the
+interpreter (`triton` marker) and the torch reference path, against the contiguous call.
 """
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch
 from k3cli.ops.attnres import attnres_merge, attnres_phase1, fused_attnres
 from k3cli.ops.checks import InputTypeError
 from k3cli.ops.kda import chunk_kda, fused_recurrent_kda, kda_gate
-from k3cli.testing import kda_inputs
+from k3cli.testing import kda_inputs, scaled_max_error
 
 PATHS = [pytest.param("triton", marks=pytest.mark.triton), "reference"]
 
@@ -353,3 +354,134 @@ def test_checks_trace_without_graph_breaks(dynamic, monkeypatch):
         got = torch.compile(call, fullgraph=True, backend="eager", dynamic=dynamic)()
         want, got = (x if isinstance(x, tuple) else (x,) for x in (want, got))
         assert all(torch.equal(a, b) for a, b in zip(want, got) if a is not None)
+
+
+# ---------------------------------------------------------------- strided inputs
+def transposed(x):
+    """The same values in a transposed layout (the short convs hand chunk_kda such views)."""
+    return x.transpose(0, -1).contiguous().transpose(0, -1)
+
+
+def sliced(x):
+    """The same values as every other element of a wider tensor: the last dim has stride 2."""
+    return torch.stack([x, torch.zeros_like(x)], -1)[..., 0]
+
+
+def misaligned(x):
+    """The same values, dense, at a data pointer 4 bytes past a 16-byte boundary."""
+    return torch.cat([x.new_zeros(1), x.flatten()])[1:].view(x.shape)
+
+
+def _identity(x):
+    return x
+
+
+LAYOUTS = [transposed, sliced, misaligned]
+
+
+def grads_of(fn, leaves, layout):
+    """fn(*layout(leaves)) and the gradients of a fixed random projection of its outputs, at the leaves."""
+    xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in leaves]
+    viewed = [layout(x) for x in xs]
+    if layout is not _identity:
+        assert all(not v.is_contiguous() or v.data_ptr() % 16 for v in viewed if v.dim() > 1)
+    outs = fn(*viewed)
+    outs = [t for t in (outs if isinstance(outs, tuple) else (outs,)) if t is not None]
+    gen = torch.Generator().manual_seed(7)
+    loss = sum((t.double() * torch.randn(t.shape, generator=gen, dtype=torch.float64)).sum() for t in outs)
+    grads = torch.autograd.grad(loss, xs, allow_unused=True)   # m of a merge gets none
+    return [t.detach() for t in outs] + [torch.zeros_like(x) if d is None else d for x, d in zip(xs, grads)]
+
+
+def assert_same(path, want, got):
+    # the kernels copy strided inputs to the same dense rows: bit-equal; torch's own kernels may sum in
+    # another order for another layout (fp32 rounding: measured <= 3e-7 of the largest value)
+    for i, (a, b) in enumerate(zip(want, got)):
+        same = torch.equal(a, b) if path == "triton" else a.shape == b.shape and scaled_max_error(b, a) <= 1e-6
+        assert same, f"output/gradient {i} differs with strided inputs"
+
+
+def check_layouts(path, fn, leaves):
+    want = grads_of(fn, leaves, _identity)
+    for layout in LAYOUTS:
+        assert_same(path, want, grads_of(fn, leaves, layout))
+
+
+def test_chunk_kda_strided(path):
+    q, k, v, g, beta, h0 = kda_inputs(1, 20, 1, 2, 16, 16)
+    gen = torch.Generator().manual_seed(1)
+    A_log, dt_bias = 0.3 * torch.randn(2, generator=gen), torch.randn(2, 16, generator=gen)
+
+    def plain(q, k, v, g, beta, h0):
+        return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=16)
+
+    def gated(q, k, v, g_raw, beta, h0, A_log, dt_bias):
+        return chunk_kda(q, k, v, g_raw, beta, initial_state=h0, output_final_state=True, chunk_size=16,
+                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+
+    check_layouts(path, plain, [q, k, v, g, beta, h0])
+    check_layouts(path, gated, [q, k, v, torch.randn(g.shape, generator=gen), beta, h0, A_log, dt_bias])
+
+
+def test_fused_recurrent_kda_strided(path):
+    q, k, v, g, beta, h0 = kda_inputs(2, 3, 1, 2, 16, 16)
+    gen = torch.Generator().manual_seed(1)
+    A_log, dt_bias = 0.3 * torch.randn(2, generator=gen), torch.randn(2, 16, generator=gen)
+
+    def gated(q, k, v, g_raw, beta, h0, A_log, dt_bias):
+        return fused_recurrent_kda(q, k, v, g_raw, beta, initial_state=h0, output_final_state=True,
+                                   use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log,
+                                   dt_bias=dt_bias)
+
+    g_raw = torch.randn(g.shape, generator=gen)
+    check_layouts(path, gated, [q, k, v, g_raw, beta, h0, A_log, dt_bias])
+    # the decode step: strided token inputs, the cached state dense (updated in place)
+    with torch.no_grad():
+        outs = []
+        for layout in (_identity, *LAYOUTS):
+            state = h0.clone()
+            o, _ = fused_recurrent_kda(*map(layout, (q, k, v, g_raw, beta)), initial_state=state,
+                                       inplace_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                       A_log=layout(A_log), dt_bias=layout(dt_bias))
+            outs.append((o, state))
+    for got in outs[1:]:
+        assert_same(path, outs[0], got)
+
+
+def test_kda_gate_strided(path):
+    gen = torch.Generator().manual_seed(0)
+    leaves = [2 * torch.randn(2, 20, 3, 8, generator=gen), torch.randn(3, generator=gen),
+              torch.randn(3, 8, generator=gen)]
+    for cumsum in (True, False):
+        check_layouts(path, lambda a, b, c, cumsum=cumsum: kda_gate(a, b, c, chunk_size=16, cumsum=cumsum), leaves)
+
+
+def test_attnres_strided(path):
+    p = attnres_parts(S=3)
+    srcs, Q, Gn, nw, part = p["srcs"], p["queries"], p["gains"], p["nw"], p["partial"]
+
+    def full_list(s0, s1, s2, q, g, nw):
+        return fused_attnres([s0, s1, s2], q, g, norm_weight=nw)
+
+    def full_stacked(x, q, g):
+        return fused_attnres(x, q, g)
+
+    def block(s0, s1, s2, qs, gs, partial, nw):
+        m, l, o = attnres_phase1([s0, s1, s2], qs, gs)
+        h0 = attnres_merge(m[0], l[0], o[0], None, qs[0], gs[0])
+        h1, y1 = attnres_merge(m[1], l[1], o[1], partial, qs[1], gs[1], norm_weight=nw)
+        return l, o, h0, h1, y1
+
+    def merge(m, l, o, partial, q, g, nw):
+        return attnres_merge(m, l, o, partial, q, g, norm_weight=nw)
+
+    check_layouts(path, full_list, [*srcs, Q[0], Gn[0], nw])
+    check_layouts(path, full_stacked, [torch.stack(srcs), Q[0], Gn[0]])
+    check_layouts(path, block, [*srcs, Q, Gn, part, nw])
+    m, l, o = (t[1].detach() for t in attnres_phase1(srcs, Q, Gn))
+    check_layouts(path, merge, [m, l, o, part, Q[1], Gn[1], nw])
+    # a stacked buffer whose slots are dense but not adjacent (every other slot of a larger one)
+    dense = grads_of(full_stacked, [torch.stack([srcs[0], srcs[2], srcs[1]]), Q[0], Gn[0]], _identity)
+    wide = grads_of(full_stacked, [torch.stack([*srcs, *srcs]), Q[0], Gn[0]], lambda x: x[::2] if x.dim() == 4 else x)
+    assert_same(path, [dense[0], *dense[2:]], [wide[0], *wide[2:]])   # h, dquery, dgain
+    assert_same(path, [dense[1], torch.zeros_like(dense[1])], [wide[1][::2], wide[1][1::2]])

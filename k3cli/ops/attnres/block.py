@@ -30,6 +30,7 @@ from k3cli.ops.attnres.fused import (
     check_eps,
     check_sources,
     check_vector,
+    dense,
     num_programs,
     reference_sources,
     source_count_shape,
@@ -313,7 +314,7 @@ def _merge_forward(m, l, o, partial, query, gain, norm_weight, eps: float, norm_
     M, D = l.numel(), o.shape[-1]
     wt = w_tilde(query, gain)
     l, o, m = l.contiguous(), o.contiguous(), m.contiguous()
-    partial = None if partial is None else partial.contiguous()
+    partial, norm_weight = dense(partial), dense(norm_weight)
     h = torch.empty(o.shape, dtype=out_dtype, device=o.device)
     y = torch.empty_like(h) if norm_weight is not None else None
     stat = torch.empty(3, M, dtype=torch.float32, device=o.device)
@@ -328,7 +329,7 @@ def _merge_forward(m, l, o, partial, query, gain, norm_weight, eps: float, norm_
 def _merge_backward(partial, query, gain, norm_weight, h, stat, dh, dy, eps: float):
     M, D = stat.shape[1], h.shape[-1]
     wt = w_tilde(query, gain)
-    partial = None if partial is None else partial.contiguous()
+    partial, norm_weight = dense(partial), dense(norm_weight)
     G = num_programs(M, h.device)
     do = torch.empty(h.shape, dtype=torch.float32, device=h.device)
     dl = torch.empty(h.shape[:-1], dtype=torch.float32, device=h.device)

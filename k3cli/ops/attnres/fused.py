@@ -343,6 +343,11 @@ def check_eps(op: str, **eps) -> None:
         check_number(op, name, x, low=0.0)
 
 
+def dense(t: torch.Tensor | None) -> torch.Tensor | None:
+    """t with unit strides, as the kernels index it (element d of a vector at offset d), or None."""
+    return None if t is None else t.contiguous()
+
+
 def block_d(D: int) -> int:
     return triton.next_power_of_2(D)
 
@@ -360,6 +365,7 @@ def attnres_fwd(src: Sources, wt: torch.Tensor, eps: float, norm_weight, norm_ep
     """Full form forward launcher. Returns h, y (or None), stat [2, M] fp32 (lse, rstd of h; [1, M] without
     the norm, which leaves the rstd row unwritten)."""
     x, M, D = src.x, src.M, src.D
+    norm_weight = dense(norm_weight)
     h = torch.empty(src.shape, dtype=x.dtype, device=x.device)
     y = torch.empty_like(h) if norm_weight is not None else None
     stat = torch.empty(1 + (norm_weight is not None), M, dtype=torch.float32, device=x.device)
@@ -375,6 +381,7 @@ def attnres_fwd(src: Sources, wt: torch.Tensor, eps: float, norm_weight, norm_ep
 def attnres_bwd(src: Sources, wt, h, dh, dy, norm_weight, stat, eps: float):
     """Full form backward launcher. Returns dx [n, B, T, D], dw̃ [D] fp32, dnw [D] fp32 or None."""
     x, M, D = src.x, src.M, src.D
+    norm_weight = dense(norm_weight)
     G = num_programs(M, x.device)
     dx = torch.empty((src.n, *src.shape), dtype=x.dtype, device=x.device)
     dw_part = torch.empty(G, D, dtype=torch.float32, device=x.device)

@@ -290,7 +290,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
               chunk_size)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
+        # dense first: torch's reduction order (so the rounding) depends on the layout, the kernels' does not
+        q, k = l2norm(q.contiguous()), l2norm(k.contiguous())
     if use_gate_in_kernel:
         from k3cli.ops.kda.gate import kda_gate
         g = kda_gate(g, A_log, dt_bias, lower_bound=lower_bound, chunk_size=chunk_size, cumsum=False)
