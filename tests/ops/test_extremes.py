@@ -1,0 +1,343 @@
+"""Numeric extremes of the kernel entry points against the fp64 references (README.md of k3cli/ops/kda and
+k3cli/ops/attnres, "Input contract"): finite outputs and gradients that match.
+
+Every case feeds the op and the fp64 reference (`naive_recurrent_kda` after the fp64 gate / L2 norm,
+`naive_kda_gate`, the naive AttnRes forms) the same rounded inputs and compares every output and every
+gradient by relative RMS error (k3cli.testing.relative_rms_error). Tolerances:
+- KDA, fp32 inputs: `FP32_TOL` per path. fused_recurrent_kda (token by token) 1e-5, its table's fp32 bound.
+  The chunked forms (chunk_kda, torch_chunk_kda) 2e-4: they get dg from differences of Γ-weighted terms that
+  cancel when every g_t = -5 (measured 3.7e-5), and chunk_kda's 16-token solve (product form) loses bits when
+  keys are parallel with β = 1 and no decay (dk 4.7e-5, kda/README.md "Triangular solve"); elsewhere <= 8e-6.
+- KDA, fp16 inputs: the op's own table (k3cli/ops/kda/verify.py TOL); measured <= 7.4e-4.
+- kda_gate: 1e-5 (fp32) and 1e-3 (fp16), the bounds of its tests in test_kda.py; measured <= 6.8e-6 (dA_log,
+  a sum over B, T, K) and 2e-4.
+- AttnRes: its one table (k3cli/ops/attnres/verify.py `tolerance`), which is stated against fp64 already.
+Inputs outside a dtype's range are not errors of the ops; where a true result exceeds fp16 (65504) the fp16
+result must be inf exactly there (`assert_fp16_overflow`), not NaN and not inf elsewhere.
+Kernel paths run under the interpreter (`triton` marker); the torch CPU training path (`torch_chunk_kda`,
+reach_checked False and True, after the torch gate) runs everywhere.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3cli.ops.attnres.verify import compare, make_inputs, rounded, run_block, run_full
+from k3cli.ops.kda import chunk_kda, chunk_local_cumsum, fused_recurrent_kda, kda_gate
+from k3cli.ops.kda.naive import naive_kda_gate, naive_recurrent_kda
+from k3cli.ops.kda.torch_chunk import torch_chunk_kda
+from k3cli.ops.kda.verify import TOL as KDA_TOL
+from k3cli.ops.norm import l2norm
+from k3cli.testing import assert_close, relative_rms_error
+
+# the interpreter's numpy exp overflows to inf inside sigmoid at saturated gates: 1 / (1 + inf) = 0 is exact
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+FP16_MAX_ROUNDS_TO = 65520.0   # values at or above it round to inf in fp16
+FP32_TOL = {"chunk_kda": 2e-4, "torch_chunk": 2e-4, "torch_chunk_checked": 2e-4, "fused_recurrent_kda": 1e-5}
+FP32_ONLY = {torch.float32}
+BOTH = {torch.float32, torch.float16}
+
+
+# ---------------------------------------------------------------- KDA
+def kda_case(B=1, T=24, H=1, G=2, K=16, V=16, seed=0, gate=False, **edits):
+    """fp64 inputs: L2-normalised q, k, v ~ N(0, 1), g in (-5, 0) or the raw gate input with A_log, dt_bias
+    (gate), beta in (0, 1), an initial state; then edits[name](tensor) for each named input."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    HV = H * G
+    x = dict(q=F.normalize(r(B, T, H, K), dim=-1), k=F.normalize(r(B, T, H, K), dim=-1), v=r(B, T, HV, V),
+             g=r(B, T, HV, K) if gate else -5 * torch.sigmoid(r(B, T, HV, K) - 1), beta=torch.sigmoid(r(B, T, HV)),
+             initial_state=r(B, HV, K, V))
+    if gate:
+        x.update(A_log=r(HV), dt_bias=r(HV, K))
+    for name, edit in edits.items():
+        x[name] = edit(x[name])
+    return x
+
+
+FP32_INPUTS = ("g", "initial_state", "A_log", "dt_bias")   # fp32 whatever the q / k / v dtype
+
+
+def cast(x, dtype):
+    return {n: t.to(torch.float32 if n in FP32_INPUTS and dtype != torch.float64 else dtype) for n, t in x.items()}
+
+
+def run_kda(fn, x, **kw):
+    """fn's outputs and the gradients of a fixed random projection of them at every input."""
+    leaves = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
+    o, ht = fn(**leaves, output_final_state=True, **kw)
+    gen = torch.Generator().manual_seed(123)
+    loss = sum((t.double() * torch.randn(t.shape, generator=gen, dtype=torch.float64)).sum() for t in (o, ht))
+    grads = torch.autograd.grad(loss, list(leaves.values()))
+    return {"o": o.detach(), "ht": ht.detach(), **{f"d{n}": d for n, d in zip(leaves, grads)}}
+
+
+def reference(q, k, v, g, beta, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=False,
+              use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=-5.0, chunk_size=None):
+    """The definition (in the inputs' dtype: fp64 here): L2 norm and gate in torch, then the recurrence."""
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    if use_gate_in_kernel:
+        g = naive_kda_gate(g, A_log, dt_bias, lower_bound)
+    return naive_recurrent_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True)
+
+
+def torch_chunk(reach_checked):
+    """The CPU training path (layers/kda.py): torch L2 norm and gate, then torch_chunk_kda."""
+    def fn(q, k, v, g, beta, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=False,
+           use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=-5.0, chunk_size=16):
+        if use_qk_l2norm_in_kernel:
+            q, k = l2norm(q), l2norm(k)
+        if use_gate_in_kernel:
+            g = naive_kda_gate(g, A_log, dt_bias, lower_bound)
+        return torch_chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                               chunk_size=chunk_size, reach_checked=reach_checked)
+    return fn
+
+
+def _recurrent(chunk_size=None, **kw):
+    return fused_recurrent_kda(**kw)
+
+
+PATHS = {"chunk_kda": chunk_kda, "fused_recurrent_kda": _recurrent, "torch_chunk": torch_chunk(False),
+         "torch_chunk_checked": torch_chunk(True)}
+KERNELS = {"chunk_kda", "fused_recurrent_kda"}
+
+
+def _saturating(t):
+    """t with 70% of its entries replaced by +-1e4 (the gate saturates at 0 or lower_bound there)."""
+    gen = torch.Generator().manual_seed(5)
+    pick = torch.rand(t.shape, generator=gen, dtype=torch.float64)
+    return torch.where(pick < 0.35, -1e4, torch.where(pick < 0.7, 1e4, t))
+
+
+def _const(c):
+    return lambda t: torch.full_like(t, c)
+
+
+def _scale(c):
+    return lambda t: t * c
+
+
+C16 = {"chunk_size": 16}
+GATED = {"use_gate_in_kernel": True, **C16}
+L2 = {"use_qk_l2norm_in_kernel": True, **C16}
+# (id, kda_case arguments, op keywords, input dtypes)
+KDA_CASES = [
+    ("g_raw-pm1e4", dict(gate=True, g=_saturating), GATED, BOTH),
+    ("g_raw+1e4", dict(gate=True, g=_const(1e4)), GATED, FP32_ONLY),
+    ("g_raw-1e4", dict(gate=True, g=_const(-1e4)), GATED, FP32_ONLY),
+    ("A_log+20", dict(gate=True, A_log=_const(20.0)), GATED, BOTH),
+    ("A_log-20", dict(gate=True, A_log=_const(-20.0)), GATED, FP32_ONLY),
+    ("g=-5", dict(g=_const(-5.0)), C16, BOTH),
+    ("g=0", dict(g=_const(0.0)), C16, FP32_ONLY),
+    ("beta=0", dict(beta=_const(0.0)), C16, BOTH),
+    ("beta=1", dict(beta=_const(1.0)), C16, BOTH),
+    ("beta=1-g=0-same-k", dict(beta=_const(1.0), g=_const(0.0), k=lambda t: t[:, :1].expand_as(t).clone()), C16,
+     FP32_ONLY),
+    ("q*1e4", dict(q=_scale(1e4)), C16, BOTH),
+    ("q*1e-4", dict(q=_scale(1e-4)), C16, FP32_ONLY),
+    ("k*1e-4", dict(k=_scale(1e-4)), C16, FP32_ONLY),
+    ("v*1e4", dict(v=_scale(1e4)), C16, FP32_ONLY),
+    ("v*1e-4", dict(v=_scale(1e-4)), C16, BOTH),
+    ("h0*1e4", dict(initial_state=_scale(1e4)), C16, FP32_ONLY),
+    ("qk*1e4-l2norm", dict(q=_scale(1e4), k=_scale(1e4)), L2, FP32_ONLY),
+    ("qk*1e-4-l2norm", dict(q=_scale(1e-4), k=_scale(1e-4)), L2, FP32_ONLY),
+]
+
+
+def kda_params():
+    out = []
+    for name, case, kw, dtypes in KDA_CASES:
+        for path in PATHS:
+            for dtype in sorted(dtypes, key=str):
+                if dtype != torch.float32 and path not in KERNELS:
+                    continue   # the torch path is trained in fp32 on CPU
+                marks = [pytest.mark.triton] if path in KERNELS else []
+                out.append(pytest.param(path, case, kw, dtype, marks=marks,
+                                        id=f"{name}-{path}-{str(dtype).removeprefix('torch.')}"))
+    return out
+
+
+def check_kda(path, case, kw, dtype):
+    x = cast(kda_case(**case) if isinstance(case, dict) else case, dtype)
+    ref = run_kda(reference, cast(x, torch.float64), **kw)
+    out = run_kda(PATHS[path], x, **kw)
+    for name, r in ref.items():
+        assert torch.isfinite(out[name]).all(), f"{path}: {name} is not finite"
+        tol = FP32_TOL[path] if dtype == torch.float32 else KDA_TOL[table_name(name, kw)]
+        assert_close(f"{path} {name}", out[name], r, tol, relative_rms_error)
+
+
+def table_name(name, kw):
+    """The row of the KDA tolerance table for an output of run_kda."""
+    if name == "dg" and kw.get("use_gate_in_kernel"):
+        return "dg_raw"
+    return {"dinitial_state": "dh0"}.get(name, name)
+
+
+@pytest.mark.parametrize("path,case,kw,dtype", kda_params())
+def test_kda_extremes(path, case, kw, dtype):
+    check_kda(path, case, kw, dtype)
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=[pytest.mark.triton] if p in KERNELS else []) for p in PATHS])
+def test_kda_long_sequence(path):
+    """T = 300 with chunk 16 (19 chunks, a partial last one) and a slow gate, so that the initial state and every
+    chunk's state reach the end of the sequence."""
+    check_kda(path, dict(T=300, G=1, g=lambda t: t / 100), C16, torch.float32)
+
+
+@pytest.mark.triton
+def test_kda_fp16_overflow_is_where_the_true_value_overflows():
+    """v * 1e4 in fp16: o and the state fit, but dk and dbeta exceed fp16's range (|dk| ~ 9e4 in fp64). The
+    fp16 gradients must be inf exactly where the fp64 ones round to inf, and right elsewhere."""
+    x = cast(kda_case(T=40, v=_scale(1e4)), torch.float16)
+    ref = run_kda(reference, cast(x, torch.float64), **C16)
+    for path in ("chunk_kda", "fused_recurrent_kda"):
+        out = run_kda(PATHS[path], x, **C16)
+        assert not all(torch.isfinite(out[n]).all() for n in ("dk", "dbeta")), "the case no longer overflows"
+        for name, r in ref.items():
+            assert_fp16_overflow(f"{path} {name}", out[name], r, KDA_TOL[table_name(name, C16)])
+
+
+def assert_fp16_overflow(name, got, ref, tol):
+    """got is never NaN; inf where ref rounds to inf in fp16 and finite where it does not, but for values
+    within tol of that bound (the op's own error may carry them across); within tol (relative RMS) elsewhere."""
+    assert not got.isnan().any(), f"{name}: NaN"
+    size = ref.abs() / FP16_MAX_ROUNDS_TO
+    over, under = size >= 1 + tol, size < 1 - tol
+    assert got[over].isinf().all() and got[under].isfinite().all(), \
+        f"{name}: inf at {int(got.isinf().sum())} entries, the true value overflows at {int((size >= 1).sum())}"
+    fits = got.isfinite()
+    assert_close(name, got[fits], ref[fits], tol, relative_rms_error)
+
+
+# ---------------------------------------------------------------- kda_gate
+GATE_TOL = {torch.float32: 1e-5, torch.float16: 1e-3}
+
+
+def gate_case(g=None, A_log=None):
+    gen = torch.Generator().manual_seed(0)
+    g_raw = torch.randn(1, 50, 3, 16, generator=gen, dtype=torch.float64)
+    a = torch.randn(3, generator=gen, dtype=torch.float64)
+    bias = torch.randn(3, 16, generator=gen, dtype=torch.float64)
+    return (g_raw if g is None else g(g_raw)), (a if A_log is None else A_log(a)), bias
+
+
+# (id, gate_case arguments, g_raw dtypes); fp16 with A_log = -20: d g_raw is below fp16's range
+# (test_kda_gate_fp16_gradient_underflows_to_zero)
+GATE_CASES = [
+    ("g_raw-pm1e4", dict(g=_saturating), BOTH),
+    ("g_raw+1e4", dict(g=_const(1e4)), BOTH),
+    ("g_raw-1e4", dict(g=_const(-1e4)), BOTH),
+    ("A_log+20", dict(A_log=_const(20.0)), BOTH),
+    ("A_log-20", dict(A_log=_const(-20.0)), FP32_ONLY),
+    ("A_log+-20-g_raw-pm1e4", dict(g=_saturating, A_log=lambda a: torch.tensor([20.0, -20.0, 0.0]).double()),
+     FP32_ONLY),
+]
+GATE_PATHS = [pytest.param("triton", marks=pytest.mark.triton), "reference"]
+
+
+@pytest.fixture(params=GATE_PATHS)
+def gate_path(request, monkeypatch):
+    if request.param == "reference":
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    return request.param
+
+
+def run_gate(fn, g_raw, A_log, dt_bias):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (g_raw, A_log, dt_bias)]
+    y = fn(*leaves)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    return [y.detach(), *torch.autograd.grad((y.double() * dy).sum(), leaves)]
+
+
+def gate_params():
+    return [pytest.param(edits, dt, id=f"{name}-{str(dt).removeprefix('torch.')}") for name, edits, dtypes in GATE_CASES
+            for dt in sorted(dtypes, key=str)]
+
+
+@pytest.mark.parametrize("cumsum", [True, False], ids=["cumsum", "per-step"])
+@pytest.mark.parametrize("edits,dtype", gate_params())
+def test_kda_gate_extremes(gate_path, edits, dtype, cumsum):
+    g_raw, A_log, dt_bias = gate_case(**edits)
+    g_raw = g_raw.to(dtype)
+    ref = run_gate(lambda a, b, c: ref_gate(a, b, c, cumsum), g_raw.double(), A_log, dt_bias)
+    out = run_gate(lambda a, b, c: kda_gate(a, b, c, chunk_size=16, cumsum=cumsum), g_raw, A_log.float(),
+                   dt_bias.float())
+    for name, a, b in zip(("g", "dg_raw", "dA_log", "ddt_bias"), out, ref):
+        assert torch.isfinite(a).all(), f"{name} is not finite"
+        assert_close(name, a, b, GATE_TOL[dtype], relative_rms_error)
+
+
+def ref_gate(g_raw, A_log, dt_bias, cumsum):
+    g = naive_kda_gate(g_raw, A_log, dt_bias)
+    return chunk_local_cumsum(g, 16) if cumsum else g
+
+
+def test_kda_gate_fp16_gradient_underflows_to_zero(gate_path):
+    """A_log = -20 with fp16 g_raw: the true d g_raw (|x| < 2^-25) rounds to 0 in fp16, and so must the op's."""
+    g_raw, A_log, dt_bias = gate_case(A_log=_const(-20.0))
+    ref = run_gate(lambda a, b, c: ref_gate(a, b, c, True), g_raw.half().double(), A_log, dt_bias)
+    out = run_gate(lambda a, b, c: kda_gate(a, b, c, chunk_size=16), g_raw.half(), A_log.float(), dt_bias.float())
+    assert ref[1].abs().max() < 2.0 ** -25 and ref[1].abs().max() > 0
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    for name, a, b in zip(("g", "dA_log", "ddt_bias"), out[:1] + out[2:], ref[:1] + ref[2:]):
+        assert_close(name, a, b, GATE_TOL[torch.float16], relative_rms_error)
+
+
+# ---------------------------------------------------------------- AttnRes
+def attnres_case(src=1.0, query=1.0, partial=None, zero_source=False, n=4, S=3, D=48):
+    srcs, p, q, g, nw = make_inputs(n, 2, 9, D, S)
+    srcs = [s * src for s in srcs]
+    if zero_source:
+        srcs[1] = torch.zeros_like(srcs[1])
+    return srcs, p * (src if partial is None else partial), q * query, g, nw
+
+
+ATTNRES_CASES = [
+    ("src*1e4", dict(src=1e4), FP32_ONLY),
+    ("src*1e-4", dict(src=1e-4), BOTH),
+    ("query*1e4", dict(query=1e4), BOTH),
+    ("query*1e-4", dict(query=1e-4), BOTH),
+    ("query*1e4-src*1e4", dict(query=1e4, src=1e4), FP32_ONLY),
+    ("partial*1e4", dict(partial=1e4), FP32_ONLY),
+    ("partial*1e-4", dict(partial=1e-4), BOTH),
+    ("zero-source", dict(zero_source=True), BOTH),
+]
+
+
+def attnres_params():
+    # the partial source is the block form's only
+    return [pytest.param(case, form, dt, id=f"{name}-{form}-{str(dt).removeprefix('torch.')}")
+            for name, case, dtypes in ATTNRES_CASES for form in ("full", "full-stacked", "block")
+            for dt in sorted(dtypes, key=str) if form == "block" or "partial" not in case]
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("case,form,dtype", attnres_params())
+def test_attnres_extremes(case, form, dtype):
+    """fused_attnres (list and stacked sources) and attnres_phase1 + attnres_merge against the fp64 naive forms."""
+    inputs = rounded(attnres_case(**case), dtype)
+    run = run_block if form == "block" else run_full
+    stacked = form == "full-stacked"
+    got, ref = run("triton", inputs, dtype, stacked=stacked), run("naive", inputs, torch.float64, stacked=stacked)
+    for key, x in got.items():
+        assert x is None or torch.isfinite(x).all(), f"{key} is not finite"
+    bad = [f"{n}: {e:.3g} > {t:.3g}" for n, e, _, t, ok in compare(got, ref, dtype) if not ok]
+    assert not bad, "; ".join(bad)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
+def test_attnres_fp16_overflow_is_where_the_true_value_overflows(stacked):
+    """Sources and partial * 3e3 in fp16: the mix fits, the query gradient (~1e5 in fp64) does not. It must be
+    inf exactly where the fp64 value rounds to inf, and right elsewhere. The full form only: in the block
+    form a query is used by phase 1 and by its merge, and autograd adds the two gradients in fp16, so one
+    that overflows makes the sum inf where the sum itself would fit (no op's error: keep such leaves fp32)."""
+    from k3cli.ops.attnres.verify import tolerance
+    inputs = rounded(attnres_case(src=3e3), torch.float16)
+    got, ref = run_full("triton", inputs, torch.float16, stacked), run_full("naive", inputs, torch.float64, stacked)
+    assert not torch.isfinite(got["dquery"]).all(), "the case no longer overflows"
+    for key in ref:
+        assert_fp16_overflow(key, got[key], ref[key], tolerance(key, torch.float16))
