@@ -17,14 +17,19 @@ from k3cli.ops.kda import chunk_kda, fused_recurrent_kda, kda_gate
 from k3cli.testing import kda_inputs, scaled_max_error
 
 PATHS = [pytest.param("triton", marks=pytest.mark.triton), "reference"]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
-    """The implementation under test: the Triton kernels (interpreter) or the torch reference."""
+    """The implementation under test: the Triton kernels (interpreter, or CUDA) or the CPU torch reference."""
     if request.param == "reference":
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     return request.param
+
+
+def device_of(path):
+    return DEVICE if path == "triton" else "cpu"
 
 
 def meta(x):
@@ -205,13 +210,14 @@ def test_kda_gate_rejects(edit, arg, shows):
 @pytest.mark.parametrize("cumsum", [True, False])
 def test_kda_gate_empty_input_gives_an_empty_result(path, shape, cumsum):
     """The gate is elementwise: an empty g_raw gives the empty output and zero gradients for A_log, dt_bias."""
-    g_raw = torch.randn(shape).requires_grad_()
-    A_log, dt_bias = torch.randn(3).requires_grad_(), torch.randn(3, shape[-1]).requires_grad_()
+    dev = device_of(path)
+    g_raw = torch.randn(shape, device=dev).requires_grad_()
+    A_log, dt_bias = (torch.randn(s, device=dev).requires_grad_() for s in ((3,), (3, shape[-1])))
     out = kda_gate(g_raw, A_log, dt_bias, chunk_size=16, cumsum=cumsum)
     assert out.shape == shape and out.dtype == torch.float32
     grads = torch.autograd.grad(out.sum(), (g_raw, A_log, dt_bias))
     assert grads[0].shape == shape
-    assert torch.equal(grads[1], torch.zeros(3)) and torch.equal(grads[2], torch.zeros(3, shape[-1]))
+    assert not grads[1].any() and not grads[2].any() and grads[2].shape == dt_bias.shape
 
 
 # ---------------------------------------------------------------- AttnRes
@@ -379,16 +385,17 @@ def _identity(x):
 LAYOUTS = [transposed, sliced, misaligned]
 
 
-def grads_of(fn, leaves, layout):
+def grads_of(fn, leaves, layout, device="cpu"):
     """fn(*layout(leaves)) and the gradients of a fixed random projection of its outputs, at the leaves."""
-    xs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in leaves]
+    xs = [x.detach().to(device).requires_grad_(x.is_floating_point()) for x in leaves]
     viewed = [layout(x) for x in xs]
     if layout is not _identity:
         assert all(not v.is_contiguous() or v.data_ptr() % 16 for v in viewed if v.dim() > 1)
     outs = fn(*viewed)
     outs = [t for t in (outs if isinstance(outs, tuple) else (outs,)) if t is not None]
     gen = torch.Generator().manual_seed(7)
-    loss = sum((t.double() * torch.randn(t.shape, generator=gen, dtype=torch.float64)).sum() for t in outs)
+    loss = sum((t.double() * torch.randn(t.shape, generator=gen, dtype=torch.float64).to(device)).sum()
+               for t in outs)
     grads = torch.autograd.grad(loss, xs, allow_unused=True)   # m of a merge gets none
     return [t.detach() for t in outs] + [torch.zeros_like(x) if d is None else d for x, d in zip(xs, grads)]
 
@@ -402,9 +409,9 @@ def assert_same(path, want, got):
 
 
 def check_layouts(path, fn, leaves):
-    want = grads_of(fn, leaves, _identity)
+    want = grads_of(fn, leaves, _identity, device_of(path))
     for layout in LAYOUTS:
-        assert_same(path, want, grads_of(fn, leaves, layout))
+        assert_same(path, want, grads_of(fn, leaves, layout, device_of(path)))
 
 
 def test_chunk_kda_strided(path):
@@ -436,13 +443,14 @@ def test_fused_recurrent_kda_strided(path):
     g_raw = torch.randn(g.shape, generator=gen)
     check_layouts(path, gated, [q, k, v, g_raw, beta, h0, A_log, dt_bias])
     # the decode step: strided token inputs, the cached state dense (updated in place)
+    dev = device_of(path)
     with torch.no_grad():
         outs = []
         for layout in (_identity, *LAYOUTS):
-            state = h0.clone()
-            o, _ = fused_recurrent_kda(*map(layout, (q, k, v, g_raw, beta)), initial_state=state,
+            state = h0.to(dev, copy=True)
+            o, _ = fused_recurrent_kda(*(layout(x.to(dev)) for x in (q, k, v, g_raw, beta)), initial_state=state,
                                        inplace_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                       A_log=layout(A_log), dt_bias=layout(dt_bias))
+                                       A_log=layout(A_log.to(dev)), dt_bias=layout(dt_bias.to(dev)))
             outs.append((o, state))
     for got in outs[1:]:
         assert_same(path, outs[0], got)
@@ -481,7 +489,9 @@ def test_attnres_strided(path):
     m, l, o = (t[1].detach() for t in attnres_phase1(srcs, Q, Gn))
     check_layouts(path, merge, [m, l, o, part, Q[1], Gn[1], nw])
     # a stacked buffer whose slots are dense but not adjacent (every other slot of a larger one)
-    dense = grads_of(full_stacked, [torch.stack([srcs[0], srcs[2], srcs[1]]), Q[0], Gn[0]], _identity)
-    wide = grads_of(full_stacked, [torch.stack([*srcs, *srcs]), Q[0], Gn[0]], lambda x: x[::2] if x.dim() == 4 else x)
+    dev = device_of(path)
+    dense = grads_of(full_stacked, [torch.stack([srcs[0], srcs[2], srcs[1]]), Q[0], Gn[0]], _identity, dev)
+    wide = grads_of(full_stacked, [torch.stack([*srcs, *srcs]), Q[0], Gn[0]],
+                    lambda x: x[::2] if x.dim() == 4 else x, dev)
     assert_same(path, [dense[0], *dense[2:]], [wide[0], *wide[2:]])   # h, dquery, dgain
     assert_same(path, [dense[1], torch.zeros_like(dense[1])], [wide[1][::2], wide[1][1::2]])

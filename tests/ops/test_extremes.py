@@ -14,8 +14,9 @@ gradient by relative RMS error (k3cli.testing.relative_rms_error). Tolerances:
 - AttnRes: its one table (k3cli/ops/attnres/verify.py `tolerance`), which is stated against fp64 already.
 Inputs outside a dtype's range are not errors of the ops; where a true result exceeds fp16 (65504) the fp16
 result must be inf exactly there (`assert_fp16_overflow`), not NaN and not inf elsewhere.
-Kernel paths run under the interpreter (`triton` marker); the torch CPU training path (`torch_chunk_kda`,
-reach_checked False and True, after the torch gate) runs everywhere.
+Kernel paths run under the interpreter (`triton` marker) or on CUDA; the torch CPU training path
+(`torch_chunk_kda`, reach_checked False and True, after the torch gate) runs everywhere. bf16 cases (the
+interpreter is wrong for bf16) are the GPU tier (`gpu` marker), within the same tables as fp16.
 """
 import pytest
 import torch
@@ -33,8 +34,19 @@ from k3cli.testing import assert_close, relative_rms_error
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 FP16_MAX_ROUNDS_TO = 65520.0   # values at or above it round to inf in fp16
 FP32_TOL = {"chunk_kda": 2e-4, "torch_chunk": 2e-4, "torch_chunk_checked": 2e-4, "fused_recurrent_kda": 1e-5}
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
 FP32_ONLY = {torch.float32}
-BOTH = {torch.float32, torch.float16}
+BOTH = {torch.float32, torch.float16, torch.bfloat16}
+BF16_TOO = {torch.float32, torch.bfloat16}   # in fp16 out of range, in bf16 not
+
+
+def dtype_marks(dtype):
+    return [pytest.mark.gpu] if dtype == torch.bfloat16 else []
+
+
+def dtype_id(dtype):
+    return str(dtype).removeprefix("torch.")
 
 
 # ---------------------------------------------------------------- KDA
@@ -57,8 +69,9 @@ def kda_case(B=1, T=24, H=1, G=2, K=16, V=16, seed=0, gate=False, **edits):
 FP32_INPUTS = ("g", "initial_state", "A_log", "dt_bias")   # fp32 whatever the q / k / v dtype
 
 
-def cast(x, dtype):
-    return {n: t.to(torch.float32 if n in FP32_INPUTS and dtype != torch.float64 else dtype) for n, t in x.items()}
+def cast(x, dtype, device=DEVICE):
+    return {n: t.to(device, torch.float32 if n in FP32_INPUTS and dtype != torch.float64 else dtype)
+            for n, t in x.items()}
 
 
 def run_kda(fn, x, **kw):
@@ -66,7 +79,8 @@ def run_kda(fn, x, **kw):
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
     o, ht = fn(**leaves, output_final_state=True, **kw)
     gen = torch.Generator().manual_seed(123)
-    loss = sum((t.double() * torch.randn(t.shape, generator=gen, dtype=torch.float64)).sum() for t in (o, ht))
+    loss = sum((t.double() * torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.device)).sum()
+               for t in (o, ht))
     grads = torch.autograd.grad(loss, list(leaves.values()))
     return {"o": o.detach(), "ht": ht.detach(), **{f"d{n}": d for n, d in zip(leaves, grads)}}
 
@@ -135,9 +149,9 @@ KDA_CASES = [
     ("beta=1-g=0-same-k", dict(beta=_const(1.0), g=_const(0.0), k=lambda t: t[:, :1].expand_as(t).clone()), C16,
      FP32_ONLY),
     ("q*1e4", dict(q=_scale(1e4)), C16, BOTH),
-    ("q*1e-4", dict(q=_scale(1e-4)), C16, FP32_ONLY),
+    ("q*1e-4", dict(q=_scale(1e-4)), C16, BF16_TOO),
     ("k*1e-4", dict(k=_scale(1e-4)), C16, FP32_ONLY),
-    ("v*1e4", dict(v=_scale(1e4)), C16, FP32_ONLY),
+    ("v*1e4", dict(v=_scale(1e4)), C16, BF16_TOO),
     ("v*1e-4", dict(v=_scale(1e-4)), C16, BOTH),
     ("h0*1e4", dict(initial_state=_scale(1e4)), C16, FP32_ONLY),
     ("qk*1e4-l2norm", dict(q=_scale(1e4), k=_scale(1e4)), L2, FP32_ONLY),
@@ -152,9 +166,8 @@ def kda_params():
             for dtype in sorted(dtypes, key=str):
                 if dtype != torch.float32 and path not in KERNELS:
                     continue   # the torch path is trained in fp32 on CPU
-                marks = [pytest.mark.triton] if path in KERNELS else []
-                out.append(pytest.param(path, case, kw, dtype, marks=marks,
-                                        id=f"{name}-{path}-{str(dtype).removeprefix('torch.')}"))
+                marks = ([pytest.mark.triton] if path in KERNELS else []) + dtype_marks(dtype)
+                out.append(pytest.param(path, case, kw, dtype, marks=marks, id=f"{name}-{path}-{dtype_id(dtype)}"))
     return out
 
 
@@ -224,13 +237,14 @@ def gate_case(g=None, A_log=None):
     return (g_raw if g is None else g(g_raw)), (a if A_log is None else A_log(a)), bias
 
 
+HALF = {torch.float32, torch.float16}   # the gate's tests state no bf16 bound
 # (id, gate_case arguments, g_raw dtypes); fp16 with A_log = -20: d g_raw is below fp16's range
 # (test_kda_gate_fp16_gradient_underflows_to_zero)
 GATE_CASES = [
-    ("g_raw-pm1e4", dict(g=_saturating), BOTH),
-    ("g_raw+1e4", dict(g=_const(1e4)), BOTH),
-    ("g_raw-1e4", dict(g=_const(-1e4)), BOTH),
-    ("A_log+20", dict(A_log=_const(20.0)), BOTH),
+    ("g_raw-pm1e4", dict(g=_saturating), HALF),
+    ("g_raw+1e4", dict(g=_const(1e4)), HALF),
+    ("g_raw-1e4", dict(g=_const(-1e4)), HALF),
+    ("A_log+20", dict(A_log=_const(20.0)), HALF),
     ("A_log-20", dict(A_log=_const(-20.0)), FP32_ONLY),
     ("A_log+-20-g_raw-pm1e4", dict(g=_saturating, A_log=lambda a: torch.tensor([20.0, -20.0, 0.0]).double()),
      FP32_ONLY),
@@ -239,32 +253,34 @@ GATE_PATHS = [pytest.param("triton", marks=pytest.mark.triton), "reference"]
 
 
 @pytest.fixture(params=GATE_PATHS)
-def gate_path(request, monkeypatch):
+def gate_device(request, monkeypatch):
+    """The device of the implementation under test: the kernels' (interpreter or CUDA), or the CPU reference."""
     if request.param == "reference":
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    return request.param
+        return "cpu"
+    return DEVICE
 
 
-def run_gate(fn, g_raw, A_log, dt_bias):
-    leaves = [t.detach().clone().requires_grad_(True) for t in (g_raw, A_log, dt_bias)]
+def run_gate(fn, g_raw, A_log, dt_bias, device="cpu"):
+    leaves = [t.detach().to(device).requires_grad_(True) for t in (g_raw, A_log, dt_bias)]
     y = fn(*leaves)
-    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    return [y.detach(), *torch.autograd.grad((y.double() * dy).sum(), leaves)]
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(device)
+    return [t.cpu() for t in (y.detach(), *torch.autograd.grad((y.double() * dy).sum(), leaves))]
 
 
 def gate_params():
-    return [pytest.param(edits, dt, id=f"{name}-{str(dt).removeprefix('torch.')}") for name, edits, dtypes in GATE_CASES
+    return [pytest.param(edits, dt, id=f"{name}-{dtype_id(dt)}") for name, edits, dtypes in GATE_CASES
             for dt in sorted(dtypes, key=str)]
 
 
 @pytest.mark.parametrize("cumsum", [True, False], ids=["cumsum", "per-step"])
 @pytest.mark.parametrize("edits,dtype", gate_params())
-def test_kda_gate_extremes(gate_path, edits, dtype, cumsum):
+def test_kda_gate_extremes(gate_device, edits, dtype, cumsum):
     g_raw, A_log, dt_bias = gate_case(**edits)
     g_raw = g_raw.to(dtype)
     ref = run_gate(lambda a, b, c: ref_gate(a, b, c, cumsum), g_raw.double(), A_log, dt_bias)
     out = run_gate(lambda a, b, c: kda_gate(a, b, c, chunk_size=16, cumsum=cumsum), g_raw, A_log.float(),
-                   dt_bias.float())
+                   dt_bias.float(), gate_device)
     for name, a, b in zip(("g", "dg_raw", "dA_log", "ddt_bias"), out, ref):
         assert torch.isfinite(a).all(), f"{name} is not finite"
         assert_close(name, a, b, GATE_TOL[dtype], relative_rms_error)
@@ -275,11 +291,12 @@ def ref_gate(g_raw, A_log, dt_bias, cumsum):
     return chunk_local_cumsum(g, 16) if cumsum else g
 
 
-def test_kda_gate_fp16_gradient_underflows_to_zero(gate_path):
+def test_kda_gate_fp16_gradient_underflows_to_zero(gate_device):
     """A_log = -20 with fp16 g_raw: the true d g_raw (|x| < 2^-25) rounds to 0 in fp16, and so must the op's."""
     g_raw, A_log, dt_bias = gate_case(A_log=_const(-20.0))
     ref = run_gate(lambda a, b, c: ref_gate(a, b, c, True), g_raw.half().double(), A_log, dt_bias)
-    out = run_gate(lambda a, b, c: kda_gate(a, b, c, chunk_size=16), g_raw.half(), A_log.float(), dt_bias.float())
+    out = run_gate(lambda a, b, c: kda_gate(a, b, c, chunk_size=16), g_raw.half(), A_log.float(), dt_bias.float(),
+                   gate_device)
     assert ref[1].abs().max() < 2.0 ** -25 and ref[1].abs().max() > 0
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     for name, a, b in zip(("g", "dA_log", "ddt_bias"), out[:1] + out[2:], ref[:1] + ref[2:]):
@@ -288,7 +305,7 @@ def test_kda_gate_fp16_gradient_underflows_to_zero(gate_path):
 
 # ---------------------------------------------------------------- AttnRes
 def attnres_case(src=1.0, query=1.0, partial=None, zero_source=False, n=4, S=3, D=48):
-    srcs, p, q, g, nw = make_inputs(n, 2, 9, D, S)
+    srcs, p, q, g, nw = make_inputs(n, 2, 9, D, S, device=DEVICE)
     srcs = [s * src for s in srcs]
     if zero_source:
         srcs[1] = torch.zeros_like(srcs[1])
@@ -296,12 +313,12 @@ def attnres_case(src=1.0, query=1.0, partial=None, zero_source=False, n=4, S=3, 
 
 
 ATTNRES_CASES = [
-    ("src*1e4", dict(src=1e4), FP32_ONLY),
+    ("src*1e4", dict(src=1e4), BF16_TOO),
     ("src*1e-4", dict(src=1e-4), BOTH),
     ("query*1e4", dict(query=1e4), BOTH),
     ("query*1e-4", dict(query=1e-4), BOTH),
-    ("query*1e4-src*1e4", dict(query=1e4, src=1e4), FP32_ONLY),
-    ("partial*1e4", dict(partial=1e4), FP32_ONLY),
+    ("query*1e4-src*1e4", dict(query=1e4, src=1e4), BF16_TOO),
+    ("partial*1e4", dict(partial=1e4), BF16_TOO),
     ("partial*1e-4", dict(partial=1e-4), BOTH),
     ("zero-source", dict(zero_source=True), BOTH),
 ]
@@ -309,7 +326,7 @@ ATTNRES_CASES = [
 
 def attnres_params():
     # the partial source is the block form's only
-    return [pytest.param(case, form, dt, id=f"{name}-{form}-{str(dt).removeprefix('torch.')}")
+    return [pytest.param(case, form, dt, id=f"{name}-{form}-{dtype_id(dt)}", marks=dtype_marks(dt))
             for name, case, dtypes in ATTNRES_CASES for form in ("full", "full-stacked", "block")
             for dt in sorted(dtypes, key=str) if form == "block" or "partial" not in case]
 
