@@ -1,7 +1,8 @@
 """The `k3` command line: parse options, resolve the config, dispatch to plain functions.
 
 Exit codes: 0 ok, 1 a run of `k3 study` failed (the others finished and were reported), 2 bad input
-(config, data, arguments), 3 training stopped on a non-finite loss, 4 an equivalence check failed.
+(config, data, arguments), 3 training stopped on a non-finite loss, 4 an equivalence check failed,
+130 / 143 training stopped by SIGINT / SIGTERM (after a checkpoint of the step it reached).
 """
 
 from __future__ import annotations
@@ -310,7 +311,7 @@ def train(
 
     Several processes: `--nproc N`, or `torchrun --nproc-per-node N -m k3cli train ...` yourself."""
     from k3cli.report import TrainProgress, make_logger
-    from k3cli.train import TrainingStopped, check_parallel, require_wandb
+    from k3cli.train import TrainingInterrupted, TrainingStopped, check_parallel, require_wandb
     from k3cli.train import train as run_training
 
     world, rank = _torchrun_world()
@@ -366,6 +367,9 @@ def train(
         last = find_latest_checkpoint(run_dir) if run_dir.is_dir() else None
         fail(f"interrupted; last checkpoint: {last or 'none'}"
              + (f"; continue with --out {run_dir} --resume auto" if last else ""), code=130)
+    except TrainingInterrupted as e:   # a clean stop, not an error: the step's checkpoint is written
+        err_console.print(escape(f"{e}; continue with --out {run_dir} --resume auto"), highlight=False, emoji=False)
+        raise typer.Exit(e.code) from None
     except PeerFailed as e:   # rank 0 has printed why
         raise typer.Exit(e.code) from None
     except TrainingStopped as e:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +42,51 @@ class TrainingStopped(RuntimeError):
 
     code = 3
     on_every_rank = True
+
+
+class TrainingInterrupted(RuntimeError):
+    """Raised after SIGINT / SIGTERM once the step's checkpoint is written; `code` is 128 + the signal."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.code = 128 + signum
+
+
+class StopSignals:
+    """Once armed, SIGINT and SIGTERM only set a flag that the loop reads at each step's end, so
+    training stops after a checkpoint of that step; a second SIGINT raises KeyboardInterrupt at once.
+    Handlers are installed from the main thread only; `restore` puts the previous ones back."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._old: dict = {}
+
+    def arm(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+
+    def restore(self) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old)
+        self._old = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt   # the user insists; a checkpoint save in flight is atomic anyway
+        if self.signum is None:   # a repeated SIGTERM is ignored: scancel and torchrun may each send one
+            self.signum = signum
+
+    def poll(self, device: torch.device) -> int | None:
+        """The signal that stops training now, the same on every rank (any rank's signal stops all)."""
+        if not (par.is_distributed() and par.env_world_size() > 1):
+            return self.signum
+        seen = torch.tensor([self.signum == s for s in self.SIGNALS], dtype=torch.float32, device=device)
+        hit = [s for s, n in zip(self.SIGNALS, par.all_reduce_sum_(seen).tolist()) if n > 0]
+        if hit and self.signum is None:
+            self.signum = hit[0]
+        return hit[0] if hit else None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -204,11 +251,13 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
     mode, accum = check_parallel(cfg, par.env_world_size())
     owns_group = not par.is_distributed()
     info = par.init_distributed(device.type, single_process_group=mode != "none")
+    signals = StopSignals()
     try:
         if not info.is_main:
             log, progress = (lambda msg: None), None
-        return _train(cfg, run_dir, info, mode, accum, resume, log, progress, wandb_mode, stop_at)
+        return _train(cfg, run_dir, info, mode, accum, resume, log, progress, wandb_mode, stop_at, signals)
     finally:
+        signals.restore()
         if owns_group:
             par.destroy()
 
@@ -223,7 +272,7 @@ def _prepare(cfg: RunConfig, run_dir: Path, resuming: bool, log):
 
 
 def _train(cfg: RunConfig, run_dir: Path, info: par.DistInfo, mode: str, accum: int, resume: bool, log,
-           progress, wandb_mode: str, stop_at: int | None) -> TrainResult:
+           progress, wandb_mode: str, stop_at: int | None, signals: StopSignals) -> TrainResult:
     tc, device, main = cfg.train, info.device, info.is_main
     rank, world = info.rank, info.world_size
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -302,6 +351,7 @@ def _train(cfg: RunConfig, run_dir: Path, info: par.DistInfo, mode: str, accum: 
         progress.start(total=tc.steps, completed=step)
 
     moe = model.moe_layers()
+    signals.arm()   # from here a signal waits for the end of the step (before, Ctrl-C stops at once)
     while step < tc.steps:
         opt.zero_grad(set_to_none=True)
         # fp64 on the device, the same sums as adding Python floats
@@ -345,6 +395,7 @@ def _train(cfg: RunConfig, run_dir: Path, info: par.DistInfo, mode: str, accum: 
         if tc.time_limit_s > 0:
             out_of_time = par.broadcast_object(out_of_time)   # rank 0's clock stops every rank
         paused = stop_at is not None and step >= stop_at
+        stop_signal = signals.poll(device)
         speed.steps += 1
         if (tc.eval_every and step % tc.eval_every == 0) or last_step or out_of_time:
             val_loss = evaluate_loss(forward, val, device, autocast_dtype, module=model, rank=rank, world_size=world)
@@ -362,7 +413,7 @@ def _train(cfg: RunConfig, run_dir: Path, info: par.DistInfo, mode: str, accum: 
             wb.log(record, step=step)
         if progress is not None:
             progress.update(step, loss=loss_val, tokens_per_s=record.get("tokens_per_s"))
-        if (tc.ckpt_every and step % tc.ckpt_every == 0) or last_step or out_of_time or paused:
+        if (tc.ckpt_every and step % tc.ckpt_every == 0) or last_step or out_of_time or paused or stop_signal:
             extra = {"val_loss": val_loss, "train_loss": loss_val, "time_s": record["time_s"]}
             if mode == "none":
                 path = save_checkpoint(run_dir, step, model, opt, sched, loader.state_dict(), extra=extra)
@@ -370,6 +421,12 @@ def _train(cfg: RunConfig, run_dir: Path, info: par.DistInfo, mode: str, accum: 
                 path = save_dcp(run_dir, step, forward, opt, sched, loader.state_dict(), extra=extra)
             prune(run_dir, tc.keep_last, newest=path)
             log(f"checkpoint: {path}")
+        if stop_signal and not last_step:
+            name = signal.Signals(stop_signal).name
+            log(f"{name} received: stopped at step {step} after its checkpoint; resume with --resume auto")
+            if wb is not None:
+                wb.finish()
+            raise TrainingInterrupted(f"{name}: stopped at step {step}; checkpoint {path}", stop_signal)
         if out_of_time and not last_step:
             log(f"time limit of {tc.time_limit_s:.0f} s reached at step {step}; resume with --resume auto")
             break
