@@ -480,10 +480,12 @@ def _launch_torchrun(nproc: int, args: list[str], run_dir: Path) -> None:
         fail(f"rank {rank} {how}; every rank has stopped"
              + (f". Last complete checkpoint: {last}; continue with --out {run_dir} --resume auto" if last else ""),
              code=code if 0 < code < 128 else 1)
-    except (KeyboardInterrupt, SignalException):
+    except (KeyboardInterrupt, SignalException) as e:
+        # the ranks got the signal too and have stopped after a checkpoint; exit as they did (130 / 143)
+        sig = e.sigval if isinstance(e, SignalException) else signal.SIGINT
         last = find_latest_checkpoint(run_dir) if run_dir.is_dir() else None
-        fail(f"interrupted; last checkpoint: {last or 'none'}"
-             + (f"; continue with --out {run_dir} --resume auto" if last else ""), code=130)
+        fail(f"stopped by {signal.Signals(sig).name}; last checkpoint: {last or 'none'}"
+             + (f"; continue with --out {run_dir} --resume auto" if last else ""), code=128 + sig)
 
 
 @app.command("eval")

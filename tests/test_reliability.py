@@ -169,3 +169,23 @@ def test_kill_test_script_survives_random_sigkills(root):
                        timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all checks passed" in r.stdout
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_stops_every_rank_at_one_step(root):
+    """`k3 train --nproc 2`: torchrun passes the signal on, both ranks stop at the same step and write
+    one sharded checkpoint of it, the launcher exits 143 and the run resumes to the end."""
+    run, extra = root / "run-nproc", [*SIGNAL_RUN, "model.kda.backend=torch"]
+    proc = subprocess.Popen(train_cmd(root / "corpus", run, *extra)[:4] + ["--nproc", "2"]
+                            + train_cmd(root / "corpus", run, *extra)[4:], env=env(root / "cache"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_step(proc, run, 3)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err
+    stopped = steps_logged(run)[-1]
+    assert [s for s, _ in list_checkpoints(run)] == [stopped] and stopped < 60, err
+    assert find_latest_checkpoint(run) is not None
+    r = run_train(root, run, *extra, resume=True)
+    assert r.returncode == 0, r.stderr
+    assert steps_logged(run) == list(range(1, 61))
