@@ -81,6 +81,14 @@ _NUMPY_SAFE = [(getattr(np, "_core", None) or np.core).multiarray._reconstruct, 
                type(np.dtype(np.uint32))]
 
 
+def state_error(e: BaseException) -> str:
+    """Why torch.load(weights_only=True) refused a state file, in a few words."""
+    text = str(e).strip()
+    if "Weights only load failed" in text:  # torch's own message is a paragraph about its defaults
+        return "it holds pickled objects other than tensors and plain containers; refused, since loading them could run code"
+    return (text.splitlines() or [type(e).__name__])[0][:160]
+
+
 def _rng_state() -> dict:
     # numpy's key array is stored as a tensor so that state.pt loads with weights_only=True
     # (no pickled objects: a checkpoint from someone else cannot run code when loaded)
@@ -216,7 +224,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, s
         with torch.serialization.safe_globals(_NUMPY_SAFE):
             state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
-        raise CheckpointError(f"{path}: cannot read {STATE_FILE} ({str(e).strip().splitlines()[0][:160]})") from None
+        raise CheckpointError(f"{path}: cannot read {STATE_FILE} ({state_error(e)})") from None
     if optimizer is not None:
         if state["optimizer"] is None:
             raise CheckpointError(f"{path} holds no optimizer state")

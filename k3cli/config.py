@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,6 +162,8 @@ def read_yaml(path: Path) -> dict:
         raise ConfigError(f"cannot read config file {path}: not UTF-8 text") from None
     try:
         data = yaml.safe_load(text)
+    except (RecursionError, ValueError) as e:  # nesting past the stack; an int past Python's digit limit
+        raise ConfigError(f"malformed YAML in {path}: {_why(e)}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -196,6 +200,24 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _why(e: BaseException) -> str:
+    return "nested too deeply" if isinstance(e, RecursionError) else str(e).strip().split("\n")[0][:160]
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    # a hostile value (a 4000-digit int, a megabyte string) must not flood the one error line
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _one_line(msg: str) -> str:
+    # keys and names from files may hold control characters; the error stays one printable line
+    return re.sub(r"[\x00-\x1f\x7f]", lambda m: repr(m.group())[1:-1], msg)
+
+
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
@@ -207,7 +229,12 @@ def _coerce(value: Any, tp: Any, key: str, choices: tuple | None) -> Any:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif tp is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
+        try:
+            value = float(value) if ok else value
+        except OverflowError:
+            ok = False
+        if ok and not math.isfinite(value):
+            raise ConfigError(f"{key}: must be a finite number, got {value}")
     elif tp is str:
         # YAML 1.1 reads a bare off/on as a bool; for choice fields that mean 'off'/'on', take it back
         if isinstance(value, bool) and choices and ("off" if not value else "on") in choices:
@@ -216,10 +243,10 @@ def _coerce(value: Any, tp: Any, key: str, choices: tuple | None) -> Any:
     else:
         ok = True
     if not ok:
-        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {_short(value)}")
     if choices is not None and value not in choices:
         hint = _did_you_mean(value, choices)
-        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, choices))}{hint}")
+        raise ConfigError(f"{key}: {_short(value)} is not one of {', '.join(map(str, choices))}{hint}")
     return value
 
 
@@ -253,8 +280,8 @@ def _parse_set(expr: str) -> tuple[list[str], Any]:
         raise ConfigError(f"--set: malformed key '{key}' in '{expr}'")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        raise ConfigError(f"--set {key}: cannot parse value '{raw}' as YAML") from None
+    except (yaml.YAMLError, RecursionError, ValueError):
+        raise ConfigError(f"--set {key}: cannot parse value {_short(raw)} as YAML") from None
     # YAML 1.1 reads 1e-3 as a string; accept numeric-looking strings as floats
     if isinstance(value, str):
         try:
@@ -276,6 +303,13 @@ def load_config(preset: str | None = "k3-toy", config_file: str | None = None,
                 flags: dict[str, Any] | None = None) -> RunConfig:
     """Resolve a RunConfig: defaults < preset < config file < --set overrides < dedicated flags
     (`flags`, {"data.source": "...", ...}: values taken as given, not parsed as YAML) < --attnres."""
+    try:
+        return _load_config(preset, config_file, overrides, attnres, flags)
+    except ConfigError as e:
+        raise ConfigError(_one_line(str(e))) from None
+
+
+def _load_config(preset, config_file, overrides, attnres, flags) -> RunConfig:
     layers: list[tuple[dict, str]] = []
     if preset:
         path = resolve_preset(preset)

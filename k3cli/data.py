@@ -322,7 +322,11 @@ def load_tokenizer(run_dir: str | os.PathLike) -> Tokenizer:
     path = path if path.suffix == ".json" else path / "tokenizer.json"
     if not path.is_file():
         raise DataError(f"no tokenizer at {path}")
-    return _ready(Tokenizer.from_file(str(path)))
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises a bare Exception for a malformed file
+        raise DataError(f"cannot read tokenizer {path}: {(str(e).strip().splitlines() or ['malformed'])[0][:160]}") from None
+    return _ready(tok)
 
 
 # ---- encoding and packing -------------------------------------------------------------------------
@@ -473,14 +477,21 @@ def prepare_data(data_cfg, vocab_size: int, seq_len: int, cache_dir: str | os.Pa
     tok_path = root / "tokenizers" / f"{fp}.json"
     tokenizer_cached = tok_path.is_file()
     if tokenizer is not None:
-        same = tokenizer_cached and load_tokenizer(tok_path).to_str() == tokenizer.to_str()
+        try:
+            same = tokenizer_cached and load_tokenizer(tok_path).to_str() == tokenizer.to_str()
+        except DataError:  # a damaged cache entry: key the streams by the given tokenizer instead
+            same = False
         tok, tokenizer_cached = tokenizer, True
         if not same:  # token streams of another tokenizer must not share the cache entry
             fp = f"{fp}-{hashlib.sha256(tok.to_str().encode()).hexdigest()[:12]}"
     elif tokenizer_cached:
-        tok = load_tokenizer(tok_path)
-        say(f"tokenizer from cache {tok_path}")
-    else:
+        try:
+            tok = load_tokenizer(tok_path)
+            say(f"tokenizer from cache {tok_path}")
+        except DataError as e:  # a damaged cache entry is rebuilt, not trusted
+            say(f"{e}; training it again")
+            tokenizer_cached = False
+    if not tokenizer_cached:
         say(f"training byte-level BPE (vocab {vocab_size}) on the train split")
         tok = train_tokenizer(train, vocab_size, data_cfg.min_frequency)
         write_text_atomic(tok_path, tok.to_str())
@@ -492,7 +503,14 @@ def prepare_data(data_cfg, vocab_size: int, seq_len: int, cache_dir: str | os.Pa
         if not path.is_file():
             tokens_cached = False
             _save_npy(path, pack_documents(tok, split_docs, dtype, say, split))
-        streams[split] = np.load(path, mmap_mode="r")
+        try:
+            # allow_pickle=False: a planted object array is refused (unpickling could run code)
+            streams[split] = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            say(f"token cache {path} is unreadable ({str(e).strip()[:120]}); building it again")
+            tokens_cached = False
+            _save_npy(path, pack_documents(tok, split_docs, dtype, say, split))
+            streams[split] = np.load(path, mmap_mode="r", allow_pickle=False)
     if len(streams["train"]) < seq_len:
         raise DataError(f"the train split has {len(streams['train'])} tokens, fewer than train.seq_len "
                         f"({seq_len}); use more data or a shorter seq_len")

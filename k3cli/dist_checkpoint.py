@@ -57,6 +57,7 @@ from k3cli.checkpoint import (
     is_complete,
     list_checkpoints,
     load_checkpoint,
+    state_error,
 )
 
 __all__ = ["DCP_FORMAT", "DCP_METADATA", "SharedCheckpointError", "save_dcp", "load_dcp", "is_dcp", "is_dcp_complete",
@@ -279,7 +280,7 @@ def _read_state(path: Path) -> dict:
         with torch.serialization.safe_globals(_NUMPY_SAFE):
             return torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
-        raise CheckpointError(f"{path}: cannot read {STATE_FILE} ({str(e).strip().splitlines()[0][:160]})") from None
+        raise CheckpointError(f"{path}: cannot read {STATE_FILE} ({state_error(e)})") from None
 
 
 def _check_complete(path: Path, verify: bool, dcp_only: bool = False) -> None:
