@@ -161,6 +161,11 @@ def main() -> int:
         diff = [k for k in wa if k not in wb or not torch.equal(wa[k], wb[k])]
         if diff or wa.keys() != wb.keys():
             errors.append(f"final weights differ from the uninterrupted run: {diff[:5] or 'keys'}")
+    parent = run_dir / "checkpoints"
+    temps = [p.name for p in parent.iterdir() if ".tmp-" in p.name] if parent.is_dir() else []
+    # not violations (resume skips them) but disk the run never gets back
+    print(f"left behind: {len(temps)} temp folder(s) of killed saves, {len(incomplete(run_dir))} "
+          "half-deleted checkpoint folder(s) of killed prunes")
     for e in errors:
         print(f"VIOLATION: {e}")
     if kills < a.kills:
