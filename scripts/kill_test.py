@@ -17,6 +17,7 @@ import os
 import random
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -93,9 +94,10 @@ def main() -> int:
         print("the uninterrupted reference run failed")
         return 1
     times = [json.loads(line)["time_s"] for line in (ref_dir / "metrics.jsonl").read_text().splitlines()]
-    step_s = times[-1] / len(times)   # training-loop seconds per step, checkpoints included
-    # kill delays after a segment's first new step: on average the run gets to the end with the last kill
-    window = 2 * step_s * max(a.ckpt_every, a.steps / (a.kills + 1))
+    # the median step (checkpoints included): the first steps are slow warm-up, later ones set the pace
+    step_s = statistics.median(b - a for a, b in zip([0.0, *times], times))
+    # kill delays after a segment's first step line: about a step of progress each, so all kills land
+    window = step_s * max(a.ckpt_every, a.steps / (a.kills + 1))
     print(f"reference: {a.steps} steps in {time.time() - t0:.1f} s ({1e3 * step_s:.0f} ms per step); "
           f"kills at 0-{1e3 * window:.0f} ms after each segment's first step")
 
