@@ -215,7 +215,8 @@ def _short(value: Any, limit: int = 80) -> str:
 
 def _one_line(msg: str) -> str:
     # keys and names from files may hold control characters; the error stays one printable line
-    return re.sub(r"[\x00-\x1f\x7f]", lambda m: repr(m.group())[1:-1], msg)
+    # C0/C1 controls and the Unicode line/paragraph separators (str.splitlines breaks at \x85, \u2028 too)
+    return re.sub(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]", lambda m: repr(m.group())[1:-1], msg)
 
 
 def _type_name(tp: Any) -> str:

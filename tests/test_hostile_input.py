@@ -41,7 +41,9 @@ NASTY = ["nan", ".nan", "NaN", "-.inf", ".inf", "inf", "1e999", "-1e999", "9" * 
 SCALARS = st.one_of(
     st.sampled_from(NASTY), st.text(max_size=20),
     st.integers(min_value=-(10 ** 30), max_value=10 ** 30).map(str),
-    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+    # no subnormals: training in the same worker flushes them to zero (train.flush_denormals), which
+    # hypothesis refuses to draw under
+    st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=False).map(repr),
 )
 VALUES = st.recursive(SCALARS, lambda inner: st.one_of(
     st.lists(inner, max_size=4).map(lambda xs: "[" + ", ".join(xs) + "]"),
