@@ -141,26 +141,14 @@ def _is_temp(path: Path) -> bool:
 
 
 def is_dcp_complete(path: str | os.PathLike, verify: bool = True) -> bool:
-    """True when `path` has a DCP COMPLETE marker listing .metadata and state.pt, every listed file
-    has its size (and, with verify, its sha256), and `path` is not a save's temp folder."""
-    path = Path(path)
-    marker = _dcp_marker(path)
-    if _is_temp(path) or marker is None or not {DCP_METADATA, STATE_FILE} <= set(marker["files"]):
-        return False
-    for name, meta in marker["files"].items():
-        f = path / name
-        if not isinstance(meta, dict) or not f.is_file() or f.stat().st_size != meta.get("bytes"):
-            return False
-        if verify and _sha256(f) != meta.get("sha256"):
-            return False
-    return True
+    """True when `path` is a sharded checkpoint whose COMPLETE marker matches its files (sizes and,
+    with verify, sha256) and is not a save's temp folder; `checkpoint.is_complete` does the check."""
+    return _dcp_marker(Path(path)) is not None and is_complete(path, verify)
 
 
 def is_checkpoint_complete(path: str | os.PathLike, verify: bool = True) -> bool:
     """Complete in either format (single-process k3cli.checkpoint, or DCP), and not a temp folder."""
-    if is_dcp(path):
-        return is_dcp_complete(path, verify)
-    return not _is_temp(Path(path)) and is_complete(path, verify)
+    return is_complete(path, verify)
 
 
 def find_latest(run_dir: str | os.PathLike, verify: bool = True) -> Path | None:
