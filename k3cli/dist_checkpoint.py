@@ -135,11 +135,6 @@ def is_dcp(path: str | os.PathLike) -> bool:
     return _dcp_marker(path) is not None or (path / DCP_METADATA).is_file()
 
 
-def _is_temp(path: Path) -> bool:
-    # a save's temp folder may already hold its marker (a crash before the rename): never trusted
-    return TEMP_TAG in path.name
-
-
 def is_dcp_complete(path: str | os.PathLike, verify: bool = True) -> bool:
     """True when `path` is a sharded checkpoint whose COMPLETE marker matches its files (sizes and,
     with verify, sha256) and is not a save's temp folder; `checkpoint.is_complete` does the check."""
