@@ -27,10 +27,12 @@ from pathlib import Path
 import numpy as np
 import safetensors.torch
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 __all__ = ["CheckpointError", "save_checkpoint", "find_latest_checkpoint", "load_checkpoint",
-           "prune_checkpoints", "list_checkpoints", "is_complete"]
+           "prune_checkpoints", "list_checkpoints", "is_complete", "tensor_bytes", "check_free_space",
+           "write_failure"]
 
 MODEL_FILE, STATE_FILE, MARKER = "model.safetensors", "state.pt", "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -89,6 +91,46 @@ def state_error(e: BaseException) -> str:
     return (text.splitlines() or [type(e).__name__])[0][:160]
 
 
+def tensor_bytes(*states) -> int:
+    """Bytes of the tensors in nested dicts / lists / tuples, each tensor once (tied weights share
+    one), DTensors at their global size: what a checkpoint of them writes, headers and RNG aside."""
+    seen, total, todo = set(), 0, list(states)
+    while todo:
+        x = todo.pop()
+        if isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+        elif isinstance(x, torch.Tensor):
+            key = id(x) if type(x).__name__ == "DTensor" else (x.data_ptr(), x.nbytes)
+            if key not in seen:
+                seen.add(key)
+                total += x.numel() * x.element_size()
+    return total
+
+
+def check_free_space(folder: Path, need: int, final: Path) -> None:
+    """Raise CheckpointError before a save of `need` bytes into `folder` that cannot fit; silent
+    where the file system does not say how much is free."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return
+    if need > free:
+        raise CheckpointError(f"cannot write checkpoint {final}: not enough disk space (need {need / 1e6:.1f} MB, "
+                              f"{free / 1e6:.1f} MB free in {folder})")
+
+
+def write_failure(e: BaseException) -> str | None:
+    """Why a checkpoint write failed, in a few words, when an I/O error caused it (torch.save hides
+    it behind a RuntimeError, safetensors names its errno); None for any other error."""
+    cause = e if isinstance(e, OSError) else e.__context__ if isinstance(e.__context__, OSError) else None
+    if cause is not None:
+        return cause.strerror or str(cause)
+    code = re.search(r"os error (\d+)", str(e)) if isinstance(e, SafetensorError) else None
+    return os.strerror(int(code.group(1))) if code else None
+
+
 def _rng_state() -> dict:
     # numpy's key array is stored as a tensor so that state.pt loads with weights_only=True
     # (no pickled objects: a checkpoint from someone else cannot run code when loaded)
@@ -116,26 +158,45 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: nn.Module, opt
                     loader_state: dict | None = None, extra: dict | None = None) -> Path:
     """Write checkpoint `step` of `run_dir` atomically and return its folder.
 
-    Refuses (CheckpointError) to replace an existing `step_XXXXXXXX` folder: it may be the user's."""
+    Refuses (CheckpointError) to replace an existing `step_XXXXXXXX` folder: it may be the user's.
+    A write that fails (full disk, read-only folder) raises CheckpointError and removes its temp
+    folder; nothing else is touched. Where the disk says how much is free, a save that cannot fit
+    the model and optimizer tensors is refused before anything is written."""
     parent = Path(run_dir) / "checkpoints"
     final = parent / f"step_{step:08d}"
     if final.exists():
         raise CheckpointError(f"checkpoint {final} already exists; refusing to overwrite it")
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = parent / f"{final.name}.tmp-{os.getpid()}"
-    if tmp.exists():  # left by an earlier crashed save of this same process id: ours by name
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-
-    safetensors.torch.save_model(_unwrap(model), str(tmp / MODEL_FILE), metadata={"step": str(step)})
-    torch.save({
+    state = {
         "step": step,
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "loader": loader_state,
         "rng": _rng_state(),
         "extra": extra or {},
-    }, tmp / STATE_FILE)
+    }
+    tmp = parent / f"{final.name}.tmp-{os.getpid()}"
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        check_free_space(parent, tensor_bytes(_unwrap(model).state_dict(), state["optimizer"]), final)
+        if tmp.exists():  # left by an earlier crashed save of this same process id: ours by name
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        _write_files(tmp, step, model, state)
+        os.rename(tmp, final)
+        _fsync_dir(parent)
+    except (OSError, RuntimeError, SafetensorError) as e:
+        why = write_failure(e)
+        if why is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot write checkpoint {final}: {why}") from None
+    return final
+
+
+def _write_files(tmp: Path, step: int, model: nn.Module, state: dict) -> None:
+    safetensors.torch.save_model(_unwrap(model), str(tmp / MODEL_FILE), metadata={"step": str(step)})
+    with open(tmp / STATE_FILE, "wb") as f:  # a file object: torch.save then keeps the OSError as the cause
+        torch.save(state, f)
     files = {}
     for name in (MODEL_FILE, STATE_FILE):
         _fsync_file(tmp / name)
@@ -145,9 +206,6 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: nn.Module, opt
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)
-    os.rename(tmp, final)
-    _fsync_dir(parent)
-    return final
 
 
 def _marker(path: Path) -> dict | None:

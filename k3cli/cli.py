@@ -1,12 +1,14 @@
 """The `k3` command line: parse options, resolve the config, dispatch to plain functions.
 
 Exit codes: 0 ok, 1 a run of `k3 study` failed (the others finished and were reported), 2 bad input
-(config, data, arguments), 3 training stopped on a non-finite loss, 4 an equivalence check failed,
-130 / 143 training stopped by SIGINT / SIGTERM (after a checkpoint of the step it reached).
+(config, data, arguments) or a run directory that cannot be written (full disk, read-only), 3 training
+stopped on a non-finite loss, 4 an equivalence check failed, 130 / 143 training stopped by SIGINT /
+SIGTERM (after a checkpoint of the step it reached).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -376,6 +378,8 @@ def train(
         _fail_rank(str(e), e.code, every_rank=True)
     except (ConfigError, ValueError, FileNotFoundError) as e:  # DataError, CheckpointError are ValueErrors
         _fail_rank(str(e), 2, every_rank=getattr(e, "on_every_rank", False))
+    except OSError as e:   # a file the run writes (metrics, config, caches) on a full or read-only disk
+        _fail_rank(str(e), 2)
     except Exception as e:
         if world == 1:
             raise
@@ -385,7 +389,8 @@ def train(
         if progress is not None:
             progress.stop()
         if rank == 0 and run_dir.is_dir() and not any(run_dir.iterdir()):
-            run_dir.rmdir()  # failed before writing anything: leave no empty run behind
+            with contextlib.suppress(OSError):   # a read-only folder stays
+                run_dir.rmdir()  # failed before writing anything: leave no empty run behind
     if world > 1:
         from k3cli.parallel import destroy
 

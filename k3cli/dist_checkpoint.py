@@ -54,10 +54,13 @@ from k3cli.checkpoint import (
     _set_rng_state,
     _sha256,
     _unwrap,
+    check_free_space,
     is_complete,
     list_checkpoints,
     load_checkpoint,
     state_error,
+    tensor_bytes,
+    write_failure,
 )
 
 __all__ = ["DCP_FORMAT", "DCP_METADATA", "SharedCheckpointError", "save_dcp", "load_dcp", "is_dcp", "is_dcp_complete",
@@ -194,6 +197,11 @@ def save_dcp(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer=
     rank, world, _ = _group()
     parent = Path(run_dir) / "checkpoints"
     final = parent / f"step_{step:08d}"
+    optimizers = (optimizer,) if optimizer is not None else ()
+    model_sd, optim_sd = get_state_dict(model, optimizers)
+    state = {"model": model_sd}
+    if optimizer is not None:
+        state["optimizer"] = optim_sd
     error, tmp_name = None, None
     if rank == 0:
         if final.exists():
@@ -201,26 +209,28 @@ def save_dcp(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer=
         else:
             tmp_name = f"{final.name}{TEMP_TAG}{os.getpid()}-{time.time_ns()}"
             try:
-                (parent / tmp_name).mkdir(parents=True)
+                parent.mkdir(parents=True, exist_ok=True)
+                # global sizes: DCP writes each shard once and replicated tensors once
+                check_free_space(parent, tensor_bytes(state), final)
+                (parent / tmp_name).mkdir()
             except OSError as e:
-                error = f"{final}: cannot create its temp folder ({e})"
+                error = f"cannot write checkpoint {final}: {write_failure(e)}"
+            except CheckpointError as e:
+                error = str(e)
     # every rank learns rank 0's decision, so none raises alone and leaves the others waiting
     error, tmp_name = _broadcast((error, tmp_name))
     _raise_if(error)
     tmp = parent / tmp_name
 
-    optimizers = (optimizer,) if optimizer is not None else ()
-    model_sd, optim_sd = get_state_dict(model, optimizers)
-    state = {"model": model_sd}
-    if optimizer is not None:
-        state["optimizer"] = optim_sd
     try:
         with _single_process_ok():
             dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), no_dist=_no_dist())
     except dcp.CheckpointException as e:
-        # DCP hands every rank the failure of any rank; the temp folder stays, never listed
-        raise SharedCheckpointError(f"{final}: the save failed on rank(s) {sorted(e.failures)} "
-                              f"({_first_line(e)})") from None
+        # DCP hands every rank the failure of any rank; the temp folder is never listed
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise SharedCheckpointError(f"cannot write checkpoint {final}: the save failed on rank(s) "
+                                    f"{sorted(e.failures)} ({_first_line(e)})") from None
 
     rng, hashes, error = _rng_state(), {}, None
     try:
@@ -229,18 +239,22 @@ def save_dcp(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer=
         error = f"{final}: rank {rank} cannot read back its files ({e})"
     gathered = _all_gather((hashes, rng, loader_state, error))
     # the gather is the barrier: rank 0 is past it only once every rank has written and hashed
-    _raise_if(next((g[3] for g in gathered if g[3]), None))
+    error = next((g[3] for g in gathered if g[3]), None)
+    if error and rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _raise_if(error)
     if rank == 0:
         try:
             if any(g[2] != loader_state for g in gathered):
                 raise CheckpointError(f"{final}: the ranks' loader states differ; every rank must read "
                                       "the same global batches (shard_batch) for one saved loader state")
-            torch.save({
-                "step": step, "format": DCP_FORMAT, "world_size": world,
-                "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "loader": loader_state, "rng": rng, "rng_ranks": [g[1] for g in gathered],
-                "extra": extra or {}, "has_optimizer": optimizer is not None,
-            }, tmp / STATE_FILE)
+            with open(tmp / STATE_FILE, "wb") as f:  # a file object: torch.save then keeps the OSError as the cause
+                torch.save({
+                    "step": step, "format": DCP_FORMAT, "world_size": world,
+                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                    "loader": loader_state, "rng": rng, "rng_ranks": [g[1] for g in gathered],
+                    "extra": extra or {}, "has_optimizer": optimizer is not None,
+                }, f)
             files = {name: meta for g in gathered for name, meta in g[0].items()}
             files.update(_hash_files(tmp, sorted(n for n in os.listdir(tmp) if n not in files)))
             with open(tmp / MARKER, "w") as f:
@@ -250,8 +264,15 @@ def save_dcp(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer=
             _fsync_dir(tmp)
             os.rename(tmp, final)
             _fsync_dir(parent)
-        except (OSError, CheckpointError) as e:
+        except CheckpointError as e:
             error = str(e)
+        except (OSError, RuntimeError) as e:
+            why = write_failure(e)
+            if why is None:
+                raise
+            error = f"cannot write checkpoint {final}: {why}"
+        if error:
+            shutil.rmtree(tmp, ignore_errors=True)
     _raise_if(_broadcast(error))
     return final
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from k3cli import parallel as par
-from k3cli.checkpoint import list_checkpoints, save_checkpoint
+from k3cli.checkpoint import CheckpointError, list_checkpoints, save_checkpoint
 from k3cli.config import RunConfig, config_to_dict, dump_config, flatten, load_config
 from k3cli.data import load_tokenizer, prepare_data, save_tokenizer, write_text_atomic
 from k3cli.dist_checkpoint import SharedCheckpointError, find_latest, prune, resume_checkpoint, save_dcp
@@ -415,10 +415,15 @@ def _train(cfg: RunConfig, run_dir: Path, info: par.DistInfo, mode: str, accum: 
             progress.update(step, loss=loss_val, tokens_per_s=record.get("tokens_per_s"))
         if (tc.ckpt_every and step % tc.ckpt_every == 0) or last_step or out_of_time or paused or stop_signal:
             extra = {"val_loss": val_loss, "train_loss": loss_val, "time_s": record["time_s"]}
-            if mode == "none":
-                path = save_checkpoint(run_dir, step, model, opt, sched, loader.state_dict(), extra=extra)
-            else:   # every rank writes its shards
-                path = save_dcp(run_dir, step, forward, opt, sched, loader.state_dict(), extra=extra)
+            try:
+                if mode == "none":
+                    path = save_checkpoint(run_dir, step, model, opt, sched, loader.state_dict(), extra=extra)
+                else:   # every rank writes its shards
+                    path = save_dcp(run_dir, step, forward, opt, sched, loader.state_dict(), extra=extra)
+            except CheckpointError as e:   # save_dcp raises on every rank alike, so all can look together
+                last = find_latest(run_dir)
+                raise type(e)(f"{e}. Last complete checkpoint: {last or 'none'}; make room or fix the folder, "
+                              "then continue with --resume auto") from None
             prune(run_dir, tc.keep_last, newest=path)
             log(f"checkpoint: {path}")
         if stop_signal and not last_step:

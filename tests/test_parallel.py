@@ -373,10 +373,10 @@ def test_two_ranks_fsdp_ddp_checkpoints(tmp_path):
     # the marker appeared only after the slow rank had written its shard
     assert res[1]["marker_while_writing"] is False
     assert res[1]["marker_mtime"] >= res[1]["shard_mtime"]
-    # a save whose rank 1 fails: both ranks raise, nothing under the final name, the temp folder is skipped
+    # a save whose rank 1 fails: both ranks raise, nothing under the final name, the temp folder is removed
     assert all(r["failed_save_raised"] for r in res)
     assert not (tmp_path / "run" / "checkpoints" / "step_00000099").exists()
-    assert list((tmp_path / "run" / "checkpoints").glob("step_00000099.tmp-*"))
+    assert not list((tmp_path / "run" / "checkpoints").glob("step_00000099.tmp-*"))
     assert dc.find_latest(tmp_path / "run") == ckpt
 
     # 1-process checkpoints of both formats into 2-rank FSDP and DDP: weights, optimizer, schedule equal

@@ -1,23 +1,38 @@
 """Stopping and crashing: SIGINT / SIGTERM stop after a checkpoint of the step reached, SIGKILL at
 random moments never leaves a checkpoint that resume would load half-written, a diverging run
-stops with exit 3 and good weights on disk. Runs `python -m k3cli train` as subprocesses."""
+stops with exit 3 and good weights on disk, a full disk or a read-only run directory is one error
+line with the earlier checkpoints intact. Runs `python -m k3cli train` as subprocesses."""
 
+import contextlib
 import json
 import math
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from k3cli.checkpoint import find_latest_checkpoint, list_checkpoints
+from k3cli.checkpoint import (
+    CheckpointError,
+    find_latest_checkpoint,
+    is_complete,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+    tensor_bytes,
+)
+from k3cli.config import load_config
+from k3cli.dist_checkpoint import save_dcp
 from k3cli.testing import TINY_MODEL, TINY_TRAIN, write_corpus
-from k3cli.train import StopSignals
+from k3cli.train import StopSignals, build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 # long enough that a signal sent after step 3 lands well before the end; no periodic checkpoints
@@ -189,3 +204,139 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_step(root):
     r = run_train(root, run, *extra, resume=True)
     assert r.returncode == 0, r.stderr
     assert steps_logged(run) == list(range(1, 61))
+
+
+# ---- a full disk or a read-only run directory during a checkpoint ----------------------------------
+
+def test_a_save_that_cannot_fit_is_refused_before_writing(tmp_path, monkeypatch):
+    """Both formats: need = model + optimizer tensor bytes; nothing is written, earlier checkpoints stay."""
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    need = tensor_bytes(model.state_dict(), opt.state_dict())
+    assert need == 3 * 4 * (64 * 64 + 64) + 2 * 4   # weights, exp_avg, exp_avg_sq, two step counters
+    for save, name in ((save_checkpoint, "one"), (save_dcp, "dcp")):
+        run = tmp_path / name
+        first = save(run, 1, model, opt)
+        monkeypatch.setattr("k3cli.checkpoint.shutil.disk_usage", lambda p: SimpleNamespace(free=need // 2))
+        with pytest.raises(CheckpointError) as e:
+            save(run, 2, model, opt)
+        monkeypatch.undo()
+        assert f"need {need / 1e6:.1f} MB, {need // 2 / 1e6:.1f} MB free" in str(e.value), e.value
+        assert "\n" not in str(e.value)
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000001"] and is_complete(first)
+    assert tensor_bytes({"a": model.weight, "b": model.weight, "c": [model.bias]}) == 4 * (64 * 64 + 64)
+
+
+def limit_file_size(limit: int):
+    """preexec_fn: files past `limit` bytes fail with EFBIG (SIGXFSZ ignored, so write raises instead of killing)."""
+    import resource
+
+    def pre():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return pre
+
+
+@contextlib.contextmanager
+def read_only(folder: Path):
+    """`folder` read-only: chmod 0555, or as root (whom modes do not stop) a read-only bind mount."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        try:
+            yield "chmod 0555"
+        finally:
+            folder.chmod(0o755)
+        return
+    if subprocess.run(["mount", "--bind", str(folder), str(folder)], capture_output=True).returncode:
+        pytest.skip("running as root, and mount --bind is not allowed here")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(folder)], check=True, capture_output=True)
+        yield "read-only bind mount"
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+@contextlib.contextmanager
+def small_tmpfs(folder: Path, size: int):
+    """A tmpfs of `size` bytes mounted on `folder` (root only; skips elsewhere); unmounted after."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                                           capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def one_error_line(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    assert "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and r.stderr.strip().splitlines()[-1] == errors[0], r.stderr
+    return errors[0]
+
+
+def assert_intact_and_resumable(root: Path, run: Path, good: int) -> None:
+    """Checkpoint `good` is the newest complete one, no temp folder is left, and the run resumes to the end."""
+    last = find_latest_checkpoint(run)
+    assert last is not None and last.name == f"step_{good:08d}" and is_complete(last)
+    assert not [p for p in (run / "checkpoints").iterdir() if ".tmp-" in p.name]
+    load_checkpoint(last, build_model(load_config(str(run / "config.yaml"))), restore_rng=False)
+    r = run_train(root, run, resume=True)
+    assert r.returncode == 0, r.stderr
+    assert f"resumed from {last} at step {good}" in r.stdout + r.stderr
+    assert steps_logged(run) == list(range(1, 7))
+
+
+@pytest.fixture(scope="module")
+def paused(root):
+    """A run stopped at step 2 with its checkpoint, copied by each test."""
+    run = root / "paused"
+    r = subprocess.run(train_cmd(root / "corpus", run) + ["--until", "2"], env=env(root / "cache"),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return run
+
+
+def test_file_size_limit_during_a_checkpoint_is_one_error_line(root, paused, tmp_path):
+    """The state file passes the limit after the weights are written: EFBIG inside torch.save."""
+    run = tmp_path / "run"
+    shutil.copytree(paused, run)
+    limit = (paused / "checkpoints" / "step_00000002" / "model.safetensors").stat().st_size + 4096
+    r = subprocess.run(train_cmd(root / "corpus", run, resume=True), env=env(root / "cache"), capture_output=True,
+                       text=True, timeout=600, preexec_fn=limit_file_size(limit))
+    line = one_error_line(r)
+    assert "cannot write checkpoint" in line and "step_00000004: File too large" in line, line
+    assert "Last complete checkpoint: " + str(run / "checkpoints" / "step_00000002") in line, line
+    assert_intact_and_resumable(root, run, 2)
+
+
+def test_full_disk_is_refused_before_the_save_with_the_space_it_needs(root, paused, tmp_path):
+    """checkpoints/ on a tmpfs with room for a quarter of a checkpoint more."""
+    run = tmp_path / "run"
+    shutil.copytree(paused, run, ignore=shutil.ignore_patterns("checkpoints"))
+    ckpt = paused / "checkpoints" / "step_00000002"
+    size = sum(f.stat().st_size for f in ckpt.iterdir())
+    with small_tmpfs(run / "checkpoints", size + size // 4 + 3 * 4096):
+        shutil.copytree(ckpt, run / "checkpoints" / ckpt.name)
+        r = run_train(root, run, resume=True)
+        line = one_error_line(r)
+        assert re.search(r"step_00000004: not enough disk space \(need \d+\.\d MB, 0\.\d MB free in ", line), line
+        assert (run / "checkpoints" / ckpt.name).is_dir()
+        subprocess.run(["mount", "-o", f"remount,size={4 * size}", str(run / "checkpoints")], check=True)
+        assert_intact_and_resumable(root, run, 2)
+
+
+def test_read_only_run_directory_is_one_error_line(root, paused, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(paused, run)
+    with read_only(run / "checkpoints") as how:
+        line = one_error_line(run_train(root, run, resume=True))
+    assert "cannot write checkpoint" in line and "step_00000004" in line, (how, line)
+    with read_only(run) as how:   # nothing can be written: refused before training
+        line = one_error_line(run_train(root, run, resume=True))
+    assert str(run) in line, (how, line)
+    assert_intact_and_resumable(root, run, 2)
