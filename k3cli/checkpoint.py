@@ -8,13 +8,18 @@ Layout: `run_dir/checkpoints/step_{step:08d}/` holding
 A save goes into `step_XXXXXXXX.tmp-<pid>` beside the final folder, every file is fsynced, and one
 `os.rename` publishes it, so a crash leaves either a temp folder or nothing, never a half checkpoint
 under the final name. Readers trust only folders whose COMPLETE marker matches the files on disk.
-Nothing here deletes a checkpoint except `prune_checkpoints`, and it never removes the newest one.
+Nothing here deletes a checkpoint except `prune_checkpoints`, and it never removes the newest one;
+it renames a folder to `step_XXXXXXXX.deleting-<pid>` before deleting it, so a crash mid-delete
+leaves no half checkpoint under a step name either. `remove_leftovers` (called by every save and
+on resume) deletes what crashed saves and prunes of processes that are gone left behind, and
+publishes a temp folder that a crash left complete but not yet renamed.
 Multi-process runs write the sharded format of `k3cli.dist_checkpoint` into the same folders;
 `is_complete`, `find_latest_checkpoint` and `load_checkpoint` accept it too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -32,10 +37,13 @@ from torch import nn
 
 __all__ = ["CheckpointError", "save_checkpoint", "find_latest_checkpoint", "load_checkpoint",
            "prune_checkpoints", "list_checkpoints", "is_complete", "tensor_bytes", "check_free_space",
-           "write_failure"]
+           "write_failure", "remove_leftovers", "delete_checkpoint"]
 
 MODEL_FILE, STATE_FILE, MARKER = "model.safetensors", "state.pt", "COMPLETE"
+TEMP_TAG, DELETING_TAG = ".tmp-", ".deleting-"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
+# a save's temp folder (DCP adds a time stamp to the pid) or a pruned folder being deleted
+_LEFTOVER = re.compile(r"^step_\d{8,}\.(tmp|deleting)-(\d+)(?:-\d+)?$")
 
 
 class CheckpointError(ValueError):
@@ -178,6 +186,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: nn.Module, opt
     try:
         parent.mkdir(parents=True, exist_ok=True)
         check_free_space(parent, tensor_bytes(_unwrap(model).state_dict(), state["optimizer"]), final)
+        remove_leftovers(run_dir)
         if tmp.exists():  # left by an earlier crashed save of this same process id: ours by name
             shutil.rmtree(tmp)
         tmp.mkdir()
@@ -221,8 +230,12 @@ def is_complete(path: str | os.PathLike, verify: bool = True) -> bool:
     this format's two files, or a sharded checkpoint (`k3cli.dist_checkpoint`, format "dcp") with
     its DCP metadata and state.pt among them. A save's temp folder (`.tmp-` in its name) never is."""
     path = Path(path)
+    return TEMP_TAG not in path.name and _files_match(path, verify)
+
+
+def _files_match(path: Path, verify: bool) -> bool:
     marker = _marker(path)
-    if marker is None or ".tmp-" in path.name:
+    if marker is None:
         return False
     if marker.get("format") == "dcp":
         if not {".metadata", STATE_FILE} <= set(marker["files"]):
@@ -305,5 +318,55 @@ def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int, newest: Path |
     latest = Path(newest) if newest is not None else find_latest_checkpoint(run_dir)
     doomed = [p for p in complete[:-max(1, keep_last)] if p != latest]
     for p in doomed:
-        shutil.rmtree(p)
+        delete_checkpoint(p)
     return doomed
+
+
+def delete_checkpoint(path: Path) -> None:
+    """Delete a checkpoint folder: renamed out of the step names first, so a crash mid-delete leaves a
+    folder no reader lists, which `remove_leftovers` deletes later."""
+    doomed = path.with_name(f"{path.name}{DELETING_TAG}{os.getpid()}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed)
+
+
+def remove_leftovers(run_dir: str | os.PathLike) -> dict[Path, str]:
+    """Tidy what interrupted saves and prunes left in `run_dir/checkpoints`, each only when the
+    process named in it is gone (or is this one): a temp folder whose files match its COMPLETE
+    marker (a crash between the marker and the rename) is published under its step name when that
+    name is free; other temp folders and folders being deleted are deleted. Everything with another
+    name is left alone. Returns {folder: "published" | "deleted"}."""
+    parent = Path(run_dir) / "checkpoints"
+    done = {}
+    for path in sorted(parent.iterdir()) if parent.is_dir() else []:
+        m = _LEFTOVER.match(path.name)
+        if not m or not path.is_dir() or _saving_elsewhere(int(m.group(2))):
+            continue
+        if m.group(1) == "tmp" and _files_match(path, verify=True):
+            final = path.with_name(path.name.split(".")[0])
+            if not final.exists():
+                with contextlib.suppress(OSError):   # a read-only folder keeps it as it is
+                    os.rename(path, final)
+                    _fsync_dir(parent)
+                    done[path] = "published"
+        else:
+            shutil.rmtree(path, ignore_errors=True)   # a read-only folder keeps them
+            if not path.exists():
+                done[path] = "deleted"
+    return done
+
+
+def _saving_elsewhere(pid: int) -> bool:
+    """Whether process `pid`, named in a temp folder, may still be writing into it."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed process nobody has reaped yet still answers kill(pid, 0)
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True

@@ -47,6 +47,7 @@ from k3cli.checkpoint import (
     MARKER,
     MODEL_FILE,
     STATE_FILE,
+    TEMP_TAG,
     CheckpointError,
     _fsync_dir,
     _fsync_file,
@@ -55,9 +56,11 @@ from k3cli.checkpoint import (
     _sha256,
     _unwrap,
     check_free_space,
+    delete_checkpoint,
     is_complete,
     list_checkpoints,
     load_checkpoint,
+    remove_leftovers,
     state_error,
     tensor_bytes,
     write_failure,
@@ -68,7 +71,6 @@ __all__ = ["DCP_FORMAT", "DCP_METADATA", "SharedCheckpointError", "save_dcp", "l
            "load_full_model_state", "export_consolidated"]
 
 DCP_FORMAT, DCP_METADATA = "dcp", ".metadata"
-TEMP_TAG = ".tmp-"  # in the name of every save's temp folder, both formats
 
 
 def _group() -> tuple[int, int, bool]:
@@ -173,7 +175,7 @@ def prune(run_dir: str | os.PathLike, keep_last: int, newest: Path | None = None
         (p for p in reversed(complete) if is_checkpoint_complete(p, verify=True)), None)
     doomed = [p for p in complete[:-max(1, keep_last)] if p != latest]
     for p in doomed:
-        shutil.rmtree(p)
+        delete_checkpoint(p)
     return doomed
 
 
@@ -210,6 +212,7 @@ def save_dcp(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer=
             tmp_name = f"{final.name}{TEMP_TAG}{os.getpid()}-{time.time_ns()}"
             try:
                 parent.mkdir(parents=True, exist_ok=True)
+                remove_leftovers(run_dir)
                 # global sizes: DCP writes each shard once and replicated tensors once
                 check_free_space(parent, tensor_bytes(state), final)
                 (parent / tmp_name).mkdir()

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from k3cli import parallel as par
-from k3cli.checkpoint import CheckpointError, list_checkpoints, save_checkpoint
+from k3cli.checkpoint import CheckpointError, list_checkpoints, remove_leftovers, save_checkpoint
 from k3cli.config import RunConfig, config_to_dict, dump_config, flatten, load_config
 from k3cli.data import load_tokenizer, prepare_data, save_tokenizer, write_text_atomic
 from k3cli.dist_checkpoint import SharedCheckpointError, find_latest, prune, resume_checkpoint, save_dcp
@@ -315,6 +315,9 @@ def _train(cfg: RunConfig, run_dir: Path, info: par.DistInfo, mode: str, accum: 
 
     step, loss_val, val_loss, time_before = 0, float("nan"), None, 0.0
     if resume:
+        if main:
+            if removed := remove_leftovers(run_dir):
+                log("left by interrupted saves / prunes: " + ", ".join(f"{p.name} ({how})" for p, how in removed.items()))
         ckpt = find_latest(run_dir)
         if ckpt is None and par.broadcast_object(bool(list_checkpoints(run_dir))):
             raise SharedCheckpointError(f"{run_dir} has checkpoint folders but none verifies; nothing was changed. "

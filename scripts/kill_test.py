@@ -1,7 +1,8 @@
 """SIGKILL `k3 train` at random moments, resume it with `--resume auto` each time, and check that
 nothing a kill leaves behind is ever loaded: every resume names a complete checkpoint, no kill loses
-more than the checkpoint interval, metrics.jsonl holds each step once, and the final weights are
-bitwise those of an uninterrupted run of the same config.
+more than the checkpoint interval, metrics.jsonl holds each step once, the final weights are
+bitwise those of an uninterrupted run of the same config, and no folder a killed save or prune left
+in checkpoints/ survives the final resume.
 
     python scripts/kill_test.py [--kills 20] [--seed 0] [--steps 40] [--ckpt-every 2] [--work DIR]
 
@@ -62,11 +63,20 @@ def incomplete(run_dir: Path) -> set[Path]:
 def landed(run_dir: Path, pid: int, incomplete_before: set[Path]) -> str:
     """Where a kill of process `pid` landed, read from what it left in checkpoints/."""
     parent = run_dir / "checkpoints"
-    if parent.is_dir() and any(p.name.endswith(f".tmp-{pid}") for p in parent.iterdir()):
+    names = [p.name for p in parent.iterdir()] if parent.is_dir() else []
+    if any(n.endswith(f".tmp-{pid}") for n in names):
         return "checkpoint save"
-    if incomplete(run_dir) - incomplete_before:
+    if any(n.endswith(f".deleting-{pid}") for n in names) or incomplete(run_dir) - incomplete_before:
         return "prune"   # an old checkpoint half deleted
     return "step"
+
+
+def leftovers(run_dir: Path) -> list[str]:
+    """What killed saves and prunes left in checkpoints/: temp folders, folders being deleted,
+    step folders that do not verify."""
+    parent = run_dir / "checkpoints"
+    temps = [p.name for p in parent.iterdir() if ".tmp-" in p.name or ".deleting-" in p.name] if parent.is_dir() else []
+    return temps + [p.name for p in incomplete(run_dir)]
 
 
 def main() -> int:
@@ -163,11 +173,11 @@ def main() -> int:
         diff = [k for k in wa if k not in wb or not torch.equal(wa[k], wb[k])]
         if diff or wa.keys() != wb.keys():
             errors.append(f"final weights differ from the uninterrupted run: {diff[:5] or 'keys'}")
-    parent = run_dir / "checkpoints"
-    temps = [p.name for p in parent.iterdir() if ".tmp-" in p.name] if parent.is_dir() else []
-    # not violations (resume skips them) but disk the run never gets back
-    print(f"left behind: {len(temps)} temp folder(s) of killed saves, {len(incomplete(run_dir))} "
-          "half-deleted checkpoint folder(s) of killed prunes")
+    # resume skips them, but they are disk the run would never get back: the next save or resume tidies them
+    left = leftovers(run_dir)
+    print(f"left behind after the final resume: {len(left)} folder(s) of killed saves or prunes")
+    if left:
+        errors.append(f"folders of killed saves or prunes were not tidied: {left}")
     for e in errors:
         print(f"VIOLATION: {e}")
     if kills < a.kills:

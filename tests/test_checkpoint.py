@@ -1,8 +1,11 @@
 """Checkpoints: exact round trip (weights, tied weights, AdamW, LambdaLR, loader, RNG), atomicity
-under interrupted saves, corruption detection, no overwrite, pruning."""
+under interrupted saves, corruption detection, no overwrite, pruning, tidying what killed saves and
+prunes leave behind."""
 import json
 import random
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -19,6 +22,7 @@ from k3cli.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     prune_checkpoints,
+    remove_leftovers,
     save_checkpoint,
 )
 from k3cli.data import PackedLoader
@@ -159,6 +163,59 @@ def test_prune_never_deletes_newest_verified(tmp_path):
     (paths[1] / MODEL_FILE).write_bytes(bytes(data))
     prune_checkpoints(tmp_path, keep_last=1)
     assert paths[0].is_dir() and find_latest_checkpoint(tmp_path) == paths[0]
+
+
+def dead_pid() -> int:
+    """The id of a process that has exited (and been reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_leftovers_of_killed_saves_and_prunes_are_tidied(tmp_path):
+    model = setup()[0]
+    ckpts = tmp_path / "checkpoints"
+    good = save_checkpoint(tmp_path, 1, model)
+    dead, live = dead_pid(), subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        cut = shutil.copytree(good, ckpts / f"step_00000002.tmp-{dead}")   # killed while writing
+        (cut / MODEL_FILE).write_bytes(b"half")
+        unpublished = shutil.copytree(good, ckpts / f"step_00000003.tmp-{dead}-1234")   # killed before the rename
+        marker = json.loads((good / MARKER).read_text())
+        (unpublished / MARKER).write_text(json.dumps({**marker, "step": 3}))
+        taken = shutil.copytree(good, ckpts / f"step_00000001.tmp-{dead}")   # complete, but its step exists
+        shutil.copytree(good, ckpts / f"step_00000000.deleting-{dead}")   # a prune killed mid-delete
+        in_flight = shutil.copytree(cut, ckpts / f"step_00000004.tmp-{live.pid}")   # another process is saving
+        foreign = [shutil.copytree(cut, ckpts / name) for name in ("step_00000005.tmp-x", "step_00000006.unverified-1",
+                                                                   "backup.tmp-1", "step_00000007")]
+        done = remove_leftovers(tmp_path)
+    finally:
+        live.kill()
+        live.wait()
+    assert done == {ckpts / f"step_00000000.deleting-{dead}": "deleted", cut: "deleted", unpublished: "published"}
+    assert is_complete(ckpts / "step_00000003") and find_latest_checkpoint(tmp_path) == ckpts / "step_00000003"
+    assert all(p.is_dir() for p in [good, taken, in_flight, *foreign])
+    assert remove_leftovers(tmp_path) == {in_flight: "deleted"}   # its process has gone since
+
+
+def test_a_prune_killed_mid_delete_leaves_no_half_checkpoint(tmp_path, monkeypatch):
+    model = setup()[0]
+    paths = [save_checkpoint(tmp_path, s, model) for s in (1, 2, 3)]
+    real_rmtree = shutil.rmtree
+
+    def killed(path, *args, **kwargs):
+        (path / MODEL_FILE).unlink()   # part of the folder is gone when the kill lands
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("k3cli.checkpoint.shutil.rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        prune_checkpoints(tmp_path, keep_last=1)
+    monkeypatch.setattr("k3cli.checkpoint.shutil.rmtree", real_rmtree)
+    assert [p for _, p in list_checkpoints(tmp_path)] == paths[1:]   # no half folder under a step name
+    assert all(is_complete(p) for p in paths[1:])
+    save_checkpoint(tmp_path, 4, model)   # this process's own leftover: deleted by its next save
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step_00000002", "step_00000003", "step_00000004"]
 
 
 @pytest.mark.gpu
