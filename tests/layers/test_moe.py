@@ -223,3 +223,29 @@ def test_tiled_compiles_to_one_graph():
     x = torch.randn(2, 40, 16, dtype=torch.float64)
     explain = torch._dynamo.explain(lambda x: m(x).sum())(x)
     assert explain.graph_break_count == 0 and explain.graph_count == 1
+
+
+def test_gather_rows_and_gather_experts_match_indexing_with_gradients():
+    """The tiled dispatch's gathers (gradient by a second gather, weights by a one-hot product) against plain
+    indexing and its autograd, fp64: token rows each read twice plus zero rows, then the inverse direction."""
+    from k3cli.layers.moe import gather_experts, gather_rows
+    g = torch.Generator().manual_seed(0)
+    T, K, L = 5, 2, 3
+    perm = torch.randperm(T * K + 3, generator=g)             # 3 padding rows among the T·K slot rows
+    row_tok_S = perm[: T * K]
+    slot_PR = torch.full((T * K + 3,), T * K).scatter_(0, row_tok_S, torch.arange(T * K))
+    x = torch.randn(T, L, dtype=torch.float64, generator=g, requires_grad=True)
+    y = gather_rows(x, slot_PR // K, row_tok_S.view(T, K))
+    y_ref = torch.cat([x, x.new_zeros(1, L)])[slot_PR // K]
+    dy = torch.randn(y.shape, dtype=torch.float64, generator=g)
+    assert torch.equal(y, y_ref)
+    torch.testing.assert_close(torch.autograd.grad(y, x, dy)[0], torch.autograd.grad(y_ref, x, dy)[0],
+                               rtol=0, atol=1e-14)
+    z = gather_rows(y_ref.detach().requires_grad_(), row_tok_S, slot_PR[:, None])
+    assert torch.equal(z, y_ref[row_tok_S])
+    w = torch.randn(4, 2, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    idx = torch.tensor([0, 0, 2, 3, 3, 3])
+    dw = torch.randn(6, 2, 3, dtype=torch.float64, generator=g)
+    assert torch.equal(gather_experts(w, idx), w[idx])
+    torch.testing.assert_close(torch.autograd.grad(gather_experts(w, idx), w, dw)[0],
+                               torch.autograd.grad(w[idx], w, dw)[0], rtol=0, atol=1e-14)
