@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import sysconfig
 from collections.abc import Callable, Iterator
@@ -46,6 +47,10 @@ TXT_PIECE_BYTES = 8192  # a lone .txt corpus is cut at blank lines into pieces o
 # this size train on a sample (first 8 MiB of train documents in hash order) to keep startup short.
 TOKENIZER_FULL_MAX_BYTES = 20 * 2**20
 TOKENIZER_SAMPLE_BYTES = 8 * 2**20
+# BPE training merges within a word in time quadratic in its length (a 200 KB run of one letter took
+# 14 s, a 20 MB one never finished), so longer runs of non-space characters reach the trainer in
+# pieces of this size; the longest run in the stdlib's source is 1,170, so its tokenizer is unchanged
+TOKENIZER_MAX_RUN = 2048
 HUB_PROBE_TIMEOUT_S = 5.0
 _FORMAT = 1  # bump when the meaning of cached files changes
 
@@ -130,10 +135,34 @@ def _table_docs(path: Path, name: str, text_field: str) -> Iterator[tuple[str, s
     yield from _rows(ds, name, text_field)
 
 
+def _regular(path: Path) -> Path:
+    if not path.is_file():  # os.walk lists broken links, pipes and sockets too; reading a pipe would block
+        raise DataError(f"data.source: {path} is not a regular file (a broken link, a pipe or a device); "
+                        "remove it or point data.source elsewhere")
+    return path
+
+
+def _read_text(path: Path) -> str:
+    """A .txt file's text (invalid UTF-8 replaced), or a one-line DataError naming it."""
+    try:
+        return _regular(path).read_bytes().decode("utf-8", "replace")
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _is_blank(path: Path) -> bool:
+    """Whether a file holds nothing but whitespace; reads a real file only up to its first other byte."""
+    try:
+        with open(_regular(path), "rb") as f:
+            return not any(block.strip() for block in iter(lambda: f.read(1 << 16), b""))
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+
+
 def _file_docs(path: Path, name: str, text_field: str) -> Iterator[tuple[str, str]]:
     if path.suffix == ".txt":
-        yield name, path.read_bytes().decode("utf-8", "replace")
-    else:
+        yield name, _read_text(path)
+    elif not _is_blank(path):  # an empty table holds no documents, as an empty .txt does (datasets fails on it)
         yield from _table_docs(path, name, text_field)
 
 
@@ -156,12 +185,12 @@ def _path_docs(source: str, text_field: str) -> Iterator[tuple[str, str]]:
     if not path.exists():
         raise DataError(f"data.source: {source} does not exist (expected stdlib, hf:NAME, "
                         f"or a .txt/.jsonl/.parquet file or folder)")
-    if path.is_file():
+    if not path.is_dir():
         if path.suffix not in SUFFIXES:
             raise DataError(f"data.source: unsupported file type '{path.suffix or path.name}' ({source}); "
                             f"use a .txt, .jsonl or .parquet file or a folder of them")
         if path.suffix == ".txt":
-            yield from _split_text(path.read_bytes().decode("utf-8", "replace"), path.name)
+            yield from _split_text(_read_text(path), path.name)
         else:
             yield from _file_docs(path, path.name, text_field)
         return
@@ -283,6 +312,19 @@ def _tokenizer_sample(train: list[Document]) -> list[str]:
     return out
 
 
+def _bounded_runs(texts: list[str]) -> Iterator[str]:
+    """The texts, with each run of more than TOKENIZER_MAX_RUN non-space characters cut out of its
+    text and given as pieces of at most that length (a text without one is given whole)."""
+    long_run = re.compile(rf"\S{{{TOKENIZER_MAX_RUN + 1},}}")
+    for text in texts:
+        pos = 0
+        for m in long_run.finditer(text):
+            yield text[pos:m.start()]
+            yield from (m.group()[i:i + TOKENIZER_MAX_RUN] for i in range(0, len(m.group()), TOKENIZER_MAX_RUN))
+            pos = m.end()
+        yield text[pos:]
+
+
 def train_tokenizer(train: list[Document], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
     """Byte-level BPE with `<|endoftext|>` = id 0 and at most `vocab_size` tokens, trained on the train
     documents (all of them up to 20 MiB, else the first 8 MiB in hash order).
@@ -295,7 +337,7 @@ def train_tokenizer(train: list[Document], vocab_size: int, min_frequency: int =
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOT],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    texts = _tokenizer_sample(train)
+    texts = list(_bounded_runs(_tokenizer_sample(train)))
     tok.train_from_iterator(texts, trainer, length=len(texts))
     assert tok.token_to_id(EOT) == EOT_ID
     return _ready(tok)
