@@ -16,7 +16,7 @@ from torch import Tensor
 
 from k3cli.ops import launch
 from k3cli.ops.custom import absent, reference_vjp, triton_runs
-from k3cli.ops.kda.checks import check_kda_inputs
+from k3cli.ops.kda.checks import check_kda_inputs, check_tensor
 from k3cli.ops.kda.chunk_bwd import kda_bwd_intra, kda_bwd_state
 from k3cli.ops.kda.chunk_fwd import Intra, intra_buffers, kda_fwd_intra, kda_fwd_state, torch_allows_tf32
 from k3cli.ops.kda.torch_chunk import torch_chunk_kda
@@ -256,17 +256,191 @@ def _autograd_backward(ctx, do, dht, *_):
 chunk_kda_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
+# ---------------------------------------------------------------- variable-length sequences (cu_seqlens)
+class VarlenLayout(NamedTuple):
+    """Sequences of one flattened row moved so that each starts on a chunk: a chunk never spans two, the
+    intra-chunk kernels need no change, and only the state scans restart per sequence (`ctab`)."""
+    src: Tensor    # [T'] original token of each laid-out position; total_T (a zero row) in the gaps
+    dst: Tensor    # [total_T] laid-out position of each original token
+    ctab: Tensor   # int32 [T' / C]: sequence << 2 | (last chunk of it) << 1 | (first chunk of it)
+    n_seq: int
+
+
+def varlen_layout(cu: list[int], C: int, device) -> VarlenLayout:
+    """The chunk-aligned layout of the sequences [cu[i], cu[i+1]) for chunk size C (host arithmetic)."""
+    src, dst, ctab = [], [], []
+    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        n = -(-(b - a) // C)
+        dst.extend(range(len(src), len(src) + b - a))
+        src.extend(range(a, b))
+        src.extend([cu[-1]] * (n * C - (b - a)))
+        ctab.extend((i << 2) | ((j == n - 1) << 1) | (j == 0) for j in range(n))
+    as_long = lambda x: torch.tensor(x, dtype=torch.long).to(device, non_blocking=True)
+    return VarlenLayout(as_long(src), as_long(dst), torch.tensor(ctab, dtype=torch.int32).to(device), len(cu) - 1)
+
+
+def _lay_out(x: Tensor, lay: VarlenLayout) -> Tensor:
+    """[1, total_T, ...] -> [1, T', ...] in `lay`'s order, zeros in the gaps (q = k = v = 0, g = 0, β = 0: a gap
+    changes no state and its outputs are dropped)."""
+    return torch.cat([x[0], x.new_zeros(1, *x.shape[2:])])[lay.src][None]
+
+
+def _forward_varlen(q, k, v, g, beta, h0, cu: list[int], scale: float, C: int, output_final_state: bool):
+    """The Triton forward over chunk-aligned sequences: (o [1, total_T, HV, V], final states [N, HV, K, V])."""
+    lay = varlen_layout(cu, C, q.device)
+    q, k, v, g, beta = (_lay_out(x.contiguous(), lay) for x in (q, k, v, g, beta))
+    h0 = None if h0 is None else h0.contiguous()
+    launch.configure()
+    T, HV, V = v.shape[1], v.shape[2], v.shape[3]
+    p = plan(1, T, HV, q.shape[-1], V, C, v.dtype, v.is_cuda, torch_allows_tf32())
+    it = kda_fwd_intra(q, k, v, g, beta, scale, C, p, store_mkk=False)
+    o, ht, _, _ = kda_fwd_state(it, 1, T, HV, C, h0, p.scan_prec, v.dtype, output_final_state, ctab=lay.ctab,
+                                n_seq=lay.n_seq)
+    return o[:, lay.dst], ht
+
+
+def _backward_varlen(q, k, v, g, beta, h0, cu: list[int], do, dht, scale: float, C: int):
+    """The Triton backward over chunk-aligned sequences; stage 1 is recomputed (its buffers have the layout's
+    data-dependent length, so the forward op cannot return them)."""
+    lay = varlen_layout(cu, C, q.device)
+    q, k, v, g, beta, do = (_lay_out(x.contiguous(), lay) for x in (q, k, v, g, beta, do))
+    h0 = None if h0 is None else h0.contiguous()
+    dht = None if dht is None else dht.contiguous().float()
+    launch.configure()
+    _, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    p = plan(1, T, HV, K, V, C, v.dtype, v.is_cuda, torch_allows_tf32())
+    it = kda_fwd_intra(q, k, v, g, beta, scale, C, p, store_mkk=True)
+    _, _, h, vn = kda_fwd_state(it, 1, T, HV, C, h0, p.scan_prec, ctab=lay.ctab, n_seq=lay.n_seq)
+    dh, dvn, dh0 = kda_bwd_state(it, do, dht, 1, T, HV, C, h0 is not None, p.prec, ctab=lay.ctab,
+                                 n_seq=lay.n_seq)
+    dq, dk, dv, dg, dbeta = kda_bwd_intra(q, k, v, g, beta, do, it, (h, vn, dh, dvn), scale, C, p.prec)
+    if HV != H:
+        dq = dq.view(1, T, H, HV // H, K).sum(3).to(q.dtype)
+        dk = dk.view(1, T, H, HV // H, K).sum(3).to(k.dtype)
+    grads = (x[:, lay.dst].contiguous() for x in (dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype)))
+    return (*grads, absent(v) if dh0 is None else dh0)
+
+
+def torch_chunk_kda_varlen(q, k, v, g, beta, cu_seqlens, scale=None, initial_state=None, output_final_state=False,
+                           chunk_size=64, fn=torch_chunk_kda):
+    """The torch reference of the varlen call: `fn` (torch_chunk_kda, or naive_chunk_kda) on each sequence alone.
+    q .. beta [1, total_T, ...]; cu_seqlens [N + 1]; initial_state [N, HV, K, V] or None. Returns (o, final
+    states [N, HV, K, V] or None)."""
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    outs, states = [], []
+    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        h0 = None if initial_state is None else initial_state[i:i + 1]
+        o, ht = fn(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], scale=scale, initial_state=h0,
+                   output_final_state=True, chunk_size=chunk_size)
+        outs.append(o)
+        states.append(ht)
+    return torch.cat(outs, 1), torch.cat(states) if output_final_state else None
+
+
+@torch.library.custom_op("k3::chunk_kda_varlen", mutates_args=(), device_types=("cuda", "cpu"))
+def chunk_kda_varlen_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
+                        cu_seqlens: Tensor, scale: float, chunk_size: int,
+                        output_final_state: bool) -> tuple[Tensor, Tensor]:
+    """(o, final states [N, HV, K, V] or an empty fp32 tensor) of the sequences cu_seqlens cuts [1, total_T]
+    into; inputs as `chunk_kda`'s, already checked, gated and normed. cu_seqlens is read on the host."""
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    if triton_runs(q.device):
+        o, ht = _forward_varlen(q, k, v, g, beta, initial_state, cu, scale, chunk_size, output_final_state)
+    else:
+        o, ht = torch_chunk_kda_varlen(q, k, v, g, beta, cu_seqlens, scale, initial_state, output_final_state,
+                                       chunk_size)
+        o = o.contiguous()
+    return o, absent(v) if ht is None else ht.contiguous()
+
+
+@chunk_kda_varlen_op.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size, output_final_state):
+    N, HV, K, V = cu_seqlens.shape[0] - 1, v.shape[2], q.shape[-1], v.shape[3]
+    ht = torch.empty(N, HV, K, V, device=v.device, dtype=torch.float32) if output_final_state else absent(v)
+    return torch.empty_like(v, memory_format=torch.contiguous_format), ht
+
+
+@torch.library.custom_op("k3::chunk_kda_varlen_bwd", mutates_args=(), device_types=("cuda", "cpu"))
+def chunk_kda_varlen_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
+                            cu_seqlens: Tensor, do: Tensor, dht: Tensor | None, scale: float,
+                            chunk_size: int) -> _BWD_OUT:
+    """k3::chunk_kda_varlen's backward: (dq, dk, dv, dg, dbeta, dh0 [N, HV, K, V] or an empty fp32 tensor)."""
+    if triton_runs(q.device):
+        return _backward_varlen(q, k, v, g, beta, initial_state, [int(x) for x in cu_seqlens.tolist()], do, dht,
+                                scale, chunk_size)
+
+    def fwd(q, k, v, g, beta, h0):
+        return torch_chunk_kda_varlen(q, k, v, g, beta, cu_seqlens, scale, h0, True, chunk_size)
+    *grads, dh0 = reference_vjp(fwd, (q, k, v, g, beta, initial_state), (do, dht))
+    return (*grads, absent(v) if dh0 is None else dh0)
+
+
+@chunk_kda_varlen_bwd_op.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, chunk_size):
+    dh0 = absent(v) if initial_state is None else torch.empty_like(initial_state, memory_format=torch.contiguous_format)
+    return (*(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, g, beta)), dh0)
+
+
+def _setup_varlen(ctx, inputs, output):
+    q, k, v, g, beta, h0, cu_seqlens, scale, chunk_size, output_final_state = inputs
+    if not output_final_state:
+        ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, v, g, beta, h0, cu_seqlens)
+    ctx.scale, ctx.chunk_size, ctx.has_ht = scale, chunk_size, output_final_state
+
+
+def _varlen_autograd_backward(ctx, do, dht):
+    q, k, v, g, beta, h0, cu_seqlens = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(v)
+    dq, dk, dv, dg, dbeta, dh0 = chunk_kda_varlen_bwd_op(q, k, v, g, beta, h0, cu_seqlens, do,
+                                                         dht if ctx.has_ht else None, ctx.scale, ctx.chunk_size)
+    return dq, dk, dv, dg, dbeta, None if h0 is None else dh0, None, None, None, None
+
+
+chunk_kda_varlen_op.register_autograd(_varlen_autograd_backward, setup_context=_setup_varlen)
+
+
+def check_cu_seqlens(op: str, cu_seqlens, q: Tensor, initial_state, HV: int, V: int) -> None:
+    """cu_seqlens: int32 / int64, [N + 1], 0 = cu[0] < cu[1] < ... < cu[N] = total_T, with B = 1 inputs and an
+    initial_state of [N, HV, K, V]. Reads cu_seqlens (a device read when it lives on the GPU)."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"{op}: cu_seqlens must be a tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{op}: cu_seqlens dtype {cu_seqlens.dtype} must be torch.int32 or torch.int64")
+    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"{op}: cu_seqlens shape {tuple(cu_seqlens.shape)} must be [N + 1] with N >= 1")
+    batch, total, K = q.shape[0], q.shape[1], q.shape[-1]
+    if batch != 1:
+        raise ValueError(f"{op}: with cu_seqlens the inputs must be flattened to B = 1, got B = {batch}")
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or cu[-1] != total:
+        raise ValueError(f"{op}: cu_seqlens must start at 0 and end at total_T = {total}, got {cu[0]} .. {cu[-1]}")
+    if any(b <= a for a, b in zip(cu[:-1], cu[1:])):
+        raise ValueError(f"{op}: cu_seqlens must be strictly increasing (no empty sequences), got {cu}"[:300])
+    N = len(cu) - 1
+    if initial_state is not None:
+        check_tensor(op, "initial_state", initial_state, 4, q.device, (torch.float32,), ref="q")
+        if initial_state.shape != (N, HV, K, V):
+            raise ValueError(f"{op}: initial_state shape {tuple(initial_state.shape)} must be "
+                             f"(N, HV, K, V) = {(N, HV, K, V)} with cu_seqlens")
+
+
 def _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-              chunk_size):
-    check_kda_inputs("chunk_kda", q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias,
-                     lower_bound, same_dtype=True)
+              chunk_size, cu_seqlens=None):
+    check_kda_inputs("chunk_kda", q, k, v, g, beta, scale, None if cu_seqlens is not None else initial_state,
+                     use_gate_in_kernel, A_log, dt_bias, lower_bound, same_dtype=True)
+    if cu_seqlens is not None:
+        check_cu_seqlens("chunk_kda", cu_seqlens, q, initial_state, v.shape[2], v.shape[3])
     if chunk_size not in _CHUNK_SIZES:
         raise ValueError(f"chunk_kda: chunk_size={chunk_size} must be one of {_CHUNK_SIZES}")
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-              lower_bound=-5.0, chunk_size=64):
+              lower_bound=-5.0, chunk_size=64, cu_seqlens=None):
     """Chunked Kimi Delta Attention (docs/math.md §2.2) with Triton forward and backward, through the custom
     ops `k3::chunk_kda` / `k3::chunk_kda_bwd` (README.md, "Custom ops").
 
@@ -280,6 +454,10 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         initial_state: [B, HV, K, V] fp32 or None.
         use_qk_l2norm_in_kernel: L2-normalise q and k (eps 1e-6) before the recurrence. Without it the keys
             must keep β‖k‖² <= 2, else the state grows geometrically (in any dtype, the reference too).
+        cu_seqlens: int32 / int64 [N + 1], 0 = cu[0] < ... < cu[N] = T, or None: the B = 1 inputs hold N
+            independent sequences [cu[i], cu[i+1]); each starts from initial_state[i] (then [N, HV, K, V]) or
+            zeros and ends in its own final state (returned [N, HV, K, V]), as if run alone. Read on the host:
+            keep it on the CPU to spare a device read (README.md, "Variable-length sequences").
     Every tensor on q's device; any strides (dense copies are made once); B, T, H, HV, V >= 1: empty inputs,
     wrong ranks, shapes, dtypes or devices raise a ValueError naming the argument (README.md, "Input
     contract").
@@ -287,7 +465,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         o [B, T, HV, V] in v.dtype, final state [B, HV, K, V] fp32 (or None).
     """
     _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-              chunk_size)
+              chunk_size, cu_seqlens)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if use_qk_l2norm_in_kernel:
         # dense first: torch's reduction order (so the rounding) depends on the layout, the kernels' does not
@@ -297,6 +475,10 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         g = kda_gate(g, A_log, dt_bias, lower_bound=lower_bound, chunk_size=chunk_size, cumsum=False)
     # contiguous here, so that the copies (of the short convs' transposed outputs) are the ones saved
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if cu_seqlens is not None:
+        o, ht = chunk_kda_varlen_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size,
+                                    output_final_state)
+        return o, ht if output_final_state else None
     # Mkk is stored for the backward only: the op cannot see whether autograd will need one
     store_mkk = torch.is_grad_enabled() and any(x is not None and x.requires_grad
                                                 for x in (q, k, v, g, beta, initial_state))

@@ -425,6 +425,27 @@ def _scan_start(s0, i_bh, i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexp
     return b_s, p_state, m_kv
 
 
+@triton.jit
+def _varlen_restart(ctab, s0, b_s, i_n, p_state, m_kv, HVKV, FLAG: tl.constexpr, USE_S0: tl.constexpr):
+    """Variable-length scans: at a chunk whose `ctab` entry (sequence << 2 | last << 1 | first) has FLAG, the
+    carry restarts from that sequence's block of s0 [N, HV, K, V] (or zeros) instead of the previous chunk's."""
+    c = tl.load(ctab + i_n)
+    hit = (c & FLAG) != 0
+    if USE_S0:
+        b_new = tl.load(s0 + (c >> 2).to(tl.int64) * HVKV + p_state, mask=m_kv & hit, other=0.)
+    else:
+        b_new = tl.zeros_like(b_s)
+    return tl.where(hit, b_new, b_s)
+
+
+@triton.jit
+def _varlen_store(ctab, s1, b_s, i_n, p_state, m_kv, HVKV, FLAG: tl.constexpr):
+    """Variable-length scans: at a chunk whose `ctab` entry has FLAG, store the carry as its sequence's block
+    of s1 [N, HV, K, V]."""
+    c = tl.load(ctab + i_n)
+    tl.store(s1 + (c >> 2).to(tl.int64) * HVKV + p_state, b_s, mask=m_kv & ((c & FLAG) != 0))
+
+
 @fast_launch
 @triton.autotune(
     configs=pick_configs(STATE_CONFIGS),
@@ -432,13 +453,14 @@ def _scan_start(s0, i_bh, i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexp
     prune_configs_by={"early_config_prune": prune_state_configs},
 )
 @triton.jit
-def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, T, NT, NBH, N0, N1, L, SEG_STRIDE,
+def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, ctab, T, NT, NBH, N0, N1, L, SEG_STRIDE,
                           HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_O: tl.constexpr,
                           STORE_H: tl.constexpr, INTERPRET: tl.constexpr, PREC: tl.constexpr,
-                          KD_T: tl.constexpr):
-    """The state scan over chunks [N0, N1) from h0 (or zeros), storing the end state to ht."""
+                          KD_T: tl.constexpr, VARLEN: tl.constexpr):
+    """The state scan over chunks [N0, N1) from h0 (or zeros), storing the end state to ht. VARLEN (B = 1):
+    the chunks hold several sequences, each starting on a chunk (`ctab`), with h0 and ht [N, HV, K, V]."""
     i_v, i_bh, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     # The bounds and offsets keep the form of the kernel the H200 figures were measured on: a run of L chunks
@@ -453,14 +475,22 @@ def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, T, NT, NBH, N
         # the interpreter cannot take a runtime bound in range() with numpy >= 2.4
         i_n = n0
         while i_n < n1:
+            if VARLEN:
+                b_s = _varlen_restart(ctab, h0, b_s, i_n, p_state, m_kv, HV * K * V, 1, USE_H0)
             b_s = _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i_v, i_n, T, NT,
                                       HV, K, V, BT, BK, BV, STORE_O, STORE_H, PREC, KD_T)
+            if VARLEN and STORE_HT:
+                _varlen_store(ctab, ht, b_s, i_n, p_state, m_kv, HV * K * V, 2)
             i_n += 1
     else:
         for i_n in range(n0, n1):
+            if VARLEN:
+                b_s = _varlen_restart(ctab, h0, b_s, i_n, p_state, m_kv, HV * K * V, 1, USE_H0)
             b_s = _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i_v, i_n, T, NT,
                                       HV, K, V, BT, BK, BV, STORE_O, STORE_H, PREC, KD_T)
-    if STORE_HT:
+            if VARLEN and STORE_HT:
+                _varlen_store(ctab, ht, b_s, i_n, p_state, m_kv, HV * K * V, 2)
+    if STORE_HT and not VARLEN:
         if n1 == N1:
             tl.store(ht + p_state, b_s, mask=m_kv)
 
@@ -551,19 +581,21 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, plan, store_m
 
 def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_state, precision: str,
                   o_dtype: torch.dtype | None = None, output_final_state: bool = False,
-                  ranges: list[tuple[int, int]] | None = None, on_range=None):
+                  ranges: list[tuple[int, int]] | None = None, on_range=None, ctab=None, n_seq: int = 0):
     """Launch stage 2, one launch per chunk range (`ranges`, default all chunks; `on_range(n0, n1)` is called
     before each), each starting from the previous one's end state. With `o_dtype` the scan forms O; without
     it (the backward's re-scan) it stores the chunk start states S_n and pseudo-values Vn instead.
     Returns (o [B,T,HV,V] or None, final state [B,HV,K,V] fp32 or None, S_n [B*HV,NT,K,V] fp32 or None,
-    Vn [B*HV,NT*BT,V] fp32 or None)."""
+    Vn [B*HV,NT*BT,V] fp32 or None). With `ctab` (int32 [NT], B = 1, see `_varlen_restart`) the chunks hold
+    `n_seq` sequences: initial_state and the final state are [n_seq, HV, K, V], and `ranges` must be None."""
     K, V = it.w.shape[-1], it.u.shape[-1]
     BT = chunk_size
     NT = cdiv(T, BT)
     dev = it.w.device
     store_o = o_dtype is not None
     o = torch.empty(B, T, HV, V, device=dev, dtype=o_dtype) if store_o else None
-    ht = torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
+    ht = torch.empty(n_seq if ctab is not None else B, HV, K, V, device=dev, dtype=torch.float32) \
+        if output_final_state else None
     h = None if store_o else torch.empty(B * HV, NT, K, V, device=dev, dtype=torch.float32)
     vn = None if store_o else torch.empty(B * HV, NT * BT, V, device=dev, dtype=torch.float32)
     ranges = ranges or [(0, NT)]
@@ -577,10 +609,10 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
         # the forward scan loads K_d^T as a tile (scan alone 0.548 against 0.868 ms at B1 T16384 H16 K=V=128);
         # the re-scan keeps the register transpose (fwd+bwd 4.624 against 4.826 ms with the tile)
         _kda_fwd_state_kernel[lambda meta: (cdiv(V, meta["BV"]), B * HV)](
-            it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, s_in, s_out, h, vn, T, NT, next_pow2(B * HV), n0, n1,
-            n1 - n0, 0, HV=HV, K=K, V=V, BT=BT, BK=max(16, next_pow2(K)), USE_H0=s_in is not None,
+            it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, s_in, s_out, h, vn, ctab, T, NT, next_pow2(B * HV), n0,
+            n1, n1 - n0, 0, HV=HV, K=K, V=V, BT=BT, BK=max(16, next_pow2(K)), USE_H0=s_in is not None,
             STORE_HT=s_out is not None, STORE_O=store_o, STORE_H=not store_o, INTERPRET=interpreting(it.w),
-            PREC=precision, KD_T=store_o)
+            PREC=precision, KD_T=store_o, VARLEN=ctab is not None)
         if carry and dev.type == "cuda" and torch.cuda.current_stream(dev) not in streams:
             streams.append(torch.cuda.current_stream(dev))
         s_in = s_out

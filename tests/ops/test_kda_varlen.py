@@ -1,0 +1,148 @@
+"""chunk_kda with cu_seqlens: N sequences flattened into one B = 1 row, each as if run alone (its own initial
+and final state, every gradient), against chunk_kda on each sequence and the torch varlen reference.
+
+Layouts cover T = 1, T off the chunk, a boundary exactly on a chunk edge, several chunks per sequence and GVA.
+Under the interpreter (tiny shapes, fp32 and fp16); bf16 belongs to the GPU tier.
+"""
+import pytest
+import torch
+
+from k3cli.ops.kda import chunk_kda, naive_chunk_kda
+from k3cli.ops.kda.chunk import chunk_kda_varlen_op, torch_chunk_kda_varlen
+from k3cli.ops.kda.torch_chunk import torch_chunk_kda
+from k3cli.ops.kda.verify import TOL, rel_rms
+from k3cli.testing import assert_close, kda_inputs
+
+FP32_TOL = 2e-4   # chunk_kda's fp32 bound against the fp64 reference (tests/ops/test_extremes.py)
+NAMES = ("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+# (id, sequence lengths, chunk size, H, G)
+LAYOUTS = [
+    ("one-token", [1], 16, 1, 1),
+    ("15-16-17", [15, 16, 17], 16, 1, 2),
+    ("on-chunk-edges", [16, 32, 16], 16, 2, 1),
+    ("mixed", [1, 15, 16, 17, 64, 100], 16, 1, 2),
+    ("chunk32", [3, 40, 33], 32, 1, 1),
+]
+LONG = ("long", [300, 5, 1], 16, 1, 1)
+
+
+def cu_of(lens):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def run(fn, q, k, v, g, beta, h0, seed=7):
+    """fn's outputs and the gradients of a fixed random cotangent of (o, final states)."""
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+    o, ht = fn(*leaves)
+    gen = torch.Generator().manual_seed(seed)
+    do, dht = torch.randn(o.shape, generator=gen).to(o), torch.randn(ht.shape, generator=gen).to(ht)
+    grads = torch.autograd.grad((o.float() * do.float()).sum() + (ht * dht).sum(), leaves)
+    return dict(zip(NAMES, (o.detach(), ht.detach(), *grads)))
+
+
+def varlen_inputs(lens, H, G, dtype, K=16):
+    q, k, v, g, beta, _ = kda_inputs(1, sum(lens), H, G, K, K, dtype, "cpu")
+    h0 = torch.randn(len(lens), H * G, K, K, generator=torch.Generator().manual_seed(3))
+    return q, k, v, g, beta, h0
+
+
+def check_layout(lens, C, H, G, dtype):
+    cu = cu_of(lens)
+    x = varlen_inputs(lens, H, G, dtype)
+    packed = run(lambda *a: chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, chunk_size=C,
+                                      cu_seqlens=cu), *x)
+
+    def alone(q, k, v, g, beta, h0):
+        outs = [chunk_kda(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], initial_state=h0[i:i + 1],
+                          output_final_state=True, chunk_size=C)
+                for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist()))]
+        return torch.cat([o for o, _ in outs], 1), torch.cat([s for _, s in outs])
+    each = run(alone, *x)
+    ref = run(lambda *a: torch_chunk_kda_varlen(*a[:5], cu, initial_state=a[5], output_final_state=True,
+                                                chunk_size=C, fn=naive_chunk_kda),
+              *[t.double() for t in x])
+    for name in NAMES:
+        tol = FP32_TOL if dtype == torch.float32 else TOL[{"ht": "ht", "dh0": "dh0"}.get(name, name)]
+        assert_close(f"{name} vs each sequence alone", packed[name], each[name], tol, rel_rms)
+        assert_close(f"{name} vs the fp64 varlen reference", packed[name], ref[name], tol, rel_rms)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("lens,C,H,G", [pytest.param(*x[1:], id=x[0]) for x in LAYOUTS])
+def test_chunk_kda_varlen_equals_each_sequence_alone(lens, C, H, G, dtype):
+    check_layout(lens, C, H, G, dtype)
+
+
+@pytest.mark.triton
+def test_chunk_kda_varlen_long_sequence():
+    check_layout(*LONG[1:], torch.float32)
+
+
+@pytest.mark.triton
+def test_chunk_kda_varlen_without_states_and_with_the_gate():
+    """No initial state, no final state, the in-kernel gate and L2 norm: still each sequence alone."""
+    lens, C = [5, 20, 16], 16
+    cu = cu_of(lens)
+    q, k, v, g, beta, _ = varlen_inputs(lens, 1, 2, torch.float32)
+    A_log, dt_bias = torch.randn(2), torch.randn(2, 16)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, chunk_size=C)
+    o, ht = chunk_kda(q, k, v, g * 3, beta, cu_seqlens=cu, **kw)
+    assert ht is None
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        o1, _ = chunk_kda(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b] * 3, beta[:, a:b], **kw)
+        assert_close("o", o[:, a:b], o1, FP32_TOL, rel_rms)
+
+
+def test_torch_varlen_reference_matches_naive_fp64():
+    """The op's CPU path (torch_chunk_kda per sequence) against naive_chunk_kda per sequence, fp64."""
+    lens, C = [1, 15, 17, 40], 16
+    cu = cu_of(lens)
+    x = [t.double() for t in varlen_inputs(lens, 1, 2, torch.float32)]
+    fast = run(lambda *a: torch_chunk_kda_varlen(*a[:5], cu, initial_state=a[5], output_final_state=True,
+                                                 chunk_size=C, fn=torch_chunk_kda), *x)
+    ref = run(lambda *a: torch_chunk_kda_varlen(*a[:5], cu, initial_state=a[5], output_final_state=True,
+                                                chunk_size=C, fn=naive_chunk_kda), *x)
+    for name in NAMES:
+        assert_close(name, fast[name], ref[name], 1e-10, rel_rms)
+
+
+@pytest.mark.triton
+def test_varlen_custom_ops_pass_opcheck():
+    lens, C = [3, 17], 16
+    q, k, v, g, beta, h0 = varlen_inputs(lens, 1, 2, torch.float32)
+    args = [x.requires_grad_(True) for x in (q, k, v, g, beta, h0)]
+    torch.library.opcheck(chunk_kda_varlen_op, (*args, cu_of(lens), 0.25, C, True))
+
+
+def _bad(**over):
+    lens = [3, 5]
+    q, k, v, g, beta, h0 = varlen_inputs(lens, 1, 1, torch.float32)
+    kw = dict(cu_seqlens=cu_of(lens), initial_state=h0, chunk_size=16)
+    kw.update(over)
+    if "B" in kw:
+        q, k, v, g, beta = (torch.cat([x, x]) for x in (q, k, v, g, beta))
+        kw.pop("B")
+    return q, k, v, g, beta, kw
+
+
+BAD = [
+    ("float dtype", dict(cu_seqlens=torch.tensor([0.0, 3.0, 8.0])), "cu_seqlens dtype"),
+    ("not a tensor", dict(cu_seqlens=[0, 3, 8]), "cu_seqlens must be a tensor"),
+    ("2-D", dict(cu_seqlens=torch.tensor([[0, 3, 8]])), "cu_seqlens shape"),
+    ("one entry", dict(cu_seqlens=torch.tensor([0])), "cu_seqlens shape"),
+    ("not from 0", dict(cu_seqlens=torch.tensor([1, 3, 8])), "cu_seqlens must start at 0"),
+    ("not to T", dict(cu_seqlens=torch.tensor([0, 3, 7])), "end at total_T"),
+    ("empty sequence", dict(cu_seqlens=torch.tensor([0, 3, 3, 8])), "strictly increasing"),
+    ("decreasing", dict(cu_seqlens=torch.tensor([0, 5, 3, 8])), "strictly increasing"),
+    ("B = 2", dict(B=2), "B = 1"),
+    ("initial_state per row", dict(initial_state=torch.zeros(1, 1, 16, 16)), "initial_state shape"),
+]
+
+
+@pytest.mark.parametrize("over,match", [pytest.param(o, m, id=i) for i, o, m in BAD])
+def test_bad_cu_seqlens_is_one_value_error_naming_it(over, match):
+    q, k, v, g, beta, kw = _bad(**over)
+    with pytest.raises(ValueError, match=match) as e:
+        chunk_kda(q, k, v, g, beta, **kw)
+    assert "\n" not in str(e.value) and ("cu_seqlens" in str(e.value) or "initial_state" in str(e.value))
