@@ -266,17 +266,28 @@ class VarlenLayout(NamedTuple):
     n_seq: int
 
 
-def varlen_layout(cu: list[int], C: int, device) -> VarlenLayout:
-    """The chunk-aligned layout of the sequences [cu[i], cu[i+1]) for chunk size C (host arithmetic)."""
-    src, dst, ctab = [], [], []
-    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
-        n = -(-(b - a) // C)
-        dst.extend(range(len(src), len(src) + b - a))
-        src.extend(range(a, b))
-        src.extend([cu[-1]] * (n * C - (b - a)))
-        ctab.extend((i << 2) | ((j == n - 1) << 1) | (j == 0) for j in range(n))
-    as_long = lambda x: torch.tensor(x, dtype=torch.long).to(device, non_blocking=True)
-    return VarlenLayout(as_long(src), as_long(dst), torch.tensor(ctab, dtype=torch.int32).to(device), len(cu) - 1)
+def varlen_layout(cu_seqlens: Tensor, C: int, device) -> VarlenLayout:
+    """The chunk-aligned layout of the sequences [cu[i], cu[i+1]) for chunk size C, computed on the CPU with
+    vectorised ops (the training layers call it once per KDA layer and step). Empty sequences take no chunk."""
+    cu = cu_seqlens.to("cpu", torch.long)
+    lens = cu[1:] - cu[:-1]
+    chunks = (lens + C - 1) // C                                          # per sequence
+    first_chunk = torch.cumsum(chunks, 0) - chunks
+    total, NT = int(cu[-1]), int(chunks.sum())
+    seq_of_tok = torch.repeat_interleave(torch.arange(len(lens)), lens)
+    dst = torch.arange(total) + (first_chunk * C - cu[:-1])[seq_of_tok]   # laid-out position of each token
+    src = torch.full((NT * C,), total, dtype=torch.long).scatter_(0, dst, torch.arange(total))
+    seq_of_chunk = torch.repeat_interleave(torch.arange(len(lens)), chunks)
+    j = torch.arange(NT) - first_chunk[seq_of_chunk]
+    ctab = (seq_of_chunk << 2) | ((j == chunks[seq_of_chunk] - 1).long() << 1) | (j == 0).long()
+    return VarlenLayout(src.to(device, non_blocking=True), dst.to(device, non_blocking=True),
+                        ctab.to(device=device, dtype=torch.int32), len(lens))
+
+
+def _empty_sequences(cu_seqlens: Tensor) -> Tensor:
+    """Indices of the sequences with no token (their final state is their initial state)."""
+    cu = cu_seqlens.to("cpu", torch.long)
+    return torch.nonzero(cu[1:] == cu[:-1]).flatten()
 
 
 def _lay_out(x: Tensor, lay: VarlenLayout) -> Tensor:
@@ -285,7 +296,7 @@ def _lay_out(x: Tensor, lay: VarlenLayout) -> Tensor:
     return torch.cat([x[0], x.new_zeros(1, *x.shape[2:])])[lay.src][None]
 
 
-def _forward_varlen(q, k, v, g, beta, h0, cu: list[int], scale: float, C: int, output_final_state: bool):
+def _forward_varlen(q, k, v, g, beta, h0, cu: Tensor, scale: float, C: int, output_final_state: bool):
     """The Triton forward over chunk-aligned sequences: (o [1, total_T, HV, V], final states [N, HV, K, V])."""
     lay = varlen_layout(cu, C, q.device)
     q, k, v, g, beta = (_lay_out(x.contiguous(), lay) for x in (q, k, v, g, beta))
@@ -296,10 +307,13 @@ def _forward_varlen(q, k, v, g, beta, h0, cu: list[int], scale: float, C: int, o
     it = kda_fwd_intra(q, k, v, g, beta, scale, C, p, store_mkk=False)
     o, ht, _, _ = kda_fwd_state(it, 1, T, HV, C, h0, p.scan_prec, v.dtype, output_final_state, ctab=lay.ctab,
                                 n_seq=lay.n_seq)
+    empty = _empty_sequences(cu)
+    if ht is not None and len(empty):   # no chunk stored their end state: it is their start state
+        ht[empty.to(ht.device)] = 0. if h0 is None else h0[empty.to(h0.device)]
     return o[:, lay.dst], ht
 
 
-def _backward_varlen(q, k, v, g, beta, h0, cu: list[int], do, dht, scale: float, C: int):
+def _backward_varlen(q, k, v, g, beta, h0, cu: Tensor, do, dht, scale: float, C: int):
     """The Triton backward over chunk-aligned sequences; stage 1 is recomputed (its buffers have the layout's
     data-dependent length, so the forward op cannot return them)."""
     lay = varlen_layout(cu, C, q.device)
@@ -319,6 +333,9 @@ def _backward_varlen(q, k, v, g, beta, h0, cu: list[int], do, dht, scale: float,
         dq = dq.view(1, T, H, HV // H, K).sum(3).to(q.dtype)
         dk = dk.view(1, T, H, HV // H, K).sum(3).to(k.dtype)
     grads = (x[:, lay.dst].contiguous() for x in (dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype)))
+    empty = _empty_sequences(cu)
+    if dh0 is not None and len(empty):   # an empty sequence passes its final-state gradient straight through
+        dh0[empty.to(dh0.device)] = 0. if dht is None else dht[empty.to(dht.device)]
     return (*grads, absent(v) if dh0 is None else dh0)
 
 
@@ -331,6 +348,10 @@ def torch_chunk_kda_varlen(q, k, v, g, beta, cu_seqlens, scale=None, initial_sta
     outs, states = [], []
     for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
         h0 = None if initial_state is None else initial_state[i:i + 1]
+        if a == b:   # an empty sequence: its final state is its initial state
+            states.append(torch.zeros(1, *v.shape[2:3], q.shape[-1], v.shape[-1], dtype=torch.float32,
+                                      device=v.device) if h0 is None else h0)
+            continue
         o, ht = fn(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], scale=scale, initial_state=h0,
                    output_final_state=True, chunk_size=chunk_size)
         outs.append(o)
@@ -344,9 +365,8 @@ def chunk_kda_varlen_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
                         output_final_state: bool) -> tuple[Tensor, Tensor]:
     """(o, final states [N, HV, K, V] or an empty fp32 tensor) of the sequences cu_seqlens cuts [1, total_T]
     into; inputs as `chunk_kda`'s, already checked, gated and normed. cu_seqlens is read on the host."""
-    cu = [int(x) for x in cu_seqlens.tolist()]
     if triton_runs(q.device):
-        o, ht = _forward_varlen(q, k, v, g, beta, initial_state, cu, scale, chunk_size, output_final_state)
+        o, ht = _forward_varlen(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size, output_final_state)
     else:
         o, ht = torch_chunk_kda_varlen(q, k, v, g, beta, cu_seqlens, scale, initial_state, output_final_state,
                                        chunk_size)
@@ -367,8 +387,7 @@ def chunk_kda_varlen_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
                             chunk_size: int) -> _BWD_OUT:
     """k3::chunk_kda_varlen's backward: (dq, dk, dv, dg, dbeta, dh0 [N, HV, K, V] or an empty fp32 tensor)."""
     if triton_runs(q.device):
-        return _backward_varlen(q, k, v, g, beta, initial_state, [int(x) for x in cu_seqlens.tolist()], do, dht,
-                                scale, chunk_size)
+        return _backward_varlen(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, chunk_size)
 
     def fwd(q, k, v, g, beta, h0):
         return torch_chunk_kda_varlen(q, k, v, g, beta, cu_seqlens, scale, h0, True, chunk_size)
@@ -404,8 +423,9 @@ chunk_kda_varlen_op.register_autograd(_varlen_autograd_backward, setup_context=_
 
 
 def check_cu_seqlens(op: str, cu_seqlens, q: Tensor, initial_state, HV: int, V: int) -> None:
-    """cu_seqlens: int32 / int64, [N + 1], 0 = cu[0] < cu[1] < ... < cu[N] = total_T, with B = 1 inputs and an
-    initial_state of [N, HV, K, V]. Reads cu_seqlens (a device read when it lives on the GPU)."""
+    """cu_seqlens: int32 / int64, [N + 1], 0 = cu[0] <= cu[1] <= ... <= cu[N] = total_T, with B = 1 inputs and an
+    initial_state of [N, HV, K, V]. Reads cu_seqlens (a device read when it lives on the GPU), except while
+    torch.compile traces, where only its dtype and shape are checked."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise ValueError(f"{op}: cu_seqlens must be a tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -415,12 +435,13 @@ def check_cu_seqlens(op: str, cu_seqlens, q: Tensor, initial_state, HV: int, V: 
     batch, total, K = q.shape[0], q.shape[1], q.shape[-1]
     if batch != 1:
         raise ValueError(f"{op}: with cu_seqlens the inputs must be flattened to B = 1, got B = {batch}")
-    cu = cu_seqlens.tolist()
-    if cu[0] != 0 or cu[-1] != total:
-        raise ValueError(f"{op}: cu_seqlens must start at 0 and end at total_T = {total}, got {cu[0]} .. {cu[-1]}")
-    if any(b <= a for a, b in zip(cu[:-1], cu[1:])):
-        raise ValueError(f"{op}: cu_seqlens must be strictly increasing (no empty sequences), got {cu}"[:300])
-    N = len(cu) - 1
+    N = cu_seqlens.shape[0] - 1
+    if not torch.compiler.is_compiling():
+        cu = cu_seqlens.tolist()
+        if cu[0] != 0 or cu[-1] != total:
+            raise ValueError(f"{op}: cu_seqlens must start at 0 and end at total_T = {total}, got {cu[0]} .. {cu[-1]}")
+        if any(b < a for a, b in zip(cu[:-1], cu[1:])):
+            raise ValueError(f"{op}: cu_seqlens must be non-decreasing, got {cu}"[:300])
     if initial_state is not None:
         check_tensor(op, "initial_state", initial_state, 4, q.device, (torch.float32,), ref="q")
         if initial_state.shape != (N, HV, K, V):
