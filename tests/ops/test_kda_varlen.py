@@ -7,9 +7,10 @@ Under the interpreter (tiny shapes, fp32 and fp16); bf16 belongs to the GPU tier
 import pytest
 import torch
 
-from k3cli.ops.kda import chunk_kda, naive_chunk_kda
-from k3cli.ops.kda.chunk import chunk_kda_varlen_op, torch_chunk_kda_varlen
-from k3cli.ops.kda.torch_chunk import torch_chunk_kda
+from k3cli.ops.kda import chunk_kda
+from k3cli.ops.kda.chunk import chunk_kda_varlen_op
+from k3cli.ops.kda.naive import naive_chunk_kda_varlen
+from k3cli.ops.kda.torch_chunk import torch_chunk_kda_varlen
 from k3cli.ops.kda.verify import TOL, rel_rms
 from k3cli.testing import assert_close, kda_inputs
 
@@ -58,8 +59,8 @@ def check_layout(lens, C, H, G, dtype):
                 for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist()))]
         return torch.cat([o for o, _ in outs], 1), torch.cat([s for _, s in outs])
     each = run(alone, *x)
-    ref = run(lambda *a: torch_chunk_kda_varlen(*a[:5], cu, initial_state=a[5], output_final_state=True,
-                                                chunk_size=C, fn=naive_chunk_kda),
+    ref = run(lambda *a: naive_chunk_kda_varlen(*a[:5], cu, initial_state=a[5], output_final_state=True,
+                                                chunk_size=C),
               *[t.double() for t in x])
     for name in NAMES:
         tol = FP32_TOL if dtype == torch.float32 else TOL[{"ht": "ht", "dh0": "dh0"}.get(name, name)]
@@ -88,8 +89,8 @@ def test_empty_sequences_pass_their_state_through():
     x = varlen_inputs(lens, 1, 1, torch.float32)
     packed = run(lambda *a: chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, chunk_size=C,
                                       cu_seqlens=cu), *x)
-    ref = run(lambda *a: torch_chunk_kda_varlen(*a[:5], cu, initial_state=a[5], output_final_state=True,
-                                                chunk_size=C, fn=naive_chunk_kda), *[t.double() for t in x])
+    ref = run(lambda *a: naive_chunk_kda_varlen(*a[:5], cu, initial_state=a[5], output_final_state=True,
+                                                chunk_size=C), *[t.double() for t in x])
     for name in NAMES:
         assert_close(name, packed[name], ref[name], FP32_TOL, rel_rms)
     assert torch.equal(packed["ht"][1], x[5][1]) and torch.equal(packed["ht"][4], x[5][4])
@@ -110,15 +111,17 @@ def test_chunk_kda_varlen_without_states_and_with_the_gate():
         assert_close("o", o[:, a:b], o1, FP32_TOL, rel_rms)
 
 
-def test_torch_varlen_reference_matches_naive_fp64():
-    """The op's CPU path (torch_chunk_kda per sequence) against naive_chunk_kda per sequence, fp64."""
-    lens, C = [1, 15, 17, 40], 16
+@pytest.mark.parametrize("lens", [[1, 15, 17, 40], [7, 0, 33, 0]], ids=["mixed", "with-empty"])
+def test_torch_varlen_matches_the_per_sequence_oracle_fp64(lens):
+    """The op's CPU path and the model's CPU path (torch_chunk_kda on a zero-padded batch of the sequences)
+    against naive_chunk_kda on each sequence alone, fp64: outputs, final states, all gradients."""
+    C = 16
     cu = cu_of(lens)
     x = [t.double() for t in varlen_inputs(lens, 1, 2, torch.float32)]
     fast = run(lambda *a: torch_chunk_kda_varlen(*a[:5], cu, initial_state=a[5], output_final_state=True,
-                                                 chunk_size=C, fn=torch_chunk_kda), *x)
-    ref = run(lambda *a: torch_chunk_kda_varlen(*a[:5], cu, initial_state=a[5], output_final_state=True,
-                                                chunk_size=C, fn=naive_chunk_kda), *x)
+                                                 chunk_size=C), *x)
+    ref = run(lambda *a: naive_chunk_kda_varlen(*a[:5], cu, initial_state=a[5], output_final_state=True,
+                                                chunk_size=C), *x)
     for name in NAMES:
         assert_close(name, fast[name], ref[name], 1e-10, rel_rms)
 

@@ -19,7 +19,7 @@ from k3cli.ops.custom import absent, reference_vjp, triton_runs
 from k3cli.ops.kda.checks import check_kda_inputs, check_tensor
 from k3cli.ops.kda.chunk_bwd import kda_bwd_intra, kda_bwd_state
 from k3cli.ops.kda.chunk_fwd import Intra, intra_buffers, kda_fwd_intra, kda_fwd_state, torch_allows_tf32
-from k3cli.ops.kda.torch_chunk import torch_chunk_kda
+from k3cli.ops.kda.torch_chunk import torch_chunk_kda, torch_chunk_kda_varlen
 from k3cli.ops.norm import l2norm
 
 _CHUNK_SIZES = (16, 32, 64)
@@ -337,26 +337,6 @@ def _backward_varlen(q, k, v, g, beta, h0, cu: Tensor, do, dht, scale: float, C:
     if dh0 is not None and len(empty):   # an empty sequence passes its final-state gradient straight through
         dh0[empty.to(dh0.device)] = 0. if dht is None else dht[empty.to(dht.device)]
     return (*grads, absent(v) if dh0 is None else dh0)
-
-
-def torch_chunk_kda_varlen(q, k, v, g, beta, cu_seqlens, scale=None, initial_state=None, output_final_state=False,
-                           chunk_size=64, fn=torch_chunk_kda):
-    """The torch reference of the varlen call: `fn` (torch_chunk_kda, or naive_chunk_kda) on each sequence alone.
-    q .. beta [1, total_T, ...]; cu_seqlens [N + 1]; initial_state [N, HV, K, V] or None. Returns (o, final
-    states [N, HV, K, V] or None)."""
-    cu = [int(x) for x in cu_seqlens.tolist()]
-    outs, states = [], []
-    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
-        h0 = None if initial_state is None else initial_state[i:i + 1]
-        if a == b:   # an empty sequence: its final state is its initial state
-            states.append(torch.zeros(1, *v.shape[2:3], q.shape[-1], v.shape[-1], dtype=torch.float32,
-                                      device=v.device) if h0 is None else h0)
-            continue
-        o, ht = fn(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], scale=scale, initial_state=h0,
-                   output_final_state=True, chunk_size=chunk_size)
-        outs.append(o)
-        states.append(ht)
-    return torch.cat(outs, 1), torch.cat(states) if output_final_state else None
 
 
 @torch.library.custom_op("k3::chunk_kda_varlen", mutates_args=(), device_types=("cuda", "cpu"))

@@ -175,3 +175,25 @@ def naive_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fin
         S = gam[:, :, i].transpose(-1, -2).exp() * S + kd[:, :, i].transpose(-1, -2) @ vn
     o = torch.stack(outs, dim=2).permute(0, 2, 3, 1, 4).reshape(B, n * C, HV, V)[:, :T]
     return o.to(v.dtype if v.dtype != wd else wd), (S if output_final_state else None)
+
+
+def naive_chunk_kda_varlen(q, k, v, g, beta, cu_seqlens, scale=None, initial_state=None, output_final_state=False,
+                           chunk_size=64, fn=None):
+    """The varlen oracle: `fn` (default naive_chunk_kda; any chunked KDA of the same signature) on each sequence
+    alone, in turn.
+    q .. beta [1, total_T, ...]; cu_seqlens [N + 1]; initial_state [N, HV, K, V] or None. Returns (o, final
+    states [N, HV, K, V] or None)."""
+    fn = fn or naive_chunk_kda
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    outs, states = [], []
+    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        h0 = None if initial_state is None else initial_state[i:i + 1]
+        if a == b:   # an empty sequence: its final state is its initial state
+            states.append(torch.zeros(1, *v.shape[2:3], q.shape[-1], v.shape[-1], dtype=torch.float32,
+                                      device=v.device) if h0 is None else h0)
+            continue
+        o, ht = fn(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], scale=scale, initial_state=h0,
+                   output_final_state=True, chunk_size=chunk_size)
+        outs.append(o)
+        states.append(ht)
+    return torch.cat(outs, 1), torch.cat(states) if output_final_state else None

@@ -86,3 +86,35 @@ def torch_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fin
     o = P @ torch.stack(states, dim=2) + Aqk @ U                           # (B, HV, n, C, V)
     o = o.permute(0, 2, 3, 1, 4).reshape(B, n * C, HV, V)[:, :T]
     return o.to(v.dtype if v.dtype != wd else wd), (S if output_final_state else None)
+
+
+def torch_chunk_kda_varlen(q, k, v, g, beta, cu_seqlens, scale=None, initial_state=None, output_final_state=False,
+                           chunk_size=64, reach_checked=False):
+    """`torch_chunk_kda` over the sequences cu_seqlens cuts the B = 1 row into, batched: each non-empty sequence
+    becomes a row of a [N, L_max] batch, zero-padded at its end. A padding token (q = k = v = 0, β = 0, g = 0)
+    neither writes nor decays the state, so outputs and final states are each sequence's alone (checked
+    against the per-sequence oracle `naive_chunk_kda_varlen`). Returns (o [1, total_T, HV, V], final states
+    [N, HV, K, V] or None); empty sequences keep their initial state."""
+    cu = cu_seqlens.to("cpu", torch.long)
+    lens = cu[1:] - cu[:-1]
+    N, HV, K, V = len(lens), v.shape[2], q.shape[-1], v.shape[-1]
+    live = torch.nonzero(lens > 0).flatten()
+    L = int(lens.max())
+    # token j of live sequence i sits at row i, column j of the batch
+    row = torch.repeat_interleave(torch.arange(len(live)), lens[live])
+    col = torch.arange(int(cu[-1])) - cu[:-1][live][row]
+    pos = (row * L + col).to(q.device)
+
+    def batch(x):
+        out = x.new_zeros(len(live) * L, *x.shape[2:])
+        return out.index_copy(0, pos, x[0]).view(len(live), L, *x.shape[2:])
+    h0 = None if initial_state is None else initial_state[live.to(initial_state.device)]
+    o, ht = torch_chunk_kda(*(batch(x) for x in (q, k, v, g, beta)), scale=scale, initial_state=h0,
+                            output_final_state=output_final_state, chunk_size=chunk_size,
+                            reach_checked=reach_checked)
+    o = o.reshape(len(live) * L, HV, V)[pos][None]
+    if not output_final_state:
+        return o, None
+    states = (torch.zeros(N, HV, K, V, dtype=ht.dtype, device=ht.device) if initial_state is None
+              else initial_state.to(ht.dtype).clone())
+    return o, states.index_copy(0, live.to(ht.device), ht)
