@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from k3cli.config import ConfigError, dump_config, load_config
+from k3cli.config import MAX_STEPS, ConfigError, dump_config, load_config
 
 app = typer.Typer(
     name="k3",
@@ -238,8 +238,8 @@ def bench_train_cmd(
     attnres: AttnResOpt = None,
     batch: Annotated[Optional[int], typer.Option(min=1, help="Sequences per step (default: train.micro_batch_size).")] = None,
     seq_len: Annotated[Optional[int], typer.Option(min=1, help="Tokens per sequence (default: train.seq_len).")] = None,
-    steps: Annotated[int, typer.Option(min=1, help="Timed steps per variant.")] = 10,
-    warmup: Annotated[int, typer.Option(min=0, help="Untimed steps first (compilation happens here).")] = 3,
+    steps: Annotated[int, typer.Option(min=1, max=MAX_STEPS, help="Timed steps per variant.")] = 10,
+    warmup: Annotated[int, typer.Option(min=0, max=MAX_STEPS, help="Untimed steps first (compilation happens here).")] = 3,
     compile: Annotated[bool, typer.Option("--compile/--no-compile", help="Also time the torch.compile'd step.")] = False,
     backend: Annotated[Backend, typer.Option(
         help="KDA/AttnRes ops: triton (CUDA; the torch ops are then timed too) or torch; auto picks.")] = Backend.auto,

@@ -33,6 +33,10 @@ def _did_you_mean(value, options, prefix: str = "") -> str:
     return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
 
 
+# a thousand years at 30 steps a second: a larger count is a typo, and the run would never end
+MAX_STEPS = 10**12
+
+
 @dataclass
 class TrainConfig:
     steps: int = 1000
@@ -70,6 +74,7 @@ class TrainConfig:
     def validate(self, p: str = "train") -> None:
         for name in ("steps", "seq_len", "micro_batch_size", "global_batch_size", "keep_last"):
             _check(getattr(self, name) >= 1, f"{p}.{name}", "must be >= 1")
+        _check(self.steps <= MAX_STEPS, f"{p}.steps", "must be <= 10^12 (a run that long would never finish)")
         _check(self.global_batch_size % self.micro_batch_size == 0, f"{p}.global_batch_size",
                f"must be a multiple of micro_batch_size ({self.micro_batch_size})")
         _check(self.lr > 0, f"{p}.lr", "must be > 0")

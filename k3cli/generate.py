@@ -8,6 +8,7 @@ is preceded by EOT, as every document is in the packed training stream.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,8 +40,8 @@ class Generation:
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not (math.isfinite(temperature) and temperature >= 0):   # nan passed `< 0`; inf sampled uniformly
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
     if not 0 < top_p <= 1:

@@ -186,6 +186,18 @@ def bad_option_table(tmp):
         ["generate", "--prompt", "x", "--top-p", "0", "--run", missing],
         ["generate", "--prompt", "x", "--top-p", "2", "--run", missing],
         ["generate", "--prompt", "x", "--top-p", "nan", "--run", missing],
+        # (args, text the error must hold): rows that would also fail on the missing run alone
+        (["generate", "--prompt", "x", "--temperature", "nan", "--run", missing], "temperature"),
+        (["generate", "--prompt", "x", "--temperature", "inf", "--run", missing], "temperature"),
+        (["generate", "--prompt", "x", "--temperature", "-inf", "--run", missing], "temperature"),
+        (["generate", "--prompt", "x", "--temperature", "-0.5", "--run", missing], "temperature"),
+        (["train", "--steps", str(10**12 + 1), "--out", str(tmp / "r1")], "train.steps"),
+        (["train", "--steps", "9" * 400, "--out", str(tmp / "r1")], "train.steps"),
+        (["train", "--set", "train.steps=10000000000000", "--out", str(tmp / "r1")], "train.steps"),
+        (["study", "--steps", str(10**13), "--out", str(tmp / "s1")], "train.steps"),
+        (["study", "--tokens", str(10**30), "--out", str(tmp / "s1")], "train.steps"),
+        (["bench-train", "--steps", str(10**13)], "--steps"),
+        (["bench-train", "--warmup", str(10**13)], "--warmup"),
         ["compare"],
         ["compare", missing],
         ["study", "--attnres", "bogus", "--out", str(tmp / "s1")],
@@ -233,10 +245,12 @@ def bad_option_table(tmp):
 def test_every_command_rejects_bad_options(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a default run directory would land here, not in the checkout
     failures = []
-    for args in bad_option_table(tmp_path):
+    for row in bad_option_table(tmp_path):
+        args, needle = row if isinstance(row, tuple) else (row, "")
         r = runner.invoke(app, args)
         try:
             assert_cli_error(r)
+            assert needle in r.stderr, r.stderr
         except AssertionError as e:
             failures.append(f"{args}: {e}")
     assert not failures, "\n".join(failures)
