@@ -96,6 +96,9 @@ class DataConfig:
     val_fraction: float = 0.02  # fraction of documents held out for validation
     max_bytes: int = 0  # cap on corpus bytes read (0 = all)
     min_frequency: int = 2  # BPE merge threshold
+    # each document of a packed row computed as if alone (docs/math.md §10); runs written before the key
+    # existed resume without it (see `_as_written`)
+    document_mask: bool = True
 
     def validate(self, p: str = "data") -> None:
         _check(bool(self.source), f"{p}.source", "must not be empty")
@@ -319,7 +322,7 @@ def _load_config(preset, config_file, overrides, attnres, flags) -> RunConfig:
     layers: list[tuple[dict, str]] = []
     if preset:
         path = resolve_preset(preset)
-        layers.append((read_yaml(path), str(path)))
+        layers.append((_as_written(read_yaml(path), path), str(path)))
     if config_file:
         layers.append((read_yaml(Path(config_file)), config_file))
     for expr in overrides or []:
@@ -347,6 +350,16 @@ def _load_config(preset, config_file, overrides, attnres, flags) -> RunConfig:
     cfg = _build(RunConfig, rest, "config", "resolved config")
     cfg.model = model
     return cfg.validate()
+
+
+def _as_written(data: Any, path: Path) -> Any:
+    """A run directory's config.yaml (beside its tokenizer.json) holds every key of its time: a key added
+    since takes the value that reproduces how that run trained, not today's default."""
+    if path.name == "config.yaml" and (path.parent / "tokenizer.json").is_file() and isinstance(data, dict):
+        section = data.get("data")
+        if isinstance(section, dict) and "document_mask" not in section:
+            data = {**data, "data": {**section, "document_mask": False}}   # packed rows were not masked before
+    return data
 
 
 def _validate_keys(data: dict, source: str) -> None:

@@ -34,7 +34,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 __all__ = [
-    "DataError", "Document", "PreparedData", "PackedLoader", "EOT", "EOT_ID", "prepare_data",
+    "DataError", "Document", "PreparedData", "PackedLoader", "EOT", "EOT_ID", "document_starts", "prepare_data",
     "load_documents", "split_documents", "corpus_fingerprint", "train_tokenizer", "save_tokenizer",
     "load_tokenizer", "pack_documents", "val_batches", "cache_root",
 ]
@@ -461,6 +461,17 @@ class PackedLoader:
                 raise DataError(f"cannot resume the data loader: checkpoint has {key}={state[key]}, "
                                 f"this run has {getattr(self, key)} (different data or config?)")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def document_starts(ids: torch.Tensor) -> torch.Tensor:
+    """ids [B, T] -> bool [B, T], True where a document starts: the first position of every row and every
+    `<|endoftext|>`, the separator `pack_documents` puts before each next document (EOT_ID never occurs
+    inside a document: a literal '<|endoftext|>' there is text). The separator opens the next document, so
+    the loss at its position predicts that document's first token from the separator alone, as a prompt
+    that starts with `<|endoftext|>` would; the token before it predicts the end of its own document."""
+    starts = ids == EOT_ID
+    starts[:, 0] = True
+    return starts
 
 
 def val_batches(tokens: np.ndarray, seq_len: int, n: int, batch_size: int) -> list[torch.Tensor]:

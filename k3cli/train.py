@@ -27,9 +27,10 @@ import torch
 from k3cli import parallel as par
 from k3cli.checkpoint import CheckpointError, list_checkpoints, remove_leftovers, save_checkpoint
 from k3cli.config import RunConfig, config_to_dict, dump_config, flatten, load_config
-from k3cli.data import load_tokenizer, prepare_data, save_tokenizer, write_text_atomic
+from k3cli.data import document_starts, load_tokenizer, prepare_data, save_tokenizer, write_text_atomic
 from k3cli.dist_checkpoint import SharedCheckpointError, find_latest, prune, resume_checkpoint, save_dcp
 from k3cli.layers.moe import max_over_mean
+from k3cli.layers.segments import Segments
 from k3cli.models.causal_lm import CausalLM
 from k3cli.models.flops import device_peak_tflops, flops_per_token
 
@@ -125,12 +126,18 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 
 @torch.no_grad()
+def document_segments(ids: torch.Tensor, device: torch.device, document_mask: bool) -> Segments | None:
+    """The packed documents of a CPU batch ids [B, T] for the model (data.document_mask), else None."""
+    return Segments.from_starts(document_starts(ids), device) if document_mask else None
+
+
 def evaluate_loss(forward, batches: list[torch.Tensor], device: torch.device,
                   autocast_dtype: torch.dtype | None, module: CausalLM | None = None,
-                  rank: int = 0, world_size: int = 1) -> float:
+                  rank: int = 0, world_size: int = 1, document_mask: bool = False) -> float:
     """Mean validation loss over `batches`; `forward` is the model or its compiled / wrapped form
     (then `module` is the model, whose train/eval mode is switched). With several ranks (all call
-    it) each evaluates its rows of every batch and the sums are added over ranks."""
+    it) each evaluates its rows of every batch and the sums are added over ranks. `document_mask`:
+    as training does (data.document_mask)."""
     model = forward if module is None else module
     was_training = model.training
     model.eval()
@@ -138,9 +145,10 @@ def evaluate_loss(forward, batches: list[torch.Tensor], device: torch.device,
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for ids in batches:
         ids, counted = par.eval_rows(ids, rank, world_size)
+        segments = document_segments(ids, device, document_mask)
         ids = ids.to(device)
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            out = forward(ids, labels=ids)
+            out = forward(ids, labels=ids, segments=segments)
         if counted:
             total[0] += out.loss.float().double() * ids.numel()
             total[1] += ids.numel()
@@ -361,12 +369,14 @@ def _train(cfg: RunConfig, run_dir: Path, info: par.DistInfo, mode: str, accum: 
         loss_acc = torch.zeros((), dtype=torch.float64, device=device)
         for i in range(accum):
             t_data = time.perf_counter()
-            ids = par.shard_batch(next(loader), rank, world).to(device)
+            ids = par.shard_batch(next(loader), rank, world)
+            segments = document_segments(ids, device, cfg.data.document_mask)
+            ids = ids.to(device)
             speed.data_s += time.perf_counter() - t_data
             # gradients are reduced over ranks once a step, in the last micro-step's backward
             with par.grad_sync(forward, enabled=i == accum - 1):
                 with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                    out = forward(ids, labels=ids)
+                    out = forward(ids, labels=ids, segments=segments)
                 (out.loss / accum).backward()
             loss_acc += out.loss.detach().float().double() / accum
             tokens_since += ids.numel()
@@ -401,7 +411,8 @@ def _train(cfg: RunConfig, run_dir: Path, info: par.DistInfo, mode: str, accum: 
         stop_signal = signals.poll(device)
         speed.steps += 1
         if (tc.eval_every and step % tc.eval_every == 0) or last_step or out_of_time:
-            val_loss = evaluate_loss(forward, val, device, autocast_dtype, module=model, rank=rank, world_size=world)
+            val_loss = evaluate_loss(forward, val, device, autocast_dtype, module=model, rank=rank, world_size=world,
+                                     document_mask=cfg.data.document_mask)
             record["val_loss"] = round(val_loss, 6)
         record["time_s"] = round(time_before + time.time() - t_start, 3)
         if step % tc.log_every == 0 or "val_loss" in record:

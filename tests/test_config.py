@@ -172,3 +172,21 @@ def test_dedicated_flags_beat_set_and_are_taken_literally():
     assert cfg.data.source == "hf:org/name:config"  # not parsed as YAML (it would be a mapping)
     with pytest.raises(ConfigError, match="train.steps: expected int"):
         load_config("k3-toy", flags={"train.steps": "many"})
+
+
+def test_document_mask_on_for_new_runs_and_off_for_runs_written_before_it(tmp_path):
+    """data.document_mask defaults to true; a run directory's config.yaml without the key (written before it
+    existed) resumes as that run trained: without the mask. The same file elsewhere is an ordinary config."""
+    from k3cli.config import dump_config
+    assert load_config("k3-toy").data.document_mask is True
+    run = tmp_path / "run"
+    run.mkdir()
+    old = dump_config(load_config("k3-toy")).replace("  document_mask: true\n", "")
+    assert "document_mask" not in old
+    (run / "config.yaml").write_text(old)
+    (run / "tokenizer.json").write_text("{}")
+    assert load_config(str(run / "config.yaml")).data.document_mask is False
+    (tmp_path / "config.yaml").write_text(old)
+    assert load_config(str(tmp_path / "config.yaml")).data.document_mask is True
+    (run / "config.yaml").write_text(dump_config(load_config("k3-toy", overrides=["data.document_mask=true"])))
+    assert load_config(str(run / "config.yaml")).data.document_mask is True

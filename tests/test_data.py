@@ -305,3 +305,10 @@ def test_single_txt_file_is_cut_into_documents_at_blank_lines(tmp_path):
     assert all(d.nbytes >= TXT_PIECE_BYTES for d in docs[:-1])
     train, val = split_documents(docs, 0.1)
     assert train and val
+
+
+def test_document_starts_open_a_document_at_each_separator():
+    from k3cli.data import EOT_ID, document_starts
+    ids = torch.tensor([[5, 6, EOT_ID, 7, 8, EOT_ID], [EOT_ID, 9, 9, 9, 9, 9]])
+    assert document_starts(ids).tolist() == [[True, False, True, False, False, True],
+                                             [True, False, False, False, False, False]]

@@ -25,7 +25,10 @@ TINY = [
     "train.steps=8", "train.warmup_steps=2", "train.ckpt_every=0", "train.eval_every=0", "train.log_every=1",
     "eval.batches=1", "eval.batch_size=2", "train.device=cpu",
 ]
-RUNS = {"k3-block": ("k3-toy", "block"), "kda-off": ("kda-toy", "off")}
+# the document mask (data.document_mask, on by default) changes the losses from step 1: the rows of this
+# corpus pack several documents; "-no-mask" keeps the losses of the model without it
+RUNS = {"k3-block": ("k3-toy", "block", True), "kda-off": ("kda-toy", "off", True),
+        "k3-block-no-mask": ("k3-toy", "block", False), "kda-off-no-mask": ("kda-toy", "off", False)}
 
 
 def corpus(root: Path) -> Path:
@@ -40,8 +43,9 @@ def corpus(root: Path) -> Path:
     return d
 
 
-def run_losses(tmp_path: Path, preset: str, attnres: str) -> list[float]:
-    cfg = load_config(preset, overrides=TINY + [f"data.source={corpus(tmp_path)}"], attnres=attnres)
+def run_losses(tmp_path: Path, preset: str, attnres: str, mask: bool) -> list[float]:
+    cfg = load_config(preset, overrides=TINY + [f"data.source={corpus(tmp_path)}", f"data.document_mask={mask}"],
+                      attnres=attnres)
     run = tmp_path / "run"
     train(cfg, run, log=lambda m: None)
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]

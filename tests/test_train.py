@@ -106,8 +106,8 @@ def test_nan_loss_stops_with_code_3_and_keeps_last_checkpoint(corpus, tmp_path, 
     before = (good / "model.safetensors").read_bytes()
     real_forward = CausalLM.forward
 
-    def poisoned(self, input_ids, labels=None):
-        out = real_forward(self, input_ids, labels)
+    def poisoned(self, input_ids, labels=None, segments=None):
+        out = real_forward(self, input_ids, labels, segments)
         out.loss = out.loss * float("nan")
         return out
 

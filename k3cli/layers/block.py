@@ -18,6 +18,7 @@ from k3cli.layers.kda import KDAAttention
 from k3cli.layers.mla import GatedMLA
 from k3cli.layers.moe import LatentMoE
 from k3cli.layers.norm import RMSNorm
+from k3cli.layers.segments import Segments
 from k3cli.models.k3_config import ModelConfig
 
 ATTN_KINDS = ("kda", "mla")
@@ -71,24 +72,27 @@ class DecoderBlock(nn.Module):
         """An empty decode cache for this block's attention (KDACache | MLACache); FFNs keep none."""
         return self.attn.new_cache()
 
-    def attn_sublayer(self, h: torch.Tensor, cache=None) -> torch.Tensor:
+    def attn_sublayer(self, h: torch.Tensor, cache=None, segments: Segments | None = None) -> torch.Tensor:
         """Raw attention output attn(attn_norm(h)), [B, T, D] -> [B, T, D] (no residual)."""
-        if cache is None:
-            return self.attn(self.attn_norm(h))
-        return self.attn(self.attn_norm(h), cache=cache)
+        return self.attn(self.attn_norm(h), **_attn_kwargs(cache, segments))
 
     def ffn_sublayer(self, h: torch.Tensor) -> torch.Tensor:
         """Raw FFN output ffn(ffn_norm(h)), [B, T, D] -> [B, T, D] (no residual)."""
         return self.ffn(self.ffn_norm(h))
 
-    def sublayer_cores(self, cache=None) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    def sublayer_cores(self, cache=None, segments: Segments | None = None) -> list[Callable[[torch.Tensor], torch.Tensor]]:
         """attn and ffn without their pre-norms (inputs already normalised by `sublayer_norms()`)."""
-        return [self.attn if cache is None else functools.partial(self.attn, cache=cache), self.ffn]
+        kw = _attn_kwargs(cache, segments)
+        return [functools.partial(self.attn, **kw) if kw else self.attn, self.ffn]
 
     def sublayer_norms(self) -> list[RMSNorm]:
         return [self.attn_norm, self.ffn_norm]
 
-    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
-        """x [B, T, D] -> [B, T, D]."""
-        x = x + self.attn_sublayer(x, cache)
+    def forward(self, x: torch.Tensor, cache=None, segments: Segments | None = None) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]; `segments`: packed documents (layers/segments.py)."""
+        x = x + self.attn_sublayer(x, cache, segments)
         return x + self.ffn_sublayer(x)
+
+
+def _attn_kwargs(cache, segments) -> dict:
+    return {k: v for k, v in (("cache", cache), ("segments", segments)) if v is not None}

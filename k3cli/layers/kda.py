@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3cli.layers.norm import RMSNorm, l2norm
+from k3cli.layers.segments import Segments
 
 
 def _dt_bias_init(n: int, dt_min: float = 1e-3, dt_max: float = 0.1) -> torch.Tensor:
@@ -30,11 +31,20 @@ def _dt_bias_init(n: int, dt_min: float = 1e-3, dt_max: float = 0.1) -> torch.Te
     return dt + torch.log(-torch.expm1(-dt))
 
 
-def _short_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Depthwise causal conv + SiLU. x [B, T, C], weight [C, 1, n] -> [B, T, C]."""
+def _short_conv(x: torch.Tensor, weight: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+    """Depthwise causal conv + SiLU. x [B, T, C], weight [C, 1, n] -> [B, T, C]. With `pos` [B, T] (each
+    token's position in its document) a tap j steps back is used only where pos >= j: no document reads the
+    one before it."""
     n = weight.shape[-1]
-    y = F.conv1d(F.pad(x.transpose(1, 2), (n - 1, 0)), weight, groups=x.shape[-1])   # (B, C, T)
-    return F.silu(y.transpose(1, 2))
+    if pos is None:
+        y = F.conv1d(F.pad(x.transpose(1, 2), (n - 1, 0)), weight, groups=x.shape[-1])   # (B, C, T)
+        return F.silu(y.transpose(1, 2))
+    w = weight[:, 0]                                                                   # (C, n)
+    y = x * w[:, n - 1]
+    for j in range(1, n):
+        back = F.pad(x, (0, 0, j, 0))[:, :x.shape[1]]                                  # x_{t−j}, zeros before 0
+        y = y + back * w[:, n - 1 - j] * (pos >= j).unsqueeze(-1).to(x.dtype)
+    return F.silu(y)
 
 
 def _short_conv_step(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None):
@@ -104,16 +114,20 @@ class KDAAttention(nn.Module):
     def new_cache(self) -> KDACache:
         return KDACache()
 
-    def forward(self, x: torch.Tensor, cache: KDACache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KDACache | None = None, segments: Segments | None = None) -> torch.Tensor:
         """x [B, T, D] (pre-normed) -> [B, T, D]. With `cache`: prefill (empty cache) or decode the
-        next T tokens after it; the cache is updated in place."""
+        next T tokens after it; the cache is updated in place. With `segments` (packed documents, no
+        cache): each document runs as if alone."""
         B, T, _ = x.shape
         H, HV, K, V = self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        if segments is not None and cache is not None:
+            raise ValueError("KDAAttention: segments (packed documents) and a decode cache do not combine")
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.short_conv > 0 and cache is None:
-            q = _short_conv(q, self.q_conv.weight)
-            k = _short_conv(k, self.k_conv.weight)
-            v = _short_conv(v, self.v_conv.weight)
+            pos = None if segments is None else segments.pos
+            q = _short_conv(q, self.q_conv.weight, pos)
+            k = _short_conv(k, self.k_conv.weight, pos)
+            v = _short_conv(v, self.v_conv.weight, pos)
         elif self.short_conv > 0:
             q, cache.conv_q = _short_conv_step(q, self.q_conv.weight, cache.conv_q)
             k, cache.conv_k = _short_conv_step(k, self.k_conv.weight, cache.conv_k)
@@ -129,13 +143,13 @@ class KDAAttention(nn.Module):
                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=self.A_log,
                       dt_bias=self.dt_bias.view(HV, K), lower_bound=self.lower_bound)[0]
         else:
-            o = self._kda(l2norm(q), l2norm(k), v, g_raw, beta, cache)           # (B, T, HV, V)
+            o = self._kda(l2norm(q), l2norm(k), v, g_raw, beta, cache, segments)  # (B, T, HV, V)
         o = self.o_norm(o)
         if self.output_gate:
             o = o * torch.sigmoid(self.g_b(self.g_a(x))).view(B, T, HV, V)
         return self.o_proj(o.reshape(B, T, HV * V))
 
-    def _kda(self, q, k, v, g_raw, beta, cache: KDACache | None = None) -> torch.Tensor:
+    def _kda(self, q, k, v, g_raw, beta, cache: KDACache | None = None, segments: Segments | None = None) -> torch.Tensor:
         """Gate + chunked KDA by `backend`: auto → Triton on CUDA if importable, else torch
         (`torch_chunk_kda`: the reference's algebra with matmul scores, tested against `naive_chunk_kda`).
         With a filled cache: the torch recurrence from cache.state (decode off the Triton backend).
@@ -152,6 +166,8 @@ class KDAAttention(nn.Module):
             o, cache.state = naive_recurrent_kda(q, k, v, g, beta, initial_state=cache.state,
                                                  output_final_state=True)
             return o
+        if segments is not None:
+            return self._kda_packed(q, k, v, g_raw, beta, segments)
         # prefill also returns the final state
         extra = {} if cache is None else {"output_final_state": True}
         chunk_kda = self._triton_op(q)
@@ -172,6 +188,31 @@ class KDAAttention(nn.Module):
         if cache is not None:
             cache.state = state
         return o
+
+    def _kda_packed(self, q, k, v, g_raw, beta, segments: Segments) -> torch.Tensor:
+        """_kda over packed documents: the batch flattened to one row that segments.cu_seqlens cuts, so each
+        document starts from a zero state (docs/math.md §10)."""
+        B, T = q.shape[:2]
+        HV, K = self.num_v_heads, self.head_k_dim
+        dt_bias = self.dt_bias.view(HV, K)
+        row = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g_raw, beta)]
+        chunk_kda = self._triton_op(q)
+        if chunk_kda is None and torch.compiler.is_compiling():
+            # the op (its CPU implementation is torch_chunk_kda_varlen): opaque to the compiler, which cannot
+            # trace the torch path's cu_seqlens-dependent shapes
+            from k3cli.ops.kda import chunk_kda
+        if chunk_kda is not None:
+            o, _ = chunk_kda(*row, use_gate_in_kernel=True, A_log=self.A_log, dt_bias=dt_bias,
+                             lower_bound=self.lower_bound, chunk_size=self.chunk_size, cu_seqlens=segments.cu_seqlens)
+        else:
+            from k3cli.ops.kda import naive_chunk_kda_varlen, naive_kda_gate, torch_chunk
+            row[3] = naive_kda_gate(row[3], self.A_log, dt_bias, self.lower_bound)
+            if torch_chunk.covers_gate(self.lower_bound, self.chunk_size):
+                o, _ = torch_chunk.torch_chunk_kda_varlen(*row, segments.cu_seqlens, chunk_size=self.chunk_size,
+                                                          reach_checked=True)
+            else:
+                o, _ = naive_chunk_kda_varlen(*row, segments.cu_seqlens, chunk_size=self.chunk_size)
+        return o.view(B, T, *o.shape[2:])
 
     def _triton_op(self, q: torch.Tensor, name: str = "chunk_kda"):
         """The Triton op `name` (chunk_kda | fused_recurrent_kda: entry points of the k3:: custom ops, opaque

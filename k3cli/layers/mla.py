@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3cli.layers.norm import RMSNorm
+from k3cli.layers.segments import Segments
 
 
 @dataclass
@@ -75,11 +76,14 @@ class GatedMLA(nn.Module):
         return MLACache()
 
     def forward(self, x: torch.Tensor, absorb: bool | None = None,
-                cache: MLACache | None = None) -> torch.Tensor:
+                cache: MLACache | None = None, segments: Segments | None = None) -> torch.Tensor:
         """x [B, T, D] (pre-normed) -> [B, T, D]. `absorb` overrides the configured path. With `cache`,
-        x continues the cached tokens (prefill when empty) and its latents are appended."""
+        x continues the cached tokens (prefill when empty) and its latents are appended. With `segments`
+        (packed documents, no cache) a token attends within its own document only."""
         B, T, _ = x.shape
         H = self.num_heads
+        if segments is not None and cache is not None:
+            raise ValueError("GatedMLA: segments (packed documents) and a decode cache do not combine")
         q = self.q_up(self.q_norm(self.q_down(x))).view(B, T, H, self.qk_head_dim)   # (B, T, H, d_q)
         c = self.kv_norm(self.kv_down(x))                                            # (B, T, r)
         use_absorb = self.absorb if absorb is None else absorb
@@ -89,29 +93,57 @@ class GatedMLA(nn.Module):
             c = cache.append(c)                                                      # (B, past + T, r)
             # decode: queries see the whole cache through the latent (the absorbed form)
             use_absorb = use_absorb or past > 0
-        o = self._absorbed(q, c, past) if use_absorb else self._decompressed(q, c)   # (B, H, T, d_v)
+        doc = None if segments is None else segments.doc
+        o = self._absorbed(q, c, past, doc) if use_absorb else self._decompressed(q, c, doc)  # (B, H, T, d_v)
         o = o.transpose(1, 2).reshape(B, T, H * self.v_head_dim)                     # (B, T, H·d_v)
         # the gate reads the layer input x and sits before W_o, so W_UV cannot fold into W_o
         return self.o_proj(torch.sigmoid(self.g_proj(x)) * o)
 
-    def _absorbed(self, q: torch.Tensor, c: torch.Tensor, past: int = 0) -> torch.Tensor:
+    def _absorbed(self, q: torch.Tensor, c: torch.Tensor, past: int = 0, doc: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, T, H, d_q], c [B, past + T, r] -> õ [B, H, T, d_v]; attention runs in the latent
-        space; query i sits at position past + i."""
+        space; query i sits at position past + i. `doc` [B, T] (no past): attend within the document."""
         T, S = q.shape[1], c.shape[1]
         q_abs = torch.einsum("bthd,hdj->bthj", q, self.W_UK)                         # (B, T, H, r)
         # scores and softmax in fp32 (fp64 stays fp64 for identity tests)
         wd = torch.float64 if q.dtype == torch.float64 else torch.float32
         score = torch.einsum("bthj,bsj->bhts", q_abs, c).to(wd) * self.scale         # (B, H, T, S)
-        if T > 1:   # one query (a decode step) sees the whole cache: nothing to mask
+        if doc is not None:
+            score = score.masked_fill(~_document_mask(doc)[:, None], float("-inf"))
+        elif T > 1:   # one query (a decode step) sees the whole cache: nothing to mask
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(past)
             score = score.masked_fill(~mask, float("-inf"))
         attn = score.softmax(-1).to(q.dtype)
         o_lat = torch.einsum("bhts,bsj->bhtj", attn, c)                              # (B, H, T, r)
         return torch.einsum("bhtj,hvj->bhtv", o_lat, self.W_UV)                      # (B, H, T, d_v)
 
-    def _decompressed(self, q: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        """q [B, T, H, d_q], c [B, T, r] -> õ [B, H, T, d_v] via per-head k, v and causal SDPA."""
+    def _decompressed(self, q: torch.Tensor, c: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, T, H, d_q], c [B, T, r] -> õ [B, H, T, d_v] via per-head k, v and causal SDPA; with `doc`
+        [B, T] block-diagonal causal (docs/math.md §10): FlexAttention on CUDA, whose block mask skips the
+        blocks between documents and never holds a [T, T] mask; on CPU, where FlexAttention has no backward,
+        SDPA with the [B, 1, T, T] boolean mask."""
         k = torch.einsum("bsj,hdj->bhsd", c, self.W_UK)                              # (B, H, T, d_q)
         v = torch.einsum("bsj,hvj->bhsv", c, self.W_UV)                              # (B, H, T, d_v)
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True,
-                                              scale=self.scale)
+        q = q.transpose(1, 2)                                                        # (B, H, T, d_q)
+        if doc is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        if q.is_cuda:
+            return _flex_document_attention(q, k, v, doc, self.scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_document_mask(doc)[:, None], scale=self.scale)
+
+
+def _document_mask(doc: torch.Tensor) -> torch.Tensor:
+    """doc [B, T] -> [B, T, T] bool: query i may see key j iff j <= i in the same document."""
+    T = doc.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+    return causal & (doc[:, :, None] == doc[:, None, :])
+
+
+def _flex_document_attention(q, k, v, doc: torch.Tensor, scale: float) -> torch.Tensor:
+    """Block-diagonal causal attention by FlexAttention (q, k, v [B, H, T, d])."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def same_document_causal(b, h, i, j):
+        return (j <= i) & (doc[b, i] == doc[b, j])
+    B, T = doc.shape
+    block_mask = create_block_mask(same_document_causal, B, None, T, T, device=q.device)
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale)

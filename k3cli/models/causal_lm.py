@@ -25,6 +25,7 @@ from k3cli.layers.attnres import AttnResMixer
 from k3cli.layers.block import DecoderBlock
 from k3cli.layers.moe import LatentMoE
 from k3cli.layers.norm import RMSNorm
+from k3cli.layers.segments import Segments
 from k3cli.models.k3_config import ModelConfig
 
 
@@ -70,18 +71,21 @@ class CausalLM(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=std)
 
-    def _logits(self, input_ids: torch.Tensor, caches: list | None = None) -> torch.Tensor:
-        """input_ids [B, T] -> logits [B, T, vocab]; `caches` (one per block) continue a decode."""
+    def _logits(self, input_ids: torch.Tensor, caches: list | None = None,
+                segments: Segments | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, vocab]; `caches` (one per block) continue a decode; `segments`:
+        the documents packed in the batch, each then computed as if alone (docs/math.md §10)."""
         caches = caches or [None] * len(self.blocks)
         x = self.embed_tokens(input_ids)                                           # (B, T, D)
         recompute = self.activation_checkpointing == "block" and self.training and torch.is_grad_enabled()
         if self.attnres is None:
             for block, cache in zip(self.blocks, caches):
-                x = checkpoint(block, x, cache, use_reentrant=False) if recompute else block(x, cache)
+                x = (checkpoint(block, x, cache, segments, use_reentrant=False) if recompute
+                     else block(x, cache, segments))
         else:
             # token-local: the same mixer runs over the sublayers of however many tokens come in
             # the mixer applies each sublayer's pre-norm (fused into its kernel on CUDA) and the final norm
-            cores = [f for block, c in zip(self.blocks, caches) for f in block.sublayer_cores(c)]
+            cores = [f for block, c in zip(self.blocks, caches) for f in block.sublayer_cores(c, segments)]
             if recompute:
                 cores = [functools.partial(checkpoint, f, use_reentrant=False) for f in cores]
             norms = [n for block in self.blocks for n in block.sublayer_norms()]
@@ -91,9 +95,11 @@ class CausalLM(nn.Module):
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> ModelOutput:
-        """input_ids [B, T] long; labels [B, T] (usually = input_ids) → ModelOutput(logits [B, T, V], loss)."""
-        logits = self._logits(input_ids)
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                segments: Segments | None = None) -> ModelOutput:
+        """input_ids [B, T] long; labels [B, T] (usually = input_ids) → ModelOutput(logits [B, T, V], loss).
+        `segments` (Segments.from_starts): the documents packed in the rows; no token sees another document."""
+        logits = self._logits(input_ids, segments=segments)
         loss = None
         if labels is not None:
             # predict token t+1 from positions ≤ t; fp32 loss (fp64 stays fp64)

@@ -86,3 +86,19 @@ def test_parameter_shapes():
         "kv_down.weight": (8, 32), "kv_norm.weight": (8,), "W_UK": (4, 6, 8), "W_UV": (4, 5, 8),
         "g_proj.weight": (20, 32), "o_proj.weight": (32, 20),
     }
+
+
+def test_flex_document_attention_matches_the_masked_sdpa():
+    """The CUDA path of packed-document attention (FlexAttention with a block mask) against the CPU path (SDPA
+    with the boolean block-diagonal causal mask), forward on the CPU (FlexAttention has no CPU backward; the
+    GPU tier compares gradients)."""
+    import torch.nn.functional as F
+
+    from k3cli.layers.mla import _document_mask, _flex_document_attention
+    g = torch.Generator().manual_seed(0)
+    B, H, T, d = 2, 2, 40, 8
+    doc = torch.tensor([[0] * 7 + [1] * 20 + [2] * 13, [0] * 40])
+    q, k, v = (torch.randn(B, H, T, d, generator=g) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=_document_mask(doc)[:, None], scale=0.3)
+    got = _flex_document_attention(q, k, v, doc, 0.3)
+    assert (got - ref).abs().max() < 1e-5
