@@ -1,9 +1,10 @@
 """`k3 bench-train`: time whole training steps (forward, backward, AdamW) on synthetic tokens.
 
 Every variant is measured in the same run, interleaved step by step so that drift hits them alike:
-`eager` (the reference), `compiled` (with --compile) and, on CUDA with the Triton backend,
-`torch-backend` (the same model on the torch ops), so the compiled/eager and triton/torch ratios
-come from one process. Warm-up steps (compilation included) are excluded. FLOPs per token are the
+`eager` (the reference), `compiled` (with --compile), on CUDA with the Triton backend
+`torch-backend` (the same model on the torch ops), and `document-mask` (eager with the packed-document
+mask of docs/math.md §10 on rows cut into documents of mean length T/4), so the compiled/eager,
+triton/torch and mask/no-mask ratios come from one process. Warm-up steps (compilation included) are excluded. FLOPs per token are the
 analytic count of docs/math.md §9; MFU is against the device's dense bf16 peak (or --peak-tflops).
 """
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch
 
 from k3cli.compile import compile_model
 from k3cli.config import RunConfig
+from k3cli.data import EOT_ID, document_starts
+from k3cli.layers.segments import Segments
 from k3cli.models.flops import device_peak_tflops, flops_per_token
 from k3cli.train import build_model, flush_denormals, param_groups, peak_memory_bytes, resolve_device
 
@@ -25,6 +28,7 @@ class Variant:
     name: str
     backend: str
     compiled: bool
+    masked: bool = False
     model: torch.nn.Module = None
     forward: object = None
     opt: torch.optim.Optimizer = None
@@ -49,12 +53,12 @@ def _build(cfg: RunConfig, v: Variant, device: torch.device) -> None:
     v.forward = compile_model(v.model, cfg.train.compile_mode) if v.compiled else v.model
 
 
-def _step(v: Variant, ids: torch.Tensor, device: torch.device, autocast) -> float:
+def _step(v: Variant, ids: torch.Tensor, device: torch.device, autocast, segments=None) -> float:
     _sync(device)
     t0 = time.perf_counter()
     v.opt.zero_grad(set_to_none=True)
     with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
-        loss = v.forward(ids, labels=ids).loss
+        loss = v.forward(ids, labels=ids, segments=segments if v.masked else None).loss
     loss.backward()
     v.opt.step()
     _sync(device)
@@ -74,9 +78,14 @@ def bench_train(cfg: RunConfig, steps: int = 10, warmup: int = 3, compile: bool 
         variants.append(Variant("compiled", backend, True))
     if backend == "triton":
         variants.append(Variant("torch-backend", "torch", False))
+    variants.append(Variant("document-mask", backend, False, masked=True))
     B, T = cfg.train.micro_batch_size, cfg.train.seq_len
     g = torch.Generator().manual_seed(cfg.train.seed)
-    ids = torch.randint(0, cfg.model.vocab_size, (B, T), generator=g).to(device)
+    ids = torch.randint(1, cfg.model.vocab_size, (B, T), generator=g)
+    # separators at random: documents of mean length T / 4, several to a row
+    ids = torch.where(torch.rand(B, T, generator=g) < 4 / T, EOT_ID, ids)
+    segments = Segments.from_starts(document_starts(ids), device)
+    ids = ids.to(device)
     autocast = torch.bfloat16 if device.type == "cuda" else None
     for v in variants:
         log(f"bench-train: building {v.name} ({v.backend} ops{', torch.compile' if v.compiled else ''})")
@@ -85,12 +94,12 @@ def bench_train(cfg: RunConfig, steps: int = 10, warmup: int = 3, compile: bool 
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
         for _ in range(warmup):
-            _step(v, ids, device, autocast)
+            _step(v, ids, device, autocast, segments)
         log(f"bench-train: {v.name} warm-up {warmup} steps in {time.perf_counter() - t0:.1f} s")
         v.peak_mem = peak_memory_bytes(device)
     for _ in range(steps):   # round by round: drift (clocks, other load) hits every variant alike
         for v in variants:
-            v.times.append(_step(v, ids, device, autocast))
+            v.times.append(_step(v, ids, device, autocast, segments))
             if device.type == "cuda":
                 v.peak_mem = max(v.peak_mem, torch.cuda.max_memory_allocated(device))
     fpt = flops_per_token(cfg.model, T)["total"]
@@ -114,7 +123,9 @@ def bench_train(cfg: RunConfig, steps: int = 10, warmup: int = 3, compile: bool 
         ratios["compiled_vs_eager"] = by["eager"] / by["compiled"]     # > 1: compiling made the step faster
     if "torch-backend" in by:
         ratios["triton_vs_torch"] = by["torch-backend"] / by["eager"]  # > 1: the Triton ops are faster
+    ratios["document_mask_cost"] = by["document-mask"] / by["eager"]    # > 1: the mask made the step slower
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     return {"device": name, "device_type": device.type, "batch": B, "seq_len": T, "steps": steps,
+            "documents_per_row": (len(torch.nonzero(segments.cu_seqlens[1:] - segments.cu_seqlens[:-1])) / B),
             "warmup": warmup, "flops_per_token": fpt, "peak_tflops": peak, "peak_source": peak_name if peak else None,
             "threads": torch.get_num_threads(), "rows": rows, "ratios": ratios}

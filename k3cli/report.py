@@ -132,6 +132,10 @@ def print_bench_train(console: Console, res: dict) -> None:
                   + (f"MFU against {res['peak_tflops']:g} TFLOP/s ({res['peak_source']})" if res["peak_tflops"]
                      else "no MFU: no peak known for this device (give --peak-tflops)"))
     for k, v in res["ratios"].items():
+        if k == "document_mask_cost":
+            console.print(f"document mask ({res['documents_per_row']:.1f} documents per row): step time "
+                          f"{v:.3f}× eager's")
+            continue
         console.print(f"{k.replace('_vs_', ' / ')}: {v:.3f}× faster" if v >= 1 else
                       f"{k.replace('_vs_', ' / ')}: {v:.3f}× ({1 / v:.2f}× slower)")
     if res["device_type"] == "cpu":

@@ -103,11 +103,13 @@ def test_bench_train_runs_on_cpu():
                                                        "train.device=cpu"] for a in ("--set", s)]])
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout)
-    (row,) = res["rows"]
+    row, masked = res["rows"]
     assert res["device_type"] == "cpu" and res["batch"] == 2 and res["seq_len"] == 32
     assert row["variant"] == "eager" and row["min_ms"] <= row["step_ms"] <= row["max_ms"]
     assert row["tokens_per_s"] == pytest.approx(64 / (row["step_ms"] / 1e3))
-    assert row["mfu"] is None and res["ratios"] == {}
+    assert row["mfu"] is None and set(res["ratios"]) == {"document_mask_cost"}
+    assert masked["variant"] == "document-mask" and res["documents_per_row"] > 1
+    assert res["ratios"]["document_mask_cost"] == pytest.approx(masked["step_ms"] / row["step_ms"])
     r = runner.invoke(app, ["bench-train", "--backend", "triton", "--device", "cpu"])
     assert r.exit_code == 2 and "needs a CUDA device" in r.output
 

@@ -5,12 +5,18 @@ fed the same (rounded) inputs: relative RMS error, max abs error, the tolerance,
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
 import torch.nn.functional as F
 
-from k3cli.ops.kda.naive import chunk_local_cumsum, naive_kda_gate, naive_recurrent_kda
+from k3cli.ops.kda.naive import (
+    chunk_local_cumsum,
+    naive_chunk_kda_varlen,
+    naive_kda_gate,
+    naive_recurrent_kda,
+)
 
 # relative RMS limits (the same numbers as tests/ops/test_kda.py)
 TOL = {"o": 0.005, "ht": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dh0": 0.008,
@@ -22,6 +28,10 @@ CHUNK_SHAPES = {
     "full": [(2, 63, 1, 1, 16), (2, 1000, 4, 2, 64), (2, 2048, 16, 1, 128), (2, 1000, 16, 2, 128),
              (3, 2048, 4, 1, 64), (2, 63, 4, 2, 128), (2, 1000, 1, 2, 16)],
 }
+# (sequence lengths, H, G, K=V): chunk_kda with cu_seqlens, one flattened row; lengths on and off the chunk
+VARLEN_SHAPES = {"ci": [((1, 15, 16, 17, 40), 1, 2, 16)],
+                 "full": [((1, 63, 64, 65, 1000, 3000, 7, 2048), 16, 1, 128), ((5, 300, 129), 4, 2, 64),
+                          ((2000, 1, 33), 8, 1, 16)]}
 # (B, T, H, G, K=V): one to a few tokens per decode call
 DECODE_SHAPES = {"ci": [(1, 1, 1, 1, 16), (2, 3, 2, 2, 32)],
                  "full": [(1, 1, 32, 1, 128), (32, 1, 32, 1, 128), (256, 1, 32, 1, 128), (4, 4, 16, 2, 64)]}
@@ -75,6 +85,10 @@ def _grads(fn, q, k, v, g, beta, h0):
     return dict(zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"), (o.detach(), ht.detach(), *grads)))
 
 
+def _recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, chunk_size=None):
+    return naive_recurrent_kda(q, k, v, g, beta, scale, initial_state, output_final_state)
+
+
 def verify_kda(kernel: str = "chunk_kda", shapes: str = "ci", dtype: str | torch.dtype = "bf16") -> list[tuple]:
     """Compare a KDA kernel against the fp32 reference on outputs and every gradient.
 
@@ -95,6 +109,17 @@ def verify_kda(kernel: str = "chunk_kda", shapes: str = "ci", dtype: str | torch
             ref = _grads(naive_recurrent_kda, *[x.float() for x in inputs])
             out = _grads(chunk_kda, *inputs)
             tag = f"B{B}-T{T}-H{H}-G{G}-K{K}-{str(dt).split('.')[-1]}"
+            rows += [_row(f"{tag}/{n}", out[n], ref[n], TOL[n]) for n in ref]
+        for lens, H, G, K in VARLEN_SHAPES[shapes]:
+            # N sequences in one row, each against the fp32 recurrence run on it alone
+            cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+            q, k, v, g, beta, _ = kda_inputs(1, sum(lens), H, G, K, K, dt, dev)
+            h0 = torch.randn(len(lens), H * G, K, K, generator=torch.Generator().manual_seed(1)).to(dev)
+            inputs = (q, k, v, g, beta, h0)
+            ref = _grads(lambda *a, cu=cu, **kw: naive_chunk_kda_varlen(*a, cu, **kw, fn=_recurrent),
+                         *[x.float() for x in inputs])
+            out = _grads(lambda *a, cu=cu, **kw: chunk_kda(*a, cu_seqlens=cu, **kw), *inputs)
+            tag = f"varlen{len(lens)}-T{sum(lens)}-H{H}-G{G}-K{K}-{str(dt).split('.')[-1]}"
             rows += [_row(f"{tag}/{n}", out[n], ref[n], TOL[n]) for n in ref]
     elif kernel == "kda_gate":
         for B, T, HV, K in GATE_SHAPES[shapes]:
