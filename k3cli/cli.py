@@ -317,6 +317,8 @@ def train(
     from k3cli.train import train as run_training
 
     world, rank = _torchrun_world()
+    if world > 1:
+        _die_with_launcher()
     if world > 1 and rank != 0:
         # rank 0 reports; the other ranks speak only of a failure of their own
         console.quiet = err_console.quiet = True
@@ -400,6 +402,27 @@ def train(
                   + f"; run directory {result.run_dir}", highlight=False, soft_wrap=True)
 
 
+LAUNCHER_PID = "K3_LAUNCHER_PID"
+
+
+def _die_with_launcher() -> None:
+    """Make this rank die (SIGKILL) when the process that started it does. torchrun starts every rank
+    in a session of its own, so a SIGKILL to the launcher's process group left the ranks training
+    on, orphaned, into the run directory a resumed run then wrote too. Linux only."""
+    import ctypes
+    import os
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    # `k3 train --nproc` names itself: if it died before the call, this rank has another parent by now
+    launcher = os.environ.get(LAUNCHER_PID)
+    if launcher is not None and os.getppid() != int(launcher):
+        fail("the process that started this rank has exited; stopping", code=1)
+
+
 def _torchrun_world() -> tuple[int, int]:
     """(WORLD_SIZE, RANK) as torchrun sets them; (1, 0) otherwise. Read here without importing torch."""
     import os
@@ -455,6 +478,7 @@ def _launch_torchrun(nproc: int, args: list[str], run_dir: Path) -> None:
     """`torchrun --standalone --nproc-per-node N -m k3cli train ARGS` in this process; one error line
     naming the first rank that failed, with its exit code."""
     import logging
+    import os
     import signal
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -468,6 +492,8 @@ def _launch_torchrun(nproc: int, args: list[str], run_dir: Path) -> None:
         if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     argv = ["--standalone", f"--nproc-per-node={nproc}", "-m", "k3cli", "train", *args]
+    previous = os.environ.get(LAUNCHER_PID)
+    os.environ[LAUNCHER_PID] = str(os.getpid())   # the ranks inherit it (_die_with_launcher)
     try:
         run(parse_args(argv))
     except ChildFailedError as e:
@@ -491,6 +517,11 @@ def _launch_torchrun(nproc: int, args: list[str], run_dir: Path) -> None:
         last = find_latest_checkpoint(run_dir) if run_dir.is_dir() else None
         fail(f"stopped by {signal.Signals(sig).name}; last checkpoint: {last or 'none'}"
              + (f"; continue with --out {run_dir} --resume auto" if last else ""), code=128 + sig)
+    finally:   # an in-process caller (tests) may later start ranks under another torchrun
+        if previous is None:
+            os.environ.pop(LAUNCHER_PID, None)
+        else:
+            os.environ[LAUNCHER_PID] = previous
 
 
 @app.command("eval")

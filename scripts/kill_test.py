@@ -5,10 +5,13 @@ bitwise those of an uninterrupted run of the same config, and no folder a killed
 in checkpoints/ survives the final resume.
 
     python scripts/kill_test.py [--kills 20] [--seed 0] [--steps 40] [--ckpt-every 2] [--work DIR]
+                                [--nproc 2 [--parallel ddp|fsdp]]
 
+With --nproc N every run is `k3 train --nproc N` (gloo ranks under torchrun, sharded checkpoints),
+the reference too, and a kill is a SIGKILL to the launcher's process group; no rank may outlive it.
 Prints one row per kill (where it landed: during a step, a checkpoint save or a prune; steps lost)
-and exits 1 on any violation. Runs on the CPU with one thread (bitwise comparisons need the same
-kernels in every process)."""
+and exits 1 on any violation. Runs on the CPU with one thread per process (bitwise comparisons need
+the same kernels in every process)."""
 
 from __future__ import annotations
 
@@ -26,22 +29,38 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from k3cli.checkpoint import find_latest_checkpoint, is_complete, list_checkpoints
+from k3cli.dist_checkpoint import load_full_model_state
 from k3cli.testing import TINY_MODEL, TINY_TRAIN, write_corpus
 
 RESUMED = re.compile(r"resumed from (\S+) at step (\d+)")
 STEP_LINE = re.compile(r"^step \d+ \|", re.M)
 
 
-def train_cmd(corpus: Path, out: Path, steps: int, ckpt_every: int) -> list[str]:
+def train_cmd(corpus: Path, out: Path, steps: int, ckpt_every: int, nproc: int = 1, parallel: str = "ddp") -> list[str]:
     cmd = [sys.executable, "-m", "k3cli", "train", "--preset", "k3-toy", "--data", str(corpus), "--out", str(out),
            "--resume", "auto"]
-    for s in [*TINY_MODEL, *TINY_TRAIN, f"train.steps={steps}", f"train.ckpt_every={ckpt_every}",
-              "train.eval_every=1000"]:
+    sets = [*TINY_MODEL, *TINY_TRAIN, f"train.steps={steps}", f"train.ckpt_every={ckpt_every}", "train.eval_every=1000"]
+    if nproc > 1:   # `k3 train --nproc N` runs torchrun in this process; the ranks are its children
+        cmd += ["--nproc", str(nproc)]
+        sets += [f"train.parallel={parallel}", "model.kda.backend=torch"]
+    for s in sets:
         cmd += ["--set", s]
     return cmd
+
+
+def survivors(run_dir: Path) -> list[int]:
+    """Processes still running a training of `run_dir` (zombies aside)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(run_dir).encode() in (proc / "cmdline").read_bytes() \
+                    and (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(proc.name))
+        except (OSError, IndexError):   # gone meanwhile
+            pass
+    return found
 
 
 def steps_logged(run_dir: Path) -> list[int]:
@@ -60,13 +79,12 @@ def incomplete(run_dir: Path) -> set[Path]:
     return {p for _, p in list_checkpoints(run_dir) if not is_complete(p, verify=False)}
 
 
-def landed(run_dir: Path, pid: int, incomplete_before: set[Path]) -> str:
-    """Where a kill of process `pid` landed, read from what it left in checkpoints/."""
-    parent = run_dir / "checkpoints"
-    names = [p.name for p in parent.iterdir()] if parent.is_dir() else []
-    if any(n.endswith(f".tmp-{pid}") for n in names):
+def landed(run_dir: Path, before: set[str]) -> str:
+    """Where a kill landed, read from what it left in checkpoints/ (`before`: leftovers at the start)."""
+    new = set(leftovers(run_dir)) - before
+    if any(".tmp-" in n for n in new):
         return "checkpoint save"
-    if any(n.endswith(f".deleting-{pid}") for n in names) or incomplete(run_dir) - incomplete_before:
+    if new:
         return "prune"   # an old checkpoint half deleted
     return "step"
 
@@ -85,6 +103,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--ckpt-every", type=int, default=2)
+    ap.add_argument("--nproc", type=int, default=1,
+                    help="ranks (k3 train --nproc N); a kill is a SIGKILL to the launcher's process group")
+    ap.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp"], help="train.parallel with --nproc > 1")
     ap.add_argument("--work", type=Path, default=None, help="working folder (default: a new temporary one)")
     a = ap.parse_args()
     work = a.work or Path(tempfile.mkdtemp(prefix="k3-kill-test-"))
@@ -98,7 +119,8 @@ def main() -> int:
 
     ref_dir, run_dir = work / "reference", work / "killed"
     t0 = time.time()
-    r = subprocess.run(train_cmd(corpus, ref_dir, a.steps, a.ckpt_every), env=env, capture_output=True, text=True)
+    cmd = {d: train_cmd(corpus, d, a.steps, a.ckpt_every, a.nproc, a.parallel) for d in (ref_dir, run_dir)}
+    r = subprocess.run(cmd[ref_dir], env=env, capture_output=True, text=True)
     if r.returncode != 0:
         print(r.stderr)
         print("the uninterrupted reference run failed")
@@ -115,10 +137,10 @@ def main() -> int:
     while True:
         segment += 1
         log = work / f"segment{segment:02d}.log"
-        broken = incomplete(run_dir)
+        before = set(leftovers(run_dir))
         with log.open("w") as f:
-            proc = subprocess.Popen(train_cmd(corpus, run_dir, a.steps, a.ckpt_every), env=env, stdout=f,
-                                    stderr=subprocess.STDOUT)
+            # a process group of its own: the kill takes the launcher and all it started in that group
+            proc = subprocess.Popen(cmd[run_dir], env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         killing = kills < a.kills
         # the resume happens before the first step: wait for one past the resume point, then check
         # the checkpoint it names while it is still there (later saves prune it)
@@ -140,13 +162,20 @@ def main() -> int:
                               f"resumed at {resumed}); the interval is {a.ckpt_every}")
         if killing and proc.poll() is None:
             time.sleep(rng.uniform(0, window))
-            proc.send_signal(signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             if proc.returncode == -signal.SIGKILL:
                 kills += 1
-                done = steps_logged(run_dir)
-                rows.append({"kill": kills, "reached": done[-1] if done else 0,
-                             "where": landed(run_dir, proc.pid, broken)})
+                # torchrun starts each rank in a session of its own: they must die with the launcher, at once
+                done, t_kill = steps_logged(run_dir), time.time()
+                while survivors(run_dir) and time.time() - t_kill < 2:
+                    time.sleep(0.05)
+                if (left := survivors(run_dir)) or steps_logged(run_dir) != done:
+                    errors.append(f"kill {kills}: training went on after the launcher was killed (processes {left}, "
+                                  f"steps {done[-1] if done else 0} -> {steps_logged(run_dir)[-1]})")
+                    for pid in left:
+                        os.kill(pid, signal.SIGKILL)
+                rows.append({"kill": kills, "reached": done[-1] if done else 0, "where": landed(run_dir, before)})
                 continue
         proc.wait()
         if proc.returncode != 0:
@@ -168,8 +197,8 @@ def main() -> int:
     if final is None or final.name != f"step_{a.steps:08d}":
         errors.append(f"the run did not end with a checkpoint of step {a.steps} (newest: {final})")
     else:
-        wa = load_file(find_latest_checkpoint(ref_dir) / "model.safetensors")
-        wb = load_file(final / "model.safetensors")
+        wa = load_full_model_state(find_latest_checkpoint(ref_dir))
+        wb = load_full_model_state(final)
         diff = [k for k in wa if k not in wb or not torch.equal(wa[k], wb[k])]
         if diff or wa.keys() != wb.keys():
             errors.append(f"final weights differ from the uninterrupted run: {diff[:5] or 'keys'}")

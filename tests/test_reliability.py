@@ -187,6 +187,19 @@ def test_kill_test_script_survives_random_sigkills(root):
 
 
 @pytest.mark.slow
+def test_kill_test_script_with_two_ranks(root):
+    """SIGKILL to the process group of `k3 train --nproc 2` (ddp, gloo): no rank outlives the launcher,
+    every resume names a complete sharded checkpoint, and the final weights equal those of an
+    uninterrupted 2-rank run bitwise."""
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "kill_test.py"), "--nproc", "2", "--kills", "3",
+                        "--seed", "1", "--work", str(root / "kill-2")], env=env(root / "cache"), capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "all checks passed" in r.stdout
+    assert int(re.search(r"(\d+) kills:", r.stdout)[1]) >= 2, r.stdout
+
+
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_every_rank_at_one_step(root):
     """`k3 train --nproc 2`: torchrun passes the signal on, both ranks stop at the same step and write
     one sharded checkpoint of it, the launcher exits 143 and the run resumes to the end."""
