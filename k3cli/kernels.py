@@ -56,7 +56,7 @@ def run_verify(kernels: list[str], shapes: str, dtype) -> list[tuple]:
 
 # columns shown per kernel: (row key, header, format)
 BENCH_COLUMNS = {
-    "chunk_kda": [("B", "B", "d"), ("T", "T", "d"), ("H", "H", "d"), ("HV", "HV", "d"), ("K", "K=V", "d"),
+    "chunk_kda": [("B", "B", "d"), ("N", "seqs", "d"), ("T", "T", "d"), ("H", "H", "d"), ("HV", "HV", "d"), ("K", "K=V", "d"),
                   ("fwd_ms", "fwd ms", ".3f"), ("fwd_p20_ms", "p20", ".3f"), ("fwd_p80_ms", "p80", ".3f"),
                   ("host_fwd_ms", "host fwd ms", ".3f"),
                   ("fwd_bwd_ms", "fwd+bwd ms", ".3f"), ("fwd_mtok_s", "fwd Mtok/s", ".1f"),

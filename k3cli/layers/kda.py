@@ -197,17 +197,18 @@ class KDAAttention(nn.Module):
         dt_bias = self.dt_bias.view(HV, K)
         row = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g_raw, beta)]
         chunk_kda = self._triton_op(q)
-        if chunk_kda is None and torch.compiler.is_compiling():
-            # the op (its CPU implementation is torch_chunk_kda_varlen): opaque to the compiler, which cannot
-            # trace the torch path's cu_seqlens-dependent shapes
-            from k3cli.ops.kda import chunk_kda
         if chunk_kda is not None:
             o, _ = chunk_kda(*row, use_gate_in_kernel=True, A_log=self.A_log, dt_bias=dt_bias,
                              lower_bound=self.lower_bound, chunk_size=self.chunk_size, cu_seqlens=segments.cu_seqlens)
         else:
             from k3cli.ops.kda import naive_chunk_kda_varlen, naive_kda_gate, torch_chunk
+            from k3cli.ops.kda.chunk import chunk_kda_varlen_op
             row[3] = naive_kda_gate(row[3], self.A_log, dt_bias, self.lower_bound)
-            if torch_chunk.covers_gate(self.lower_bound, self.chunk_size):
+            if torch.compiler.is_compiling():
+                # the op's torch implementation: opaque to the compiler, which cannot trace the torch path's
+                # cu_seqlens-dependent shapes
+                o, _ = chunk_kda_varlen_op(*row, None, segments.cu_seqlens, K ** -0.5, self.chunk_size, False, True)
+            elif torch_chunk.covers_gate(self.lower_bound, self.chunk_size):
                 o, _ = torch_chunk.torch_chunk_kda_varlen(*row, segments.cu_seqlens, chunk_size=self.chunk_size,
                                                           reach_checked=True)
             else:

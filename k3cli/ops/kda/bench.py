@@ -8,6 +8,8 @@ measured in the same run, and fla's `chunk_kda` only if `import fla` works. The 
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import statistics
 import time
 
@@ -23,6 +25,14 @@ SHAPES = {
     "k3": [(8, 2048, 16, 16, 128), (4, 4096, 16, 16, 128), (2, 8192, 16, 16, 128), (1, 16384, 16, 16, 128),
            (1, 32768, 32, 32, 128), (4, 4096, 32, 32, 128), (4, 4096, 8, 16, 128), (8, 2048, 8, 8, 16),
            (16, 2048, 8, 8, 32)],
+}
+# (sequence lengths, H = HV, K = V): chunk_kda with cu_seqlens, one flattened row. "k3": 16,384 tokens in 20
+# documents from 1 to 4,096 tokens, on and off the chunk (against fla's cu_seqlens path)
+VARLEN_SHAPES = {
+    "ci": [((1, 15, 17, 40), 1, 16)],
+    "toy": [],
+    "k3": [((4096, 2048, 2000, 1500, 1200, 1000, 900, 800, 700, 600, 500, 400, 300, 200, 104, 17, 16, 1, 1, 1), 16,
+            128)],
 }
 # BENCHMARKS.md, fla 0.6.0 on H200: (fwd ms, fwd+bwd ms); toy fwd is quoted as 0.92-1.12 (upper end kept)
 FLA_DOC = {(8, 2048, 16, 16, 128): (0.893, 4.79), (4, 4096, 16, 16, 128): (1.228, 4.92),
@@ -149,14 +159,19 @@ def _fwd_bwd_fns(fn, args, device, out_like=2):
     return fwd, fwd_bwd
 
 
-def _bench_chunk(shape, device, against_fla, on_step=None):
-    from k3cli.ops.kda import chunk_kda
+def _bench_chunk(shape, device, against_fla, on_step=None, lens=None):
+    """One chunk_kda row at shape (B, T, H, HV, K); with `lens` (B = 1, T = sum) the row holds those sequences
+    (cu_seqlens: on the CPU for ours, as chunk_kda reads it on the host; on the device for fla)."""
+    from k3cli.ops.kda import chunk_kda, naive_chunk_kda_varlen
     B, T, H, HV, K = shape
     step = (lambda msg: on_step(f"{shape}: {msg}")) if on_step is not None else (lambda msg: None)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     args = _inputs(B, T, H, HV, K, dtype, device)
-    fwd, fwd_bwd = _fwd_bwd_fns(chunk_kda, args, device)
+    cu = None if lens is None else torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    ours = chunk_kda if cu is None else functools.partial(chunk_kda, cu_seqlens=cu)
+    fwd, fwd_bwd = _fwd_bwd_fns(ours, args, device)
     row = {"kernel": "chunk_kda", "B": B, "T": T, "H": H, "HV": HV, "K": K, "V": K, "dtype": str(dtype),
+           "N": B if cu is None else len(lens),
            "first_call_fwd_s": _first_call(fwd, device), "first_call_fwd_bwd_s": _first_call(fwd_bwd, device)}
     step(f"first call (compile + autotune) fwd {row['first_call_fwd_s']:.1f} s, "
          f"fwd+bwd {row['first_call_fwd_bwd_s']:.1f} s")
@@ -172,7 +187,8 @@ def _bench_chunk(shape, device, against_fla, on_step=None):
     ref_fwd = ref_fb = None
     if B * T * HV * 16 * K <= _TORCH_REF_LIMIT:
         try:
-            rf, rfb = _fwd_bwd_fns(naive_chunk_kda, args, device)
+            ref = naive_chunk_kda if cu is None else functools.partial(naive_chunk_kda_varlen, cu_seqlens=cu)
+            rf, rfb = _fwd_bwd_fns(ref, args, device)
             ref_fwd = time_fn(rf, device, reps=3)[0]
             ref_fb = time_fn(rfb, device, reps=3)[0]
         except torch.OutOfMemoryError:
@@ -187,7 +203,8 @@ def _bench_chunk(shape, device, against_fla, on_step=None):
     row["fla_fwd_ms"] = row["fla_fwd_bwd_ms"] = row["fla_first_call_fwd_s"] = row["fla_first_call_fwd_bwd_s"] = None
     row["fla_host_fwd_ms"] = None
     if fla is not None:
-        ff, ffb = _fwd_bwd_fns(lambda *a: fla(*a), args, device)
+        kw = {} if cu is None else {"cu_seqlens": cu.to(device, torch.long)}
+        ff, ffb = _fwd_bwd_fns(lambda *a: fla(*a, **kw), args, device)
         step("fla: compiling (tens of seconds per new shape)")
         row["fla_first_call_fwd_s"], row["fla_first_call_fwd_bwd_s"] = _first_call(ff, device), _first_call(ffb, device)
         step(f"fla first call (compile + autotune) fwd {row['fla_first_call_fwd_s']:.1f} s, "
@@ -243,8 +260,12 @@ def bench_kda(kernel: str = "chunk_kda", shapes: str | list[tuple[int, ...]] = "
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ceiling = copy_ceiling_gbps(device)
     rows = []
-    for shape in SHAPES[shapes] if isinstance(shapes, str) else [tuple(x) for x in shapes]:
-        row = _bench_chunk(shape, device, against_fla, on_step) if kernel == "chunk_kda" else _bench_gate(shape, device)
+    cases = [(tuple(x), None) for x in (SHAPES[shapes] if isinstance(shapes, str) else shapes)]
+    if kernel == "chunk_kda" and isinstance(shapes, str):
+        cases += [((1, sum(lens), H, H, K), lens) for lens, H, K in VARLEN_SHAPES[shapes]]
+    for shape, lens in cases:
+        row = (_bench_chunk(shape, device, against_fla, on_step, lens) if kernel == "chunk_kda"
+               else _bench_gate(shape, device))
         row["copy_ceiling_gbps"] = ceiling
         row["fwd_io_frac_of_copy"] = row["fwd_io_gbps"] / ceiling
         rows.append(row)

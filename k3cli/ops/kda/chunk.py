@@ -342,10 +342,12 @@ def _backward_varlen(q, k, v, g, beta, h0, cu: Tensor, do, dht, scale: float, C:
 @torch.library.custom_op("k3::chunk_kda_varlen", mutates_args=(), device_types=("cuda", "cpu"))
 def chunk_kda_varlen_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
                         cu_seqlens: Tensor, scale: float, chunk_size: int,
-                        output_final_state: bool) -> tuple[Tensor, Tensor]:
+                        output_final_state: bool, reference: bool = False) -> tuple[Tensor, Tensor]:
     """(o, final states [N, HV, K, V] or an empty fp32 tensor) of the sequences cu_seqlens cuts [1, total_T]
-    into; inputs as `chunk_kda`'s, already checked, gated and normed. cu_seqlens is read on the host."""
-    if triton_runs(q.device):
+    into; inputs as `chunk_kda`'s, already checked, gated and normed. cu_seqlens is read on the host.
+    `reference`: the torch implementation on any device and chunk size (the KDA layer's CPU path under
+    torch.compile, which cannot trace its cu_seqlens-dependent shapes)."""
+    if triton_runs(q.device) and not reference:
         o, ht = _forward_varlen(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size, output_final_state)
     else:
         o, ht = torch_chunk_kda_varlen(q, k, v, g, beta, cu_seqlens, scale, initial_state, output_final_state,
@@ -355,7 +357,7 @@ def chunk_kda_varlen_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
 
 
 @chunk_kda_varlen_op.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size, output_final_state):
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size, output_final_state, reference=False):
     N, HV, K, V = cu_seqlens.shape[0] - 1, v.shape[2], q.shape[-1], v.shape[3]
     ht = torch.empty(N, HV, K, V, device=v.device, dtype=torch.float32) if output_final_state else absent(v)
     return torch.empty_like(v, memory_format=torch.contiguous_format), ht
@@ -364,9 +366,9 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size, output_fin
 @torch.library.custom_op("k3::chunk_kda_varlen_bwd", mutates_args=(), device_types=("cuda", "cpu"))
 def chunk_kda_varlen_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
                             cu_seqlens: Tensor, do: Tensor, dht: Tensor | None, scale: float,
-                            chunk_size: int) -> _BWD_OUT:
+                            chunk_size: int, reference: bool = False) -> _BWD_OUT:
     """k3::chunk_kda_varlen's backward: (dq, dk, dv, dg, dbeta, dh0 [N, HV, K, V] or an empty fp32 tensor)."""
-    if triton_runs(q.device):
+    if triton_runs(q.device) and not reference:
         return _backward_varlen(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, chunk_size)
 
     def fwd(q, k, v, g, beta, h0):
@@ -376,18 +378,18 @@ def chunk_kda_varlen_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
 
 
 @chunk_kda_varlen_bwd_op.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, chunk_size):
+def _(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, chunk_size, reference=False):
     dh0 = absent(v) if initial_state is None else torch.empty_like(initial_state, memory_format=torch.contiguous_format)
     return (*(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, g, beta)), dh0)
 
 
 def _setup_varlen(ctx, inputs, output):
-    q, k, v, g, beta, h0, cu_seqlens, scale, chunk_size, output_final_state = inputs
+    q, k, v, g, beta, h0, cu_seqlens, scale, chunk_size, output_final_state, reference = inputs
     if not output_final_state:
         ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, g, beta, h0, cu_seqlens)
-    ctx.scale, ctx.chunk_size, ctx.has_ht = scale, chunk_size, output_final_state
+    ctx.scale, ctx.chunk_size, ctx.has_ht, ctx.reference = scale, chunk_size, output_final_state, reference
 
 
 def _varlen_autograd_backward(ctx, do, dht):
@@ -395,8 +397,9 @@ def _varlen_autograd_backward(ctx, do, dht):
     if do is None:
         do = torch.zeros_like(v)
     dq, dk, dv, dg, dbeta, dh0 = chunk_kda_varlen_bwd_op(q, k, v, g, beta, h0, cu_seqlens, do,
-                                                         dht if ctx.has_ht else None, ctx.scale, ctx.chunk_size)
-    return dq, dk, dv, dg, dbeta, None if h0 is None else dh0, None, None, None, None
+                                                         dht if ctx.has_ht else None, ctx.scale, ctx.chunk_size,
+                                                         ctx.reference)
+    return dq, dk, dv, dg, dbeta, None if h0 is None else dh0, None, None, None, None, None
 
 
 chunk_kda_varlen_op.register_autograd(_varlen_autograd_backward, setup_context=_setup_varlen)
