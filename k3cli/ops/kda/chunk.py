@@ -20,6 +20,7 @@ from k3cli.ops.kda.checks import check_kda_inputs, check_tensor
 from k3cli.ops.kda.chunk_bwd import kda_bwd_intra, kda_bwd_state
 from k3cli.ops.kda.chunk_fwd import Intra, intra_buffers, kda_fwd_intra, kda_fwd_state, torch_allows_tf32
 from k3cli.ops.kda.torch_chunk import torch_chunk_kda, torch_chunk_kda_varlen
+from k3cli.ops.kda.varlen import lay_out, varlen_layout
 from k3cli.ops.norm import l2norm
 
 _CHUNK_SIZES = (16, 32, 64)
@@ -256,50 +257,16 @@ def _autograd_backward(ctx, do, dht, *_):
 chunk_kda_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
-# ---------------------------------------------------------------- variable-length sequences (cu_seqlens)
-class VarlenLayout(NamedTuple):
-    """Sequences of one flattened row moved so that each starts on a chunk: a chunk never spans two, the
-    intra-chunk kernels need no change, and only the state scans restart per sequence (`ctab`)."""
-    src: Tensor    # [T'] original token of each laid-out position; total_T (a zero row) in the gaps
-    dst: Tensor    # [total_T] laid-out position of each original token
-    ctab: Tensor   # int32 [T' / C]: sequence << 2 | (last chunk of it) << 1 | (first chunk of it)
-    n_seq: int
-
-
-def varlen_layout(cu_seqlens: Tensor, C: int, device) -> VarlenLayout:
-    """The chunk-aligned layout of the sequences [cu[i], cu[i+1]) for chunk size C, computed on the CPU with
-    vectorised ops (the training layers call it once per KDA layer and step). Empty sequences take no chunk."""
-    cu = cu_seqlens.to("cpu", torch.long)
-    lens = cu[1:] - cu[:-1]
-    chunks = (lens + C - 1) // C                                          # per sequence
-    first_chunk = torch.cumsum(chunks, 0) - chunks
-    total, NT = int(cu[-1]), int(chunks.sum())
-    seq_of_tok = torch.repeat_interleave(torch.arange(len(lens)), lens)
-    dst = torch.arange(total) + (first_chunk * C - cu[:-1])[seq_of_tok]   # laid-out position of each token
-    src = torch.full((NT * C,), total, dtype=torch.long).scatter_(0, dst, torch.arange(total))
-    seq_of_chunk = torch.repeat_interleave(torch.arange(len(lens)), chunks)
-    j = torch.arange(NT) - first_chunk[seq_of_chunk]
-    ctab = (seq_of_chunk << 2) | ((j == chunks[seq_of_chunk] - 1).long() << 1) | (j == 0).long()
-    return VarlenLayout(src.to(device, non_blocking=True), dst.to(device, non_blocking=True),
-                        ctab.to(device=device, dtype=torch.int32), len(lens))
-
-
 def _empty_sequences(cu_seqlens: Tensor) -> Tensor:
     """Indices of the sequences with no token (their final state is their initial state)."""
     cu = cu_seqlens.to("cpu", torch.long)
     return torch.nonzero(cu[1:] == cu[:-1]).flatten()
 
 
-def _lay_out(x: Tensor, lay: VarlenLayout) -> Tensor:
-    """[1, total_T, ...] -> [1, T', ...] in `lay`'s order, zeros in the gaps (q = k = v = 0, g = 0, β = 0: a gap
-    changes no state and its outputs are dropped)."""
-    return torch.cat([x[0], x.new_zeros(1, *x.shape[2:])])[lay.src][None]
-
-
 def _forward_varlen(q, k, v, g, beta, h0, cu: Tensor, scale: float, C: int, output_final_state: bool):
     """The Triton forward over chunk-aligned sequences: (o [1, total_T, HV, V], final states [N, HV, K, V])."""
     lay = varlen_layout(cu, C, q.device)
-    q, k, v, g, beta = (_lay_out(x.contiguous(), lay) for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (lay_out(x.contiguous(), lay) for x in (q, k, v, g, beta))
     h0 = None if h0 is None else h0.contiguous()
     launch.configure()
     T, HV, V = v.shape[1], v.shape[2], v.shape[3]
@@ -317,7 +284,7 @@ def _backward_varlen(q, k, v, g, beta, h0, cu: Tensor, do, dht, scale: float, C:
     """The Triton backward over chunk-aligned sequences; stage 1 is recomputed (its buffers have the layout's
     data-dependent length, so the forward op cannot return them)."""
     lay = varlen_layout(cu, C, q.device)
-    q, k, v, g, beta, do = (_lay_out(x.contiguous(), lay) for x in (q, k, v, g, beta, do))
+    q, k, v, g, beta, do = (lay_out(x.contiguous(), lay) for x in (q, k, v, g, beta, do))
     h0 = None if h0 is None else h0.contiguous()
     dht = None if dht is None else dht.contiguous().float()
     launch.configure()

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from k3cli.ops.kda.naive import chunk_layout, naive_chunk_kda, solve_wu
+from k3cli.ops.kda.naive import chunk_layout, naive_chunk_kda, naive_chunk_kda_varlen, solve_wu
+from k3cli.ops.kda.varlen import lay_out, varlen_layout
 
 SUB = 16  # query sub-chunk of the anchored scores, the reference's exact-block size
 # largest c − Γ_j inside a sub-chunk: key factors and masked score products stay <= K·e^80, in fp32
@@ -33,11 +34,14 @@ def covers_gate(lower_bound: float, chunk_size: int) -> bool:
 
 
 def torch_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                    chunk_size=64, reach_checked=False):
+                    chunk_size=64, reach_checked=False, ctab=None):
     """Same arguments, returns and gradients as `naive_chunk_kda` (up to rounding).
 
     `reach_checked=True`: the caller guarantees the reach bound (`covers_gate` of its gate), so the
-    data-dependent check and fallback are skipped and the call traces into one compiled graph."""
+    data-dependent check and fallback are skipped and the call traces into one compiled graph.
+    `ctab` (CPU, one entry per chunk, varlen.py): B = 1 inputs in the chunk-aligned layout of several
+    sequences; the state restarts from initial_state[seq] (or zeros) at each sequence's first chunk, and the
+    final state is a dict {seq: its end state}. Then, where the reach check fails, returns None."""
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     C = chunk_size
@@ -49,6 +53,8 @@ def torch_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fin
     c = G[..., ::sub, :]                                                   # (B, HV, n, ns, K)
     c_rows = c.repeat_interleave(sub, dim=-2) if ns > 1 else c             # (B, HV, n, C | 1, K)
     if not reach_checked and not (c_rows.detach() - G.detach()).abs().amax() <= MAX_REACH:  # also NaN
+        if ctab is not None:
+            return None
         return naive_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                output_final_state=output_final_state, chunk_size=chunk_size)
     e_q = (G - c_rows).exp()                                               # (B, HV, n, C, K)
@@ -77,12 +83,20 @@ def torch_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fin
     P = qg - Aqk @ W                                                       # (B, HV, n, C, K)
     M = torch.diag_embed(gam.squeeze(-2).exp()) - kd_t @ W                 # (B, HV, n, K, K)
     R = kd_t @ U                                                           # (B, HV, n, K, V)
-    S = q.new_zeros(B, HV, K, V, dtype=wd) if initial_state is None else initial_state.to(wd)
-    states = []
+    zero = q.new_zeros(B, HV, K, V, dtype=wd)
+    S = zero if initial_state is None or ctab is not None else initial_state.to(wd)
+    states, ends = [], {}
+    flags = None if ctab is None else ctab.tolist()
     # unbind, not [:, :, i]: a select's backward zero-fills a full-size gradient per chunk
-    for m_i, r_i in zip(M.unbind(2), R.unbind(2)):
+    for i, (m_i, r_i) in enumerate(zip(M.unbind(2), R.unbind(2))):
+        if flags is not None and flags[i] & 1:   # a sequence's first chunk: its own start state
+            S = zero if initial_state is None else initial_state[flags[i] >> 2][None].to(wd)
         states.append(S)
         S = torch.baddbmm(r_i.reshape(-1, K, V), m_i.reshape(-1, K, K), S.reshape(-1, K, V)).view(B, HV, K, V)
+        if flags is not None and flags[i] & 2:
+            ends[flags[i] >> 2] = S[0]
+    if flags is not None:
+        S = ends
     o = P @ torch.stack(states, dim=2) + Aqk @ U                           # (B, HV, n, C, V)
     o = o.permute(0, 2, 3, 1, 4).reshape(B, n * C, HV, V)[:, :T]
     return o.to(v.dtype if v.dtype != wd else wd), (S if output_final_state else None)
@@ -90,31 +104,23 @@ def torch_chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_fin
 
 def torch_chunk_kda_varlen(q, k, v, g, beta, cu_seqlens, scale=None, initial_state=None, output_final_state=False,
                            chunk_size=64, reach_checked=False):
-    """`torch_chunk_kda` over the sequences cu_seqlens cuts the B = 1 row into, batched: each non-empty sequence
-    becomes a row of a [N, L_max] batch, zero-padded at its end. A padding token (q = k = v = 0, β = 0, g = 0)
-    neither writes nor decays the state, so outputs and final states are each sequence's alone (checked
-    against the per-sequence oracle `naive_chunk_kda_varlen`). Returns (o [1, total_T, HV, V], final states
-    [N, HV, K, V] or None); empty sequences keep their initial state."""
-    cu = cu_seqlens.to("cpu", torch.long)
-    lens = cu[1:] - cu[:-1]
-    N, HV, K, V = len(lens), v.shape[2], q.shape[-1], v.shape[-1]
-    live = torch.nonzero(lens > 0).flatten()
-    L = int(lens.max())
-    # token j of live sequence i sits at row i, column j of the batch
-    row = torch.repeat_interleave(torch.arange(len(live)), lens[live])
-    col = torch.arange(int(cu[-1])) - cu[:-1][live][row]
-    pos = (row * L + col).to(q.device)
-
-    def batch(x):
-        out = x.new_zeros(len(live) * L, *x.shape[2:])
-        return out.index_copy(0, pos, x[0]).view(len(live), L, *x.shape[2:])
-    h0 = None if initial_state is None else initial_state[live.to(initial_state.device)]
-    o, ht = torch_chunk_kda(*(batch(x) for x in (q, k, v, g, beta)), scale=scale, initial_state=h0,
-                            output_final_state=output_final_state, chunk_size=chunk_size,
-                            reach_checked=reach_checked)
-    o = o.reshape(len(live) * L, HV, V)[pos][None]
+    """`torch_chunk_kda` over the sequences cu_seqlens cuts the B = 1 row into, in the chunk-aligned layout the
+    kernels use (varlen.py): zero gaps so that each sequence starts on a chunk, the state restarting at each
+    sequence's first chunk. Outputs and final states are each sequence's alone (checked against the
+    per-sequence oracle `naive_chunk_kda_varlen`, which it falls back to where the reach check fails).
+    Returns (o [1, total_T, HV, V], final states [N, HV, K, V] or None); empty sequences keep their initial
+    state."""
+    lay = varlen_layout(cu_seqlens, chunk_size, q.device)
+    out = torch_chunk_kda(*(lay_out(x, lay) for x in (q, k, v, g, beta)), scale=scale, initial_state=initial_state,
+                          output_final_state=True, chunk_size=chunk_size, reach_checked=reach_checked, ctab=lay.ctab)
+    if out is None:
+        return naive_chunk_kda_varlen(q, k, v, g, beta, cu_seqlens, scale, initial_state, output_final_state,
+                                      chunk_size)
+    o, ends = out
+    o = o[:, lay.dst.to(o.device)]
     if not output_final_state:
         return o, None
-    states = (torch.zeros(N, HV, K, V, dtype=ht.dtype, device=ht.device) if initial_state is None
-              else initial_state.to(ht.dtype).clone())
-    return o, states.index_copy(0, live.to(ht.device), ht)
+    HV, K, V = v.shape[2], q.shape[-1], v.shape[-1]
+    dt = next(iter(ends.values())).dtype if ends else torch.float32
+    start = torch.zeros(lay.n_seq, HV, K, V, device=v.device) if initial_state is None else initial_state
+    return o, torch.stack([ends[i] if i in ends else start[i].to(dt) for i in range(lay.n_seq)])

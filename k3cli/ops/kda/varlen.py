@@ -1,0 +1,41 @@
+"""The chunk-aligned layout of variable-length sequences (README.md §9), shared by the Triton path (chunk.py)
+and the torch path (torch_chunk.py)."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+
+class VarlenLayout(NamedTuple):
+    """Sequences of one flattened row moved so that each starts on a chunk: a chunk never spans two, the
+    intra-chunk kernels need no change, and only the state scans restart per sequence (`ctab`)."""
+    src: Tensor    # [T'] original token of each laid-out position; total_T (a zero row) in the gaps
+    dst: Tensor    # [total_T] laid-out position of each original token
+    ctab: Tensor   # int32 [T' / C]: sequence << 2 | (last chunk of it) << 1 | (first chunk of it)
+    n_seq: int
+
+
+def varlen_layout(cu_seqlens: Tensor, C: int, device) -> VarlenLayout:
+    """The chunk-aligned layout of the sequences [cu[i], cu[i+1]) for chunk size C, computed on the CPU with
+    vectorised ops (the training layers call it once per KDA layer and step). Empty sequences take no chunk."""
+    cu = cu_seqlens.to("cpu", torch.long)
+    lens = cu[1:] - cu[:-1]
+    chunks = (lens + C - 1) // C                                          # per sequence
+    first_chunk = torch.cumsum(chunks, 0) - chunks
+    total, NT = int(cu[-1]), int(chunks.sum())
+    seq_of_tok = torch.repeat_interleave(torch.arange(len(lens)), lens)
+    dst = torch.arange(total) + (first_chunk * C - cu[:-1])[seq_of_tok]   # laid-out position of each token
+    src = torch.full((NT * C,), total, dtype=torch.long).scatter_(0, dst, torch.arange(total))
+    seq_of_chunk = torch.repeat_interleave(torch.arange(len(lens)), chunks)
+    j = torch.arange(NT) - first_chunk[seq_of_chunk]
+    ctab = (seq_of_chunk << 2) | ((j == chunks[seq_of_chunk] - 1).long() << 1) | (j == 0).long()
+    return VarlenLayout(src.to(device, non_blocking=True), dst.to(device, non_blocking=True),
+                        ctab.to(device=device, dtype=torch.int32), len(lens))
+
+
+def lay_out(x: Tensor, lay: VarlenLayout) -> Tensor:
+    """[1, total_T, ...] -> [1, T', ...] in `lay`'s order, zeros in the gaps (q = k = v = 0, g = 0, β = 0: a gap
+    changes no state and its outputs are dropped)."""
+    return torch.cat([x[0], x.new_zeros(1, *x.shape[2:])])[lay.src][None]
