@@ -164,3 +164,16 @@ def test_bad_cu_seqlens_is_one_value_error_naming_it(over, match):
     with pytest.raises(ValueError, match=match) as e:
         chunk_kda(q, k, v, g, beta, **kw)
     assert "\n" not in str(e.value) and ("cu_seqlens" in str(e.value) or "initial_state" in str(e.value))
+
+
+@pytest.mark.triton
+def test_decode_step_batch_is_independent_sequences():
+    """fused_recurrent_kda over a batch (the decode step of several packed documents' continuations): each
+    row equals that row run alone from its own state, so decoding needs no cu_seqlens."""
+    from k3cli.ops.kda import fused_recurrent_kda
+    q, k, v, g, beta, h0 = kda_inputs(3, 2, 1, 2, 16, 16, torch.float32, "cpu")
+    o, ht = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    for b in range(3):
+        o1, h1 = fused_recurrent_kda(q[b:b + 1], k[b:b + 1], v[b:b + 1], g[b:b + 1], beta[b:b + 1],
+                                     initial_state=h0[b:b + 1], output_final_state=True)
+        assert torch.equal(o[b:b + 1], o1) and torch.equal(ht[b:b + 1], h1)
