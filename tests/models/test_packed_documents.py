@@ -68,3 +68,25 @@ def test_segments_from_starts():
     assert s.cu_seqlens.tolist() == [0, 2, 5, 10, 10, 10, 10, 10, 10, 10, 10]
     assert s.doc.tolist() == [[0, 0, 1, 1, 1], [0, 0, 0, 0, 0]]
     assert s.pos.tolist() == [[0, 1, 0, 1, 2], [0, 1, 2, 3, 4]]
+
+
+@pytest.mark.triton
+def test_packed_row_on_the_triton_kernels():
+    """The KDA layers' Triton path (chunk_kda with cu_seqlens and the in-kernel gate; the interpreter on CPU),
+    fp32: a packed batch against each document alone, logits and gradients within chunk_kda's fp32 bound."""
+    torch.manual_seed(0)
+    cfg = load_config("kda-toy", overrides=["model.kda.backend=triton", "model.num_hidden_layers=2",
+                                            "model.vocab_size=256"]).model
+    model = CausalLM(cfg).eval()
+    rows = [[5, 17, 1, 9]]
+    T = sum(rows[0])
+    ids = torch.randint(1, 256, (1, T), generator=torch.Generator().manual_seed(1))
+    packed = model(ids, segments=Segments.from_starts(starts_of(rows))).logits
+    gp = grads(model, packed.square().sum())
+    edges = torch.tensor([0, *rows[0]]).cumsum(0).tolist()
+    alone = [model(ids[:, a:e]).logits for a, e in zip(edges[:-1], edges[1:])]
+    ga = grads(model, sum(x.square().sum() for x in alone))
+    ref = torch.cat(alone, 1)
+    assert ((packed - ref).norm() / ref.norm()).item() < 2e-4
+    for (name, _), x, y in zip(model.named_parameters(), gp, ga):
+        assert ((x - y).norm() / y.norm().clamp_min(1e-12)).item() < 2e-4, name
