@@ -102,3 +102,20 @@ def test_flex_document_attention_matches_the_masked_sdpa():
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=_document_mask(doc)[:, None], scale=0.3)
     got = _flex_document_attention(q, k, v, doc, 0.3)
     assert (got - ref).abs().max() < 1e-5
+
+
+@pytest.mark.gpu
+def test_flex_document_attention_gradients_match_the_masked_sdpa_on_cuda():
+    import torch.nn.functional as F
+
+    from k3cli.layers.mla import _document_mask, _flex_document_attention
+    g = torch.Generator().manual_seed(0)
+    B, H, T, d = 2, 4, 300, 32
+    doc = torch.cat([torch.zeros(B, 100), torch.ones(B, 150), 2 * torch.ones(B, 50)], 1).long().cuda()
+    q, k, v = (torch.randn(B, H, T, d, generator=g).cuda().requires_grad_() for _ in range(3))
+    do = torch.randn(B, H, T, d, generator=g).cuda()
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=_document_mask(doc)[:, None], scale=0.2)
+    got = _flex_document_attention(q, k, v, doc, 0.2)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), do), torch.autograd.grad(ref, (q, k, v), do)):
+        assert (a - b).abs().max() < 1e-3
+    assert (got - ref).abs().max() < 1e-4

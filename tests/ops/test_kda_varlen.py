@@ -177,3 +177,21 @@ def test_decode_step_batch_is_independent_sequences():
         o1, h1 = fused_recurrent_kda(q[b:b + 1], k[b:b + 1], v[b:b + 1], g[b:b + 1], beta[b:b + 1],
                                      initial_state=h0[b:b + 1], output_final_state=True)
         assert torch.equal(o[b:b + 1], o1) and torch.equal(ht[b:b + 1], h1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,H,K", [((1, 63, 64, 65, 1000, 3000, 7, 2048), 16, 128), ((5, 300, 129), 4, 64),
+                                      ((2000, 1, 33), 8, 16)], ids=["H16-K128", "H4-K64", "H8-K16"])
+def test_chunk_kda_varlen_bf16_gpu(lens, H, K):
+    """bf16 on the GPU, several sequences in one row, against the fp32 per-sequence reference (the op's
+    tolerance table): outputs, final states, every gradient."""
+    cu = cu_of(lens)
+    q, k, v, g, beta, _ = kda_inputs(1, sum(lens), H, 1, K, K, torch.bfloat16, "cuda")
+    h0 = torch.randn(len(lens), H, K, K, generator=torch.Generator().manual_seed(3)).cuda()
+    x = (q, k, v, g, beta, h0)
+    packed = run(lambda *a: chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, chunk_size=64,
+                                      cu_seqlens=cu), *x)
+    ref = run(lambda *a: naive_chunk_kda_varlen(*a[:5], cu, initial_state=a[5], output_final_state=True,
+                                                chunk_size=64), *[t.float() for t in x])
+    for name in NAMES:
+        assert_close(name, packed[name], ref[name], TOL[name], rel_rms)
