@@ -125,12 +125,12 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-@torch.no_grad()
 def document_segments(ids: torch.Tensor, device: torch.device, document_mask: bool) -> Segments | None:
     """The packed documents of a CPU batch ids [B, T] for the model (data.document_mask), else None."""
     return Segments.from_starts(document_starts(ids), device) if document_mask else None
 
 
+@torch.no_grad()
 def evaluate_loss(forward, batches: list[torch.Tensor], device: torch.device,
                   autocast_dtype: torch.dtype | None, module: CausalLM | None = None,
                   rank: int = 0, world_size: int = 1, document_mask: bool = False) -> float:
@@ -317,8 +317,9 @@ def _train(cfg: RunConfig, run_dir: Path, info: par.DistInfo, mode: str, accum: 
                             eps=1e-8, fused=True if device.type == "cpu" else None)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_lambda(s, tc.warmup_steps, tc.steps, tc.min_lr_ratio))
-    # one global order on every rank; each takes its rows of every global micro-batch
-    loader = data.train_loader(tc.micro_batch_size * world, seed=tc.seed, rows_per_step=tc.global_batch_size)
+    # one global order on every rank; each reads only its rows of every global micro-batch
+    loader = data.train_loader(tc.micro_batch_size * world, seed=tc.seed, rows_per_step=tc.global_batch_size,
+                               rank=rank, world_size=world)
     val = data.val_batches(cfg.eval.batches, cfg.eval.batch_size)
 
     step, loss_val, val_loss, time_before = 0, float("nan"), None, 0.0
@@ -369,7 +370,7 @@ def _train(cfg: RunConfig, run_dir: Path, info: par.DistInfo, mode: str, accum: 
         loss_acc = torch.zeros((), dtype=torch.float64, device=device)
         for i in range(accum):
             t_data = time.perf_counter()
-            ids = par.shard_batch(next(loader), rank, world)
+            ids = next(loader)   # this rank's rows of the global micro-batch
             segments = document_segments(ids, device, cfg.data.document_mask)
             ids = ids.to(device)
             speed.data_s += time.perf_counter() - t_data

@@ -312,3 +312,18 @@ def test_wandb_missing_is_one_line_exit_2(corpus, tmp_path, monkeypatch):
     assert r.exit_code == 2
     assert r.stderr.strip().splitlines() == ["error: --wandb needs the wandb package: pip install 'k3cli[wandb]'"]
     assert not run.exists()   # checked before any data, model or run-directory work
+
+
+def test_evaluation_builds_no_autograd_graph():
+    """evaluate_loss runs its forwards without autograd (a graph kept per batch grew a 20-batch k3-toy
+    evaluation to 11 GB)."""
+    from k3cli.models.causal_lm import ModelOutput
+    from k3cli.train import evaluate_loss
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, ids, labels=None, segments=None):
+            seen.append(torch.is_grad_enabled())
+            return ModelOutput(logits=torch.zeros(0), loss=torch.ones((), requires_grad=True) * 2)
+    assert evaluate_loss(Probe(), [torch.ones(2, 4, dtype=torch.long)] * 3, torch.device("cpu"), None) == 2.0
+    assert seen == [False, False, False]
