@@ -3,17 +3,19 @@
 `prepare_data` is the one entry point the training command calls:
 
 1. read documents from `data.source` (`stdlib`, a .txt/.jsonl/.parquet file or folder, `hf:NAME`),
-   in a deterministic order, up to `data.max_bytes` UTF-8 bytes;
+   streamed in a deterministic order, up to `data.max_bytes` UTF-8 bytes (`iter_documents`);
 2. split them into train / validation by a stable hash of each document's name (not its position,
    so adding files does not reshuffle the split);
-3. train a byte-level BPE (`<|endoftext|>` = id 0) on the train split, cached by corpus fingerprint;
-4. encode both splits once and cache the ids (uint16 while the vocabulary fits, else int32);
-5. pack each split into one stream, every document followed by `<|endoftext|>`.
+3. train a byte-level BPE (`<|endoftext|>` = id 0) on a bounded sample of the train split, cached by
+   corpus fingerprint;
+4. encode both splits once into memory-mapped token shards (`k3cli.shards`: uint16 while the
+   vocabulary fits, else uint32), each split one stream, every document followed by `<|endoftext|>`.
+   A folder written by `k3 data prepare` is used as it is.
 
 `PackedLoader` turns the train stream into an infinite sequence of `input_ids [B, T]` batches whose
 position is captured exactly by `state_dict()`; `val_batches` gives fixed, unshuffled eval batches.
 Labels are the inputs: the model shifts internally. Nothing here prints; progress goes to a callback.
-Caches live under `$K3_CACHE_DIR` (default `~/.cache/k3`): `tokenizers/<fp>.json`, `tokens/<fp>-*.npy`.
+Caches live under `$K3_CACHE_DIR` (default `~/.cache/k3`): `tokenizers/<fp>.json`, `shards/<fp>/`.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 __all__ = [
     "DataError", "Document", "PreparedData", "PackedLoader", "EOT", "EOT_ID", "document_starts", "prepare_data",
-    "load_documents", "split_documents", "corpus_fingerprint", "train_tokenizer", "save_tokenizer",
+    "load_documents", "iter_documents", "split_documents", "corpus_fingerprint", "train_tokenizer", "save_tokenizer",
     "load_tokenizer", "pack_documents", "val_batches", "cache_root",
 ]
 
@@ -227,16 +229,17 @@ def _hub_docs(spec: str, text_field: str) -> Iterator[tuple[str, str]]:
     yield from _rows(ds, f"hf:{spec}", text_field)
 
 
-def load_documents(source: str, text_field: str = "text", max_bytes: int = 0) -> list[Document]:
-    """Non-empty documents of `source` in a deterministic order, at most `max_bytes` UTF-8 bytes
-    in all (0 = no cap; the document that crosses the cap is cut at it)."""
+def iter_documents(source: str, text_field: str = "text", max_bytes: int = 0) -> Iterator[Document]:
+    """The non-empty documents of `source` one at a time, in a deterministic order, at most
+    `max_bytes` UTF-8 bytes in all (0 = no cap; the document that crosses the cap is cut at it).
+    Streams: only the current document is held (a .txt file given alone is read whole)."""
     if source == "stdlib":
         rows = _stdlib_docs()
     elif source.startswith("hf:"):
         rows = _hub_docs(source[3:], text_field)
     else:
         rows = _path_docs(source, text_field)
-    docs, total = [], 0
+    total = 0
     for name, text in rows:
         if not text.strip():
             continue
@@ -247,10 +250,15 @@ def load_documents(source: str, text_field: str = "text", max_bytes: int = 0) ->
             text = raw[:max_bytes - total].decode("utf-8", "ignore")
             raw = text.encode("utf-8")
         if raw:
-            docs.append(Document(name, text, len(raw)))
+            yield Document(name, text, len(raw))
             total += len(raw)
         if not full:
             break
+
+
+def load_documents(source: str, text_field: str = "text", max_bytes: int = 0) -> list[Document]:
+    """All of `iter_documents` as a list; a DataError when there are none."""
+    docs = list(iter_documents(source, text_field, max_bytes))
     if not docs:
         raise DataError(f"data.source: {source} holds no non-empty documents (empty corpus)")
     return docs
@@ -394,13 +402,6 @@ def pack_documents(tok: Tokenizer, docs: list[Document], dtype=np.uint16,
     return np.concatenate(parts)
 
 
-def _save_npy(path: Path, arr: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.stem}.tmp-{os.getpid()}.npy")
-    np.save(tmp, arr)
-    os.replace(tmp, path)
-
-
 class PackedLoader:
     """Infinite, checkpointable batches `input_ids [B, T]` (int64) from a packed stream `tokens [N]`.
 
@@ -411,13 +412,18 @@ class PackedLoader:
     The position counts windows of the one order, whatever the batch size: a multi-process run
     draws global micro-batches (micro_batch_size × processes rows, each rank keeps its slice), and
     `rows_per_step` (the global batch) is what a resumed loader must share, so a state saved at a
-    step boundary continues under any number of processes with every window seen once.
+    step boundary continues under any number of processes with every window seen once. With
+    `world_size` > 1 a batch is rank `rank`'s contiguous rows of the global one and only those are read.
+    `tokens` may be a memory-mapped `shards.TokenStream`: a window is read when its batch is made.
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int = 0,
-                 rows_per_step: int | None = None):
+                 rows_per_step: int | None = None, rank: int = 0, world_size: int = 1):
         self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
         self.rows_per_step = rows_per_step
+        if batch_size % world_size or not 0 <= rank < world_size:
+            raise ValueError(f"PackedLoader: {batch_size} rows do not split over {world_size} ranks (rank {rank})")
+        self.rank, self.world_size = rank, world_size
         self.num_windows = len(tokens) // seq_len
         if self.num_windows < 1:
             raise DataError(f"the train split has {len(tokens)} tokens, fewer than train.seq_len "
@@ -442,9 +448,11 @@ class PackedLoader:
             self.position += len(take)
             if self.position == self.num_windows:
                 self.epoch, self.position = self.epoch + 1, 0
+        n = self.batch_size // self.world_size
+        idx = idx[self.rank * n:(self.rank + 1) * n]  # this rank reads its rows only (par.shard_batch's slice)
         T = self.seq_len
         rows = np.stack([self.tokens[i * T:(i + 1) * T] for i in idx]).astype(np.int64)
-        return torch.from_numpy(rows)  # [B, T]
+        return torch.from_numpy(rows)  # [B / world_size, T]
 
     def state_dict(self) -> dict:
         state = {"epoch": self.epoch, "position": self.position, "seed": self.seed, "seq_len": self.seq_len,
@@ -490,7 +498,7 @@ def val_batches(tokens: np.ndarray, seq_len: int, n: int, batch_size: int) -> li
 @dataclass
 class PreparedData:
     tokenizer: Tokenizer
-    train_tokens: np.ndarray  # [N_train] packed stream (memory-mapped from the cache)
+    train_tokens: np.ndarray  # [N_train] packed stream: memory-mapped shards (`shards.TokenStream`)
     val_tokens: np.ndarray  # [N_val]
     fingerprint: str
     seq_len: int
@@ -503,9 +511,11 @@ class PreparedData:
     bytes_per_token_val: float
     tokenizer_cached: bool
     tokens_cached: bool
+    path: Path | None = None  # the prepared directory the streams are mapped from
 
-    def train_loader(self, batch_size: int, seed: int = 0, rows_per_step: int | None = None) -> PackedLoader:
-        return PackedLoader(self.train_tokens, self.seq_len, batch_size, seed, rows_per_step)
+    def train_loader(self, batch_size: int, seed: int = 0, rows_per_step: int | None = None,
+                     rank: int = 0, world_size: int = 1) -> PackedLoader:
+        return PackedLoader(self.train_tokens, self.seq_len, batch_size, seed, rows_per_step, rank, world_size)
 
     def val_batches(self, n: int, batch_size: int) -> list[torch.Tensor]:
         return val_batches(self.val_tokens, self.seq_len, n, batch_size)
@@ -513,21 +523,38 @@ class PreparedData:
 
 def prepare_data(data_cfg, vocab_size: int, seq_len: int, cache_dir: str | os.PathLike | None = None,
                  progress: Callable[[str], None] | None = None, tokenizer=None) -> PreparedData:
-    """Read, split, tokenise (cached) and pack `data_cfg.source` (a `DataConfig`) for training.
+    """The token streams of `data_cfg.source` (a `DataConfig`) for training, memory-mapped.
 
-    With `tokenizer` (e.g. a run's saved one, for eval) no tokenizer is trained and the token
-    cache is keyed by that tokenizer's content too."""
+    A prepared directory (`k3 data prepare`) is opened as it is. Any other source is prepared into
+    the cache first (`shards/<key>/`, reused while the source and tokenizer settings are the same),
+    its tokenizer trained on a bounded sample and cached as `tokenizers/<key>.json`. With
+    `tokenizer` (e.g. a run's saved one, for resume and eval) no tokenizer is trained, and the
+    streams must have been tokenized by that one."""
+    from k3cli import shards  # shards builds on this module's readers and tokenizer
+
     say = progress or (lambda msg: None)
-    say(f"reading {data_cfg.source}")
-    docs = load_documents(data_cfg.source, data_cfg.text_field, data_cfg.max_bytes)
-    train, val = split_documents(docs, data_cfg.val_fraction)
-    fp = corpus_fingerprint(train, val, vocab_size, data_cfg.min_frequency)
-    train_bytes, val_bytes = sum(d.nbytes for d in train), sum(d.nbytes for d in val)
-    say(f"{len(docs)} documents ({(train_bytes + val_bytes) / 2**20:.1f} MiB): {len(train)} train, "
-        f"{len(val)} val; fingerprint {fp}")
+    source = data_cfg.source
+    if shards.is_prepared(source) or shards.looks_like_partial(Path(source).expanduser()):
+        prepared = shards.open_prepared(source)
+        say(f"prepared data {prepared.path} (tokenizer {prepared.manifest['tokenizer']['sha256'][:12]})")
+        if tokenizer is not None and shards.tokenizer_sha256(tokenizer) != prepared.manifest["tokenizer"]["sha256"]:
+            raise DataError(f"{prepared.path} was tokenized by another tokenizer than this run's tokenizer.json "
+                            "(SHA-256 differs); prepare the data again with --tokenizer RUN/tokenizer.json, "
+                            "or train into a new --out")
+        tok_vocab = prepared.manifest["tokenizer"]["vocab_size"]
+        if tok_vocab > vocab_size:
+            raise DataError(f"{prepared.path} has a tokenizer of {tok_vocab} tokens, more than model.vocab_size "
+                            f"({vocab_size}); set model.vocab_size={tok_vocab} or prepare with --vocab-size {vocab_size}")
+        return _prepared(prepared, seq_len, prepared.manifest["source"]["fingerprint"], True, True,
+                         tokenizer or prepared.tokenizer)
 
+    say(f"reading {source}")
+    scan = shards.scan_source(source, data_cfg.text_field, data_cfg.max_bytes, data_cfg.val_fraction,
+                              want_sample=tokenizer is None)
+    key = shards.tokenizer_key(scan, vocab_size, data_cfg.min_frequency)
+    say(f"{scan.documents} documents ({scan.nbytes / 2**20:.1f} MiB); fingerprint {key}")
     root = cache_root(cache_dir)
-    tok_path = root / "tokenizers" / f"{fp}.json"
+    tok_path = root / "tokenizers" / f"{key}.json"
     tokenizer_cached = tok_path.is_file()
     if tokenizer is not None:
         try:
@@ -536,7 +563,7 @@ def prepare_data(data_cfg, vocab_size: int, seq_len: int, cache_dir: str | os.Pa
             same = False
         tok, tokenizer_cached = tokenizer, True
         if not same:  # token streams of another tokenizer must not share the cache entry
-            fp = f"{fp}-{hashlib.sha256(tok.to_str().encode()).hexdigest()[:12]}"
+            key = f"{key}-{shards.tokenizer_sha256(tok)[:12]}"
     elif tokenizer_cached:
         try:
             tok = load_tokenizer(tok_path)
@@ -545,28 +572,24 @@ def prepare_data(data_cfg, vocab_size: int, seq_len: int, cache_dir: str | os.Pa
             say(f"{e}; training it again")
             tokenizer_cached = False
     if not tokenizer_cached:
-        say(f"training byte-level BPE (vocab {vocab_size}) on the train split")
-        tok = train_tokenizer(train, vocab_size, data_cfg.min_frequency)
+        sample_mib = sum(d.nbytes for d in scan.sample) / 2**20
+        say(f"training byte-level BPE (vocab {vocab_size}) on {len(scan.sample)} train documents ({sample_mib:.1f} MiB)")
+        tok = train_tokenizer(scan.sample, vocab_size, data_cfg.min_frequency)
         write_text_atomic(tok_path, tok.to_str())
+    res = shards.prepare_shards(source, root / "shards" / key, tok, val_fraction=data_cfg.val_fraction,
+                                text_field=data_cfg.text_field, max_bytes=data_cfg.max_bytes,
+                                min_frequency=data_cfg.min_frequency, say=say, scan=scan)
+    if not res.reused:
+        say(f"tokenized into {res.path} in {res.seconds:.1f} s")
+    return _prepared(shards.open_prepared(res.path), seq_len, key, tokenizer_cached, res.reused, tok)
 
-    dtype = np.uint16 if vocab_size <= 2**16 else np.int32
-    streams, tokens_cached = {}, True
-    for split, split_docs in (("train", train), ("val", val)):
-        path = root / "tokens" / f"{fp}-{split}.npy"
-        if not path.is_file():
-            tokens_cached = False
-            _save_npy(path, pack_documents(tok, split_docs, dtype, say, split))
-        try:
-            # allow_pickle=False: a planted object array is refused (unpickling could run code)
-            streams[split] = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (ValueError, OSError, EOFError) as e:
-            say(f"token cache {path} is unreadable ({str(e).strip()[:120]}); building it again")
-            tokens_cached = False
-            _save_npy(path, pack_documents(tok, split_docs, dtype, say, split))
-            streams[split] = np.load(path, mmap_mode="r", allow_pickle=False)
-    if len(streams["train"]) < seq_len:
-        raise DataError(f"the train split has {len(streams['train'])} tokens, fewer than train.seq_len "
+
+def _prepared(p, seq_len: int, fingerprint: str, tokenizer_cached: bool, tokens_cached: bool,
+              tok: Tokenizer) -> PreparedData:
+    train, val = p.split("train"), p.split("val")
+    if len(p.streams["train"]) < seq_len:
+        raise DataError(f"the train split has {len(p.streams['train'])} tokens, fewer than train.seq_len "
                         f"({seq_len}); use more data or a shorter seq_len")
-    return PreparedData(tok, streams["train"], streams["val"], fp, seq_len, len(train), len(val),
-                        train_bytes, val_bytes, val_bytes / len(streams["val"]), tokenizer_cached,
-                        tokens_cached)
+    return PreparedData(tok, p.streams["train"], p.streams["val"], fingerprint, seq_len, train["documents"],
+                        val["documents"], train["text_bytes"], val["text_bytes"],
+                        val["text_bytes"] / val["tokens"], tokenizer_cached, tokens_cached, p.path)

@@ -400,7 +400,7 @@ def test_pickled_npy_in_token_cache_never_runs(tmp_path):
     expected = np.array(first.train_tokens)  # a copy: the memory map goes when the file is replaced
     del first
     marker = tmp_path / "PWNED"
-    planted = sorted((cache / "tokens").glob("*-train.npy"))
+    planted = sorted((cache / "shards").glob("*/train-*.npy"))
     assert planted
     for p in planted:
         np.save(p, np.array([Payload(marker)], dtype=object), allow_pickle=True)
