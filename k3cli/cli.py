@@ -31,6 +31,8 @@ app = typer.Typer(
 )
 config_app = typer.Typer(help="Inspect resolved configurations.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
+data_app = typer.Typer(help="Tokenize a corpus once into memory-mapped shards, and inspect them.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
 
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)   # log lines stay whole lines, whatever the width
@@ -103,6 +105,78 @@ def config_presets():
 
     console.print("presets: " + ", ".join(list_presets("model")))
     console.print("attnres overlays: " + ", ".join(list_presets("attnres")))
+
+
+@data_app.command("prepare")
+def data_prepare(
+    data: Annotated[str, typer.Option(
+        help="Corpus: stdlib, a .txt file (cut into documents at blank lines), a .jsonl/.parquet file, a "
+             "folder of them (each .txt one document), or hf:NAME.")],
+    out: Annotated[Path, typer.Option(help="Folder for the shards and manifest (new, empty, or an earlier prepare's).")],
+    tokenizer: Annotated[Optional[Path], typer.Option(
+        help="Use this tokenizer.json (e.g. a run's) instead of training one.")] = None,
+    vocab_size: Annotated[Optional[int], typer.Option(
+        "--vocab-size", min=257, help="Train a byte-level BPE of this size (default 4096, the toy presets') on a "
+                                      "sample of the train split: all of it up to 20 MiB, else the first 8 MiB "
+                                      "of documents in name-hash order.")] = None,
+    workers: Annotated[int, typer.Option(min=1, help="Tokenizer processes (1: in this process, the tokenizer's "
+                                                     "own threads on every core).")] = 1,
+    val_fraction: Annotated[float, typer.Option(
+        "--val-fraction", help="Fraction of documents held out for validation (by a stable hash of their names).")] = 0.02,
+    text_field: Annotated[str, typer.Option("--text-field", help="Column of .jsonl/.parquet/hub data holding the text.")] = "text",
+    max_bytes: Annotated[int, typer.Option("--max-bytes", min=0, help="Read at most this many bytes of text (0 = all).")] = 0,
+    shard_tokens: Annotated[int, typer.Option("--shard-tokens", min=1, help="Tokens per shard (cut at a document's end).")] = 2**25,
+):
+    """Tokenize a corpus once into .npy token shards plus a manifest; `k3 train --data OUT` memory-maps them.
+
+    Re-running with the same source and tokenizer reuses OUT as it is; an interrupted prepare leaves no
+    manifest (train refuses the folder) and the next run starts it clean."""
+    from k3cli.data import DataError, load_tokenizer
+    from k3cli.report import PrepareProgress
+    from k3cli.shards import disk_bytes, prepare_shards
+
+    if not 0 < val_fraction < 1:
+        fail(f"--val-fraction must lie in (0, 1), got {val_fraction}")
+    if tokenizer is not None and vocab_size is not None:
+        fail("--tokenizer and --vocab-size exclude each other (a given tokenizer has its own vocabulary)")
+    bar = PrepareProgress(console) if console.is_terminal else None
+    try:
+        tok = load_tokenizer(tokenizer) if tokenizer is not None else None
+        res = prepare_shards(data, out, tok, vocab_size=vocab_size or 4096, workers=workers, val_fraction=val_fraction,
+                             text_field=text_field, max_bytes=max_bytes, shard_tokens=shard_tokens, say=_log,
+                             on_start=bar.start if bar else None, on_progress=bar.update if bar else None)
+    except (DataError, OSError) as e:
+        fail(str(e))
+    finally:
+        if bar is not None:
+            bar.stop()
+    m = res.manifest
+    tokens = sum(m["splits"][s]["tokens"] for s in ("train", "val"))
+    done = "reused" if res.reused else f"prepared in {res.seconds:.1f} s ({m['source']['bytes'] / 1e6 / res.seconds:.1f} MB/s)"
+    console.print(f"{out}: {m['source']['documents']:,} documents, {tokens:,} tokens in "
+                  f"{sum(len(m['splits'][s]['shards']) for s in ('train', 'val'))} shards "
+                  f"({disk_bytes(m) / 1e6:,.1f} MB); {done}", highlight=False, soft_wrap=True)
+
+
+@data_app.command("info")
+def data_info(
+    path: Annotated[Path, typer.Argument(help="A prepared data directory.")],
+    verify: Annotated[bool, typer.Option("--verify", help="Also check every shard's SHA-256.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON to stdout.")] = False,
+):
+    """The manifest of a prepared directory: tokens, documents, shards, tokenizer, disk size."""
+    from k3cli.data import DataError
+    from k3cli.report import print_data_info
+    from k3cli.shards import disk_bytes, open_prepared
+
+    try:
+        p = open_prepared(path, verify=verify)
+    except (DataError, OSError) as e:
+        fail(str(e))
+    if as_json:
+        sys.stdout.write(json.dumps(p.manifest, indent=2) + "\n")
+    else:
+        print_data_info(console, path, p.manifest, disk_bytes(p.manifest))
 
 
 class Kernel(str, Enum):
@@ -285,9 +359,10 @@ def train(
     sets: SetOpt = None,
     attnres: AttnResOpt = None,
     data: Annotated[Optional[str], typer.Option(
-        help="Corpus: stdlib (the Python standard library's source), a .txt file (cut into documents at "
-             "blank lines), a .jsonl/.parquet file, a folder of them (each .txt one document), or hf:NAME. "
-             "Default: data.source.")] = None,
+        help="Corpus: a folder written by `k3 data prepare` (memory-mapped), or a source it is prepared from "
+             "into the cache first: stdlib (the Python standard library's source), a .txt file (cut into "
+             "documents at blank lines), a .jsonl/.parquet file, a folder of them (each .txt one document), "
+             "or hf:NAME. Default: data.source.")] = None,
     steps: Annotated[Optional[int], typer.Option(help="Optimiser steps (default: the preset's train.steps).")] = None,
     out: Annotated[Optional[Path], typer.Option(
         help="Run directory. Default: runs/PRESET-ATTNRES-TIMESTAMP.")] = None,

@@ -183,3 +183,57 @@ class TrainProgress:
 
     def stop(self) -> None:
         self._p.stop()
+
+
+class PrepareProgress:
+    """`k3 data prepare`'s bar: documents, tokens, MB/s of source text and the time left."""
+
+    def __init__(self, console: Console):
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._p = Progress(TextColumn("[bold]prepare"), BarColumn(), TextColumn("{task.fields[docs]} documents"),
+                           TextColumn("{task.fields[tokens]} tokens"), TextColumn("{task.fields[rate]} MB/s"),
+                           TimeRemainingColumn(), console=console, transient=False)
+        self._task, self._t0 = None, 0.0
+
+    def start(self, documents: int, nbytes: int) -> None:
+        import time
+
+        self._p.start()
+        self._t0 = time.perf_counter()
+        self._task = self._p.add_task("prepare", total=nbytes, docs=f"0/{documents:,}", tokens="0", rate="-")
+        self._docs = documents
+
+    def update(self, documents: int, tokens: int, nbytes: int) -> None:
+        import time
+
+        rate = nbytes / 1e6 / max(time.perf_counter() - self._t0, 1e-9)
+        self._p.update(self._task, completed=nbytes, docs=f"{documents:,}/{self._docs:,}", tokens=f"{tokens:,}",
+                       rate=f"{rate:.1f}")
+
+    def stop(self) -> None:
+        self._p.stop()
+
+
+def print_data_info(console: Console, path, m: dict, disk: int) -> None:
+    src, tok = m["source"], m["tokenizer"]
+    table = Table(title=f"prepared data: {path}")
+    for col, just in (("split", "left"), ("documents", "right"), ("tokens", "right"), ("shards", "right"),
+                      ("text MB", "right"), ("disk MB", "right"), ("bytes/token", "right")):
+        table.add_column(col, justify=just)
+    for split in ("train", "val"):
+        s = m["splits"][split]
+        size = sum(x["bytes"] for x in s["shards"])
+        table.add_row(split, f"{s['documents']:,}", f"{s['tokens']:,}", str(len(s["shards"])),
+                      f"{s['text_bytes'] / 1e6:,.1f}", f"{size / 1e6:,.1f}",
+                      f"{s['text_bytes'] / max(1, s['tokens']):.2f}")
+    console.print(table)
+    console.print(f"source: {src['spec']} ({src['documents']:,} documents, {src['bytes'] / 1e6:,.1f} MB, "
+                  f"val fraction {src['val_fraction']}), fingerprint {src['fingerprint']}", highlight=False)
+    console.print(f"tokenizer: vocab {tok['vocab_size']:,}, sha256 {tok['sha256'][:16]}…, "
+                  f"{'trained on the source' if tok.get('trained_key') else 'given'}; ids {m['dtype']}, "
+                  f"<|endoftext|> = {m['eot_id']}", highlight=False)
+    prep = m.get("prepared", {})
+    console.print(f"disk: {disk / 1e6:,.1f} MB in {sum(len(m['splits'][s]['shards']) for s in ('train', 'val'))} "
+                  f"shards; prepared {prep.get('at', '?')} with {prep.get('workers', '?')} worker(s) in "
+                  f"{prep.get('seconds', 0):.1f} s", highlight=False)
