@@ -10,7 +10,8 @@ What is compared, per step, to one process with the same global batch (tiny conf
 - the global loss before read-back (`all_reduce_mean`'s result, unrounded) and metrics.jsonl;
 - every rank's router biases after every update: exactly equal to each other and to 1 process
   (the update reads integer load counts, summed over the ranks, of the same routing decisions);
-- the rows every rank trained on: together, each row of the global order exactly once.
+- the rows every rank trained on (read from the loader, each rank its slice): together, each row of the
+  global order exactly once.
 Tolerance on the loss: TOL_LOSS = 1e-5 absolute (losses ~5.7); on the logged gradient norm 1e-4.
 With the same 2-row micro-batches on both sides (each rank's slice of a global micro-batch is one
 micro-batch of the 1-process run) only the summation order differs: the ranks' partial gradients
@@ -72,16 +73,17 @@ def metrics(run_dir: Path) -> list[dict]:
 
 @contextlib.contextmanager
 def recording():
-    """Inside, every training micro-batch this process takes (`shard_batch`), every global loss
-    (`all_reduce_mean` in the loop) and every router-bias update is recorded."""
+    """Inside, every training micro-batch this process reads (its rank's rows of the loader's global
+    batch), every global loss (`all_reduce_mean` in the loop) and every router-bias update is recorded."""
     import k3cli.parallel as par
+    from k3cli.data import PackedLoader
     from k3cli.layers.moe import LatentMoE
 
     rec = {"rows": [], "losses": [], "biases": []}
-    shard, mean, update = par.shard_batch, par.all_reduce_mean, LatentMoE.update_bias
+    take, mean, update = PackedLoader.__next__, par.all_reduce_mean, LatentMoE.update_bias
 
-    def shard_batch(batch, rank, world):
-        part = shard(batch, rank, world)
+    def next_rows(self):
+        part = take(self)
         rec["rows"] += [tuple(r) for r in part.tolist()]
         return part
 
@@ -94,11 +96,11 @@ def recording():
         update(self)
         rec["biases"].append(self.router_bias.detach().clone())
 
-    par.shard_batch, par.all_reduce_mean, LatentMoE.update_bias = shard_batch, all_reduce_mean, update_bias
+    PackedLoader.__next__, par.all_reduce_mean, LatentMoE.update_bias = next_rows, all_reduce_mean, update_bias
     try:
         yield rec
     finally:
-        par.shard_batch, par.all_reduce_mean, LatentMoE.update_bias = shard, mean, update
+        PackedLoader.__next__, par.all_reduce_mean, LatentMoE.update_bias = take, mean, update
 
 
 def train_here(cfg, run_dir: Path, **kw) -> dict:
@@ -484,17 +486,17 @@ def _worker(out: Path) -> None:
 
 
 def _fail_on(this_rank: bool, at: int) -> None:
-    import k3cli.parallel as par
+    from k3cli.data import PackedLoader
 
-    shard, calls = par.shard_batch, []
+    take, calls = PackedLoader.__next__, []
 
-    def shard_batch(batch, rank, world):
+    def next_rows(self):
         calls.append(1)
         if this_rank and len(calls) == at:
             raise RuntimeError("injected failure (test)")
-        return shard(batch, rank, world)
+        return take(self)
 
-    par.shard_batch = shard_batch
+    PackedLoader.__next__ = next_rows
 
 
 if __name__ == "__main__":
