@@ -482,7 +482,7 @@ LAUNCHER_PID = "K3_LAUNCHER_PID"
 
 def _die_with_launcher() -> None:
     """Make this rank die (SIGKILL) when the process that started it does. torchrun starts every rank
-    in a session of its own, so a SIGKILL to the launcher's process group left the ranks training
+    with setsid, outside its process group, so a SIGKILL to the launcher's process group left the ranks training
     on, orphaned, into the run directory a resumed run then wrote too. Linux only."""
     import ctypes
     import os

@@ -166,7 +166,7 @@ def main() -> int:
             proc.wait()
             if proc.returncode == -signal.SIGKILL:
                 kills += 1
-                # torchrun starts each rank in a session of its own: they must die with the launcher, at once
+                # torchrun starts each rank with setsid: they must die with the launcher, at once
                 done, t_kill = steps_logged(run_dir), time.time()
                 while survivors(run_dir) and time.time() - t_kill < 2:
                     time.sleep(0.05)
