@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from k3cli.checkpoint import _sha256
 from k3cli.data import (
     EOT_ID,
     TOKENIZER_FULL_MAX_BYTES,
@@ -158,14 +159,6 @@ def read_manifest(path: str | os.PathLike) -> dict:
     return m
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def open_prepared(path: str | os.PathLike, verify: bool = False) -> Prepared:
     """Memory-map the shards of a prepared directory after checking them against the manifest:
     each file's size (a truncated or replaced shard is refused), dtype and length, and with
@@ -190,7 +183,7 @@ def open_prepared(path: str | os.PathLike, verify: bool = False) -> Prepared:
             if size != s["bytes"]:
                 raise _bad(root, f"shard {s['file']} has {size:,} bytes, the manifest says {s['bytes']:,} "
                                  "(truncated or replaced)")
-            if verify and _sha256_file(f) != s["sha256"]:
+            if verify and _sha256(f) != s["sha256"]:
                 raise _bad(root, f"shard {s['file']} does not match its SHA-256 in the manifest")
             try:
                 # allow_pickle=False: a planted object array is refused (unpickling could run code)
@@ -378,7 +371,7 @@ class _ShardWriter:
         os.replace(tmp, self.root / name)
         self.shards.append({"file": name, "documents": self.docs, "tokens": self.tokens,
                             "text_bytes": self.text_bytes, "bytes": (self.root / name).stat().st_size,
-                            "sha256": _sha256_file(self.root / name)})
+                            "sha256": _sha256(self.root / name)})
         self.total_docs += self.docs
         self.total_tokens += self.tokens
         self.total_text_bytes += self.text_bytes

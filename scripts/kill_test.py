@@ -140,7 +140,7 @@ def main() -> int:
         before = set(leftovers(run_dir))
         with log.open("w") as f:
             # a process group of its own: the kill takes the launcher and all it started in that group
-            proc = subprocess.Popen(cmd[run_dir], env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(cmd[run_dir], env=env, stdout=f, stderr=subprocess.STDOUT, process_group=0)
         killing = kills < a.kills
         # the resume happens before the first step: wait for one past the resume point, then check
         # the checkpoint it names while it is still there (later saves prune it)

@@ -34,6 +34,3 @@ class Segments(NamedTuple):
         cu = torch.full((B * T + 1,), B * T, dtype=torch.int32)
         cu[:len(first)] = first.to(torch.int32)
         return cls(cu, doc.to(device, non_blocking=True), pos.to(device, non_blocking=True))
-
-    def to(self, device) -> Segments:
-        return Segments(self.cu_seqlens, self.doc.to(device, non_blocking=True), self.pos.to(device, non_blocking=True))

@@ -257,12 +257,6 @@ def _autograd_backward(ctx, do, dht, *_):
 chunk_kda_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
-def _empty_sequences(cu_seqlens: Tensor) -> Tensor:
-    """Indices of the sequences with no token (their final state is their initial state)."""
-    cu = cu_seqlens.to("cpu", torch.long)
-    return torch.nonzero(cu[1:] == cu[:-1]).flatten()
-
-
 def _forward_varlen(q, k, v, g, beta, h0, cu: Tensor, scale: float, C: int, output_final_state: bool):
     """The Triton forward over chunk-aligned sequences: (o [1, total_T, HV, V], final states [N, HV, K, V])."""
     lay = varlen_layout(cu, C, q.device)
@@ -274,7 +268,7 @@ def _forward_varlen(q, k, v, g, beta, h0, cu: Tensor, scale: float, C: int, outp
     it = kda_fwd_intra(q, k, v, g, beta, scale, C, p, store_mkk=False)
     o, ht, _, _ = kda_fwd_state(it, 1, T, HV, C, h0, p.scan_prec, v.dtype, output_final_state, ctab=lay.ctab,
                                 n_seq=lay.n_seq)
-    empty = _empty_sequences(cu)
+    empty = lay.empty
     if ht is not None and len(empty):   # no chunk stored their end state: it is their start state
         ht[empty.to(ht.device)] = 0. if h0 is None else h0[empty.to(h0.device)]
     return o[:, lay.dst], ht
@@ -300,7 +294,7 @@ def _backward_varlen(q, k, v, g, beta, h0, cu: Tensor, do, dht, scale: float, C:
         dq = dq.view(1, T, H, HV // H, K).sum(3).to(q.dtype)
         dk = dk.view(1, T, H, HV // H, K).sum(3).to(k.dtype)
     grads = (x[:, lay.dst].contiguous() for x in (dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype)))
-    empty = _empty_sequences(cu)
+    empty = lay.empty
     if dh0 is not None and len(empty):   # an empty sequence passes its final-state gradient straight through
         dh0[empty.to(dh0.device)] = 0. if dht is None else dht[empty.to(dht.device)]
     return (*grads, absent(v) if dh0 is None else dh0)

@@ -15,6 +15,7 @@ class VarlenLayout(NamedTuple):
     dst: Tensor    # [total_T] laid-out position of each original token
     ctab: Tensor   # int32 [T' / C]: sequence << 2 | (last chunk of it) << 1 | (first chunk of it)
     n_seq: int
+    empty: Tensor  # indices of the sequences with no token (no chunk: their final state is their initial one)
 
 
 def varlen_layout(cu_seqlens: Tensor, C: int, device) -> VarlenLayout:
@@ -32,7 +33,7 @@ def varlen_layout(cu_seqlens: Tensor, C: int, device) -> VarlenLayout:
     j = torch.arange(NT) - first_chunk[seq_of_chunk]
     ctab = (seq_of_chunk << 2) | ((j == chunks[seq_of_chunk] - 1).long() << 1) | (j == 0).long()
     return VarlenLayout(src.to(device, non_blocking=True), dst.to(device, non_blocking=True),
-                        ctab.to(device=device, dtype=torch.int32), len(lens))
+                        ctab.to(device=device, dtype=torch.int32), len(lens), torch.nonzero(lens == 0).flatten())
 
 
 def lay_out(x: Tensor, lay: VarlenLayout) -> Tensor:
