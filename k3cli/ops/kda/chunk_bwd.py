@@ -140,11 +140,12 @@ def _kda_bwd_vside_kernel(v, beta, tm, do, vn, dvn, dv, dy, dqk, dkk, dbeta_v, T
 
 @triton.jit
 def _dm_blocks(dqk, dkk, p_blk, i_row, j_col, b_beta_rows, scale):
-    """Blocks of the masked score gradients: dMq = scale·dAqk (j <= i) and dMk = -β_i dAkk (j < i)
-    from the unmasked dO Vn^T (dqk) and dY Vn^T (dkk); the masks change only a diagonal block."""
+    """Blocks of the masked score gradients: dMq = scale·dAqk (j < i: its diagonal is added apart) and
+    dMk = -β_i dAkk (j < i) from the unmasked dO Vn^T (dqk) and dY Vn^T (dkk); the masks change only a
+    diagonal block."""
     b_dmq = tl.load(dqk + p_blk)
     b_dmk = tl.load(dkk + p_blk)
-    b_dmq = tl.where(i_row[:, None] >= j_col[None, :], b_dmq, 0.) * scale
+    b_dmq = tl.where(i_row[:, None] > j_col[None, :], b_dmq, 0.) * scale
     b_dmk = -tl.where(i_row[:, None] > j_col[None, :], b_dmk, 0.) * b_beta_rows[:, None]
     return b_dmq, b_dmk
 
@@ -161,7 +162,10 @@ def _kda_bwd_scores_kernel(q, k, g, beta, dqk, dkk, dqs, dks, dgs, scale, T, NT,
       as keys (query sub-chunks a >= b, anchor Γ at a's first row):
         dk_c = Σ_a e^(Γ_a0 - Γ_b) ⊙ (dMq[a, b]^T (Q_a e_q^a) + dMk[a, b]^T (K_a e_q^a))
     stored as dqs = dq_r, dks = dk_r + dk_c, dgs = q ⊙ dq_r + k ⊙ (dk_r - dk_c) (dΓ before its reverse
-    cumsum), which `_kda_bwd_kside_kernel` adds. Γ comes from prefix sums and cumsums of g."""
+    cumsum), which `_kda_bwd_kside_kernel` adds. Γ comes from prefix sums and cumsums of g. The diagonal
+    of dMq (a query against its own key: no decay, so no dΓ) stays out of the products and is added to
+    dq, dk in fp32: in dgs its two equal terms would cancel only up to the products' TF32 rounding, which
+    at strong decay is larger than the true dΓ (bf16 dg 7 % off at g = -5, README.md "Backward")."""
     i_nb, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NC: tl.constexpr = BT // BC
     i_n, b = i_nb // NC, i_nb % NC
@@ -211,11 +215,12 @@ def _kda_bwd_scores_kernel(q, k, g, beta, dqk, dkk, dqs, dks, dgs, scale, T, NT,
     e_qb = tl.exp(b_Gb - b_anc_b[None, :])
     b_dq_r = e_qb * acc_q
     b_dk_r = e_qb * acc_kr
+    b_dii = tl.load(dqk + (base + i_rb) * BT + i_rb)[:, None] * scale
     o_k = i_k * BK + tl.arange(0, BK)
     m_bk = m_b[:, None] & (o_k < K)[None, :]
     p_hk = (i_b * T + i_n * BT + i_rb).to(tl.int64)[:, None] * (HV * K) + i_hv * K + o_k[None, :]
-    tl.store(dqs + p_hk, b_dq_r, mask=m_bk)
-    tl.store(dks + p_hk, b_dk_r + acc_kc, mask=m_bk)
+    tl.store(dqs + p_hk, b_dq_r + b_dii * b_kb, mask=m_bk)
+    tl.store(dks + p_hk, b_dk_r + acc_kc + b_dii * b_qb, mask=m_bk)
     tl.store(dgs + p_hk, b_qb * b_dq_r + b_kb * (b_dk_r - acc_kc), mask=m_bk)
 
 
