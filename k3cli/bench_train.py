@@ -49,7 +49,7 @@ def _build(cfg: RunConfig, v: Variant, device: torch.device) -> None:
         v.model.attnres.impl = "two_phase"      # the torch form of the mix, no Triton kernel
     tc = cfg.train
     v.opt = torch.optim.AdamW(param_groups(v.model, tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2),
-                              fused=True if device.type == "cpu" else None)
+                              eps=1e-8, fused=True)   # the training loop's optimizer
     v.forward = compile_model(v.model, cfg.train.compile_mode) if v.compiled else v.model
 
 

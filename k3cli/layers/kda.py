@@ -34,17 +34,17 @@ def _dt_bias_init(n: int, dt_min: float = 1e-3, dt_max: float = 0.1) -> torch.Te
 def _short_conv(x: torch.Tensor, weight: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
     """Depthwise causal conv + SiLU. x [B, T, C], weight [C, 1, n] -> [B, T, C]. With `pos` [B, T] (each
     token's position in its document) a tap j steps back is used only where pos >= j: no document reads the
-    one before it."""
+    one before it. A sum of shifted rows rather than F.conv1d: compiled, it fuses into one pass (cuDNN's
+    depthwise conv and its transposes took 16 of 113 ms of a compiled k3-0.5b step on an H200)."""
     n = weight.shape[-1]
-    if pos is None:
-        y = F.conv1d(F.pad(x.transpose(1, 2), (n - 1, 0)), weight, groups=x.shape[-1])   # (B, C, T)
-        return F.silu(y.transpose(1, 2))
     w = weight[:, 0]                                                                   # (C, n)
     y = x * w[:, n - 1]
     for j in range(1, n):
         back = F.pad(x, (0, 0, j, 0))[:, :x.shape[1]]                                  # x_{t−j}, zeros before 0
-        y = y + back * w[:, n - 1 - j] * (pos >= j).unsqueeze(-1).to(x.dtype)
-    return F.silu(y)
+        tap = back * w[:, n - 1 - j]
+        y = y + (tap if pos is None else tap * (pos >= j).unsqueeze(-1).to(x.dtype))
+    # bf16 x times the fp32 weight computes in fp32; the output keeps x's dtype, as conv1d under autocast
+    return F.silu(y).to(x.dtype)
 
 
 def _short_conv_step(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None):

@@ -117,3 +117,33 @@ def test_triton_backend_equals_torch_backend(conv, gate, H, HV, T):
     for name, a, b in [("y", y, y_ref)] + [(f"d{n}", g[n], g_ref[n]) for n in g_ref]:
         if not (T == 1 and name[1:] in GATE_PARAMS):  # zero at T = 1: only rounding noise to compare
             assert_close(name, a, b, TOL["triton_vs_torch"])
+
+
+@pytest.mark.parametrize("T", [1, 3, 17])
+def test_short_conv_equals_depthwise_conv1d(T):
+    """The shifted-row sum is the causal depthwise conv (F.conv1d, left zero padding) + SiLU, values and
+    gradients, in fp64."""
+    from k3cli.layers.kda import _short_conv
+    torch.manual_seed(0)
+    x = torch.randn(2, T, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 1, 4, dtype=torch.float64, requires_grad=True)
+    y = _short_conv(x, w)
+    ref = torch.nn.functional.silu(torch.nn.functional.conv1d(
+        torch.nn.functional.pad(x.transpose(1, 2), (3, 0)), w, groups=6).transpose(1, 2))
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, w), dy)
+    want = torch.autograd.grad(ref, (x, w), dy)
+    assert_close("y", y, ref, 1e-12)
+    for name, a, b in zip(("dx", "dw"), got, want):
+        assert_close(name, a, b, 1e-12)
+
+
+def test_short_conv_keeps_the_input_dtype_under_autocast():
+    """bf16 activations with fp32 conv weights (autocast) give bf16 q, k, v, as conv1d did: an fp32 result
+    would send chunk_kda down its fp32 path."""
+    from k3cli.layers.kda import _short_conv
+    x = torch.randn(2, 5, 8, dtype=torch.bfloat16)
+    w = torch.randn(8, 1, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _short_conv(x, w).dtype == torch.bfloat16
+        assert _short_conv(x, w, torch.zeros(2, 5, dtype=torch.long)).dtype == torch.bfloat16
