@@ -10,6 +10,8 @@ absorbed one against the whole cache.
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import torch
@@ -138,6 +140,13 @@ def _document_mask(doc: torch.Tensor) -> torch.Tensor:
     return causal & (doc[:, :, None] == doc[:, None, :])
 
 
+@functools.cache
+def _fused_flex_attention():
+    """FlexAttention compiled once: called eagerly it runs an unfused form that holds every [T, T] score."""
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention, dynamic=False)
+
+
 def _flex_document_attention(q, k, v, doc: torch.Tensor, scale: float) -> torch.Tensor:
     """Block-diagonal causal attention by FlexAttention (q, k, v [B, H, T, d])."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -146,4 +155,6 @@ def _flex_document_attention(q, k, v, doc: torch.Tensor, scale: float) -> torch.
         return (j <= i) & (doc[b, i] == doc[b, j])
     B, T = doc.shape
     block_mask = create_block_mask(same_document_causal, B, None, T, T, device=q.device)
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scale)
+    # inside a compiled model the outer graph fuses it; eagerly, the compiled function does
+    attend = flex_attention if torch.compiler.is_compiling() else _fused_flex_attention()
+    return attend(q, k, v, block_mask=block_mask, scale=scale)
