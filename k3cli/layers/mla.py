@@ -11,7 +11,6 @@ absorbed one against the whole cache.
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 
 import torch
