@@ -1,11 +1,12 @@
 """`k3 bench-train`: time whole training steps (forward, backward, AdamW) on synthetic tokens.
 
 Every variant is measured in the same run, interleaved step by step so that drift hits them alike:
-`eager` (the reference), `compiled` (with --compile), on CUDA with the Triton backend
-`torch-backend` (the same model on the torch ops), and `document-mask` (eager with the packed-document
-mask of docs/math.md §10 on rows cut into documents of mean length T/4), so the compiled/eager,
-triton/torch and mask/no-mask ratios come from one process. Warm-up steps (compilation included) are excluded. FLOPs per token are the
-analytic count of docs/math.md §9; MFU is against the device's dense bf16 peak (or --peak-tflops).
+`eager` (the reference), `compiled` (with --compile), on CUDA with the Triton backend `torch-backend`
+(the same model on the torch ops) and, with --compile, `torch-compiled`, and `document-mask` (eager with
+the packed-document mask of docs/math.md §10 on rows cut into documents of mean length T/4), so the
+compiled/eager, triton/torch and mask/no-mask ratios come from one process. Warm-up steps (compilation
+included) are excluded. FLOPs per token are the analytic count of docs/math.md §9; MFU is against the
+device's dense bf16 peak (or --peak-tflops).
 """
 from __future__ import annotations
 
@@ -34,6 +35,20 @@ class Variant:
     opt: torch.optim.Optimizer = None
     times: list[float] = field(default_factory=list)
     peak_mem: int = 0
+
+
+def plan_variants(backend: str, compile: bool) -> list[Variant]:
+    """The variants one run times: eager on `backend`; compiled with --compile; with the Triton ops also the
+    torch ops (eager, and compiled with --compile, so each mode has its triton/torch ratio); the mask."""
+    variants = [Variant("eager", backend, False)]
+    if compile:
+        variants.append(Variant("compiled", backend, True))
+    if backend == "triton":
+        variants.append(Variant("torch-backend", "torch", False))
+        if compile:
+            variants.append(Variant("torch-compiled", "torch", True))
+    variants.append(Variant("document-mask", backend, False, masked=True))
+    return variants
 
 
 def _sync(device: torch.device) -> None:
@@ -73,12 +88,7 @@ def bench_train(cfg: RunConfig, steps: int = 10, warmup: int = 3, compile: bool 
     if backend == "triton" and device.type != "cuda":
         raise ValueError("--backend triton needs a CUDA device (on CPU the model runs the torch ops)")
     backend = ("triton" if device.type == "cuda" else "torch") if backend == "auto" else backend
-    variants = [Variant("eager", backend, False)]
-    if compile:
-        variants.append(Variant("compiled", backend, True))
-    if backend == "triton":
-        variants.append(Variant("torch-backend", "torch", False))
-    variants.append(Variant("document-mask", backend, False, masked=True))
+    variants = plan_variants(backend, compile)
     B, T = cfg.train.micro_batch_size, cfg.train.seq_len
     g = torch.Generator().manual_seed(cfg.train.seed)
     ids = torch.randint(1, cfg.model.vocab_size, (B, T), generator=g)
@@ -123,6 +133,8 @@ def bench_train(cfg: RunConfig, steps: int = 10, warmup: int = 3, compile: bool 
         ratios["compiled_vs_eager"] = by["eager"] / by["compiled"]     # > 1: compiling made the step faster
     if "torch-backend" in by:
         ratios["triton_vs_torch"] = by["torch-backend"] / by["eager"]  # > 1: the Triton ops are faster
+    if "torch-compiled" in by:
+        ratios["compiled_vs_torch_compiled"] = by["torch-compiled"] / by["compiled"]   # the same, both compiled
     ratios["document_mask_cost"] = by["document-mask"] / by["eager"]    # > 1: the mask made the step slower
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     return {"device": name, "device_type": device.type, "batch": B, "seq_len": T, "steps": steps,

@@ -136,3 +136,18 @@ def test_training_step_has_no_host_sync_on_cuda(mode):
         finally:
             torch.cuda.set_sync_debug_mode(0)
     assert torch.isfinite(loss).item()
+
+
+def test_bench_train_variants():
+    """Each mode timed gets its triton/torch counterpart in the same run (CUDA only: the torch ops are the
+    CPU path anyway)."""
+    from k3cli.bench_train import plan_variants
+
+    def names(backend, compile):
+        return [(v.name, v.backend, v.compiled) for v in plan_variants(backend, compile)]
+    assert names("torch", False) == [("eager", "torch", False), ("document-mask", "torch", False)]
+    assert names("torch", True) == [("eager", "torch", False), ("compiled", "torch", True),
+                                    ("document-mask", "torch", False)]
+    assert names("triton", True) == [("eager", "triton", False), ("compiled", "triton", True),
+                                     ("torch-backend", "torch", False), ("torch-compiled", "torch", True),
+                                     ("document-mask", "triton", False)]
