@@ -34,9 +34,13 @@ def _dt_bias_init(n: int, dt_min: float = 1e-3, dt_max: float = 0.1) -> torch.Te
 def _short_conv(x: torch.Tensor, weight: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
     """Depthwise causal conv + SiLU. x [B, T, C], weight [C, 1, n] -> [B, T, C]. With `pos` [B, T] (each
     token's position in its document) a tap j steps back is used only where pos >= j: no document reads the
-    one before it. A sum of shifted rows rather than F.conv1d: compiled, it fuses into one pass (cuDNN's
-    depthwise conv and its transposes took 16 of 113 ms of a compiled k3-0.5b step on an H200)."""
+    one before it. Eagerly and without `pos`, F.conv1d (forward+backward 1.8x faster than the shifted sum
+    on CPU at [4, 2048, 1024]); otherwise a sum of shifted rows, which torch.compile fuses into one pass
+    (cuDNN's depthwise conv and its transposes took 16 of 113 ms of a compiled k3-0.5b step on an H200)."""
     n = weight.shape[-1]
+    if pos is None and not torch.compiler.is_compiling():
+        y = F.conv1d(F.pad(x.transpose(1, 2), (n - 1, 0)), weight, groups=x.shape[-1])   # (B, C, T)
+        return F.silu(y.transpose(1, 2))
     w = weight[:, 0]                                                                   # (C, n)
     y = x * w[:, n - 1]
     for j in range(1, n):

@@ -119,15 +119,22 @@ def test_triton_backend_equals_torch_backend(conv, gate, H, HV, T):
             assert_close(name, a, b, TOL["triton_vs_torch"])
 
 
+@pytest.mark.parametrize("path", ["shifted", "shifted-masked", "conv1d"])
 @pytest.mark.parametrize("T", [1, 3, 17])
-def test_short_conv_equals_depthwise_conv1d(T):
-    """The shifted-row sum is the causal depthwise conv (F.conv1d, left zero padding) + SiLU, values and
-    gradients, in fp64."""
+def test_short_conv_equals_depthwise_conv1d(T, path, monkeypatch):
+    """Both forms of the short conv (the shifted-row sum that torch.compile fuses, with and without the
+    document mask, and F.conv1d eagerly) are the causal depthwise conv + SiLU, values and gradients, fp64."""
     from k3cli.layers.kda import _short_conv
     torch.manual_seed(0)
     x = torch.randn(2, T, 6, dtype=torch.float64, requires_grad=True)
     w = torch.randn(6, 1, 4, dtype=torch.float64, requires_grad=True)
-    y = _short_conv(x, w)
+    pos = None
+    if path == "shifted":
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)   # the branch a compiled model traces
+    elif path == "shifted-masked":
+        pos = torch.arange(T).expand(2, T)   # one document per row: every tap allowed
+    y = _short_conv(x, w, pos)
+    monkeypatch.undo()
     ref = torch.nn.functional.silu(torch.nn.functional.conv1d(
         torch.nn.functional.pad(x.transpose(1, 2), (3, 0)), w, groups=6).transpose(1, 2))
     dy = torch.randn_like(y)

@@ -17,12 +17,11 @@ charges, the test converts the analytic term to the reference's form, exactly:
   number that depends on the routing; it is measured from the MoE modules' counts minus their exactly
   known router, latent and shared-expert products and the one-hot products that pick each tile's weights, and must lie between the analytic top-k rows and
   the dense reference's every-expert-on-every-token.
-- KDA short convs: the analytic count charges their multiply-adds; the model computes them as a sum of
-  shifted rows (elementwise, not counted), so the view takes them out.
 - Not counted by either side: norms, activations, gates, softmax, exp, the loss.
 
 Counter gaps filled through `custom_mapping`: CPU SDPA (`_scaled_dot_product_flash_attention_for_cpu`
-and its backward), `mv` and `linalg_solve_triangular`.
+and its backward), `mv`, `linalg_solve_triangular`; and `convolution_backward`, which torch's
+formula charges as a dense conv (25× too much for the depthwise short convs here).
 
 Forward + backward: the counter over loss.backward() is 3× its forward up to the backward's own
 extra products (SDPA recomputes the scores: 5 products instead of 4; the solve's dA is a full C×C
@@ -70,6 +69,12 @@ def _solve_flop(a, b, *args, out_shape=None, **kw):
     return 2 * math.prod(out_shape[:-2]) * cols * per
 
 
+def _conv_bwd_flop(grad_out, x, w, *args, out_shape=None, **kw):
+    # grad input and grad weight each repeat the forward's multiply-adds, for any groups
+    mask = args[7] if len(args) > 7 else kw.get("output_mask", (True, True, False))
+    return 2 * math.prod(grad_out) * math.prod(w[1:]) * (int(mask[0]) + int(mask[1]))
+
+
 CUSTOM = {
     aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, out_shape=None, **kw:
         sdpa_flop_count(q, k, v),
@@ -77,6 +82,7 @@ CUSTOM = {
         sdpa_backward_flop_count(go, q, k, v),
     aten.mv: lambda a, b, *args, out_shape=None, **kw: 2 * a[0] * a[1],
     aten.linalg_solve_triangular: _solve_flop,
+    aten.convolution_backward: _conv_bwd_flop,
 }
 
 
@@ -124,8 +130,6 @@ def _counter_view(cfg, fc) -> dict:
     chunks = -(-T // kda.chunk_size)
     f["kda_chunk"] = 2 * n_kda * B * kda.num_v_heads * chunks * _torch_chunk_macs(
         kda.chunk_size, kda.head_k_dim, kda.head_v_dim)
-    f["attn_projections"] -= 2 * n_kda * tokens * (2 * kda.num_heads * kda.head_k_dim
-                                                   + kda.num_v_heads * kda.head_v_dim) * kda.short_conv
     f["mla_attention"] *= 2 * T / (T + 1)
     f["attnres"] /= 2
     # the routed experts' share of each MoE block: its count minus the products known exactly
