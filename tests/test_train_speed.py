@@ -9,9 +9,10 @@ from typer.testing import CliRunner
 
 from k3cli.cli import app
 from k3cli.config import load_config
+from k3cli.data import EOT_ID
 from k3cli.models.causal_lm import CausalLM
 from k3cli.testing import TINY_MODEL, TINY_TRAIN, write_corpus
-from k3cli.train import train
+from k3cli.train import batch_to_device, document_segments, train
 
 runner = CliRunner()
 BUILDS = [(p, m) for p in ("kda-toy", "k3-toy") for m in ("off", "full", "block")]
@@ -115,20 +116,26 @@ def test_bench_train_runs_on_cpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["off", "block"])
-def test_training_step_has_no_host_sync_on_cuda(mode):
+@pytest.mark.parametrize("mode,documents", [("off", False), ("block", False), ("block", True)],
+                         ids=["off", "block", "block-documents"])
+def test_training_step_has_no_host_sync_on_cuda(mode, documents):
     """Forward, backward, clipping and AdamW of k3-toy on the Triton ops, with every device->host
-    synchronisation turned into an error."""
+    synchronisation turned into an error; with `documents`, as training runs by default: the document mask
+    built from the batch on the host (varlen KDA, FlexAttention, masked short convs). The batch moves as
+    the training loop moves it."""
     cfg = load_config("k3-toy", attnres=mode)
     torch.manual_seed(0)
     model = CausalLM(cfg.model).cuda().train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, cfg.model.vocab_size, (8, 256), device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    ids = torch.randint(1, cfg.model.vocab_size, (8, 256))
+    ids = torch.where(torch.rand(8, 256) < 4 / 256, EOT_ID, ids)
     for _ in range(2):   # the first step also initialises the optimiser state and compiles kernels
         torch.cuda.set_sync_debug_mode("error")
         try:
+            segments = document_segments(ids, torch.device("cuda"), documents)
+            batch = batch_to_device(ids, torch.device("cuda"))   # as the training loop moves each micro-batch
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(ids, labels=ids).loss
+                loss = model(batch, labels=batch, segments=segments).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
