@@ -195,3 +195,22 @@ def test_chunk_kda_varlen_bf16_gpu(lens, H, K):
                                                 chunk_size=64), *[t.float() for t in x])
     for name in NAMES:
         assert_close(name, packed[name], ref[name], TOL[name], rel_rms)
+
+
+def test_varlen_layout_is_reused_only_for_equal_boundaries():
+    """The last layout serves a call with equal cu_seqlens (by value, another tensor), chunk size and device;
+    any other call gets its own, and changing the caller's tensor afterwards does not reach the kept copy."""
+    from k3cli.ops.kda import varlen
+    cu = cu_of([3, 40, 33])
+    first = varlen.varlen_layout(cu, 16, "cpu")
+    assert varlen.varlen_layout(cu.clone().long(), 16, "cpu") is first
+    fresh = varlen._make_layout(cu.long(), 16, torch.device("cpu"))
+    assert all(torch.equal(a, b) for a, b in zip(first[:3], fresh[:3])) and first.n_seq == fresh.n_seq
+    assert varlen.varlen_layout(cu, 32, "cpu") is not first
+    other = cu_of([3, 41, 32])
+    lay = varlen.varlen_layout(other, 16, "cpu")
+    assert not torch.equal(lay.dst, first.dst)
+    other[1] = 5   # the caller reuses its buffer: the kept copy must not follow
+    assert varlen.varlen_layout(cu_of([3, 41, 32]), 16, "cpu") is lay
+    assert torch.equal(varlen.varlen_layout(other, 16, "cpu").dst, varlen._make_layout(other.long(), 16,
+                                                                                        torch.device("cpu")).dst)

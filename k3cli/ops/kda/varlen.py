@@ -18,10 +18,26 @@ class VarlenLayout(NamedTuple):
     empty: Tensor  # indices of the sequences with no token (no chunk: their final state is their initial one)
 
 
+# the last layout made: every KDA layer of a step, forward and backward, asks for the same one
+_last: tuple[Tensor, int, torch.device, VarlenLayout] | None = None
+
+
 def varlen_layout(cu_seqlens: Tensor, C: int, device) -> VarlenLayout:
     """The chunk-aligned layout of the sequences [cu[i], cu[i+1]) for chunk size C, computed on the CPU with
-    vectorised ops (the training layers call it once per KDA layer and step). Empty sequences take no chunk."""
+    vectorised ops, or the last one made when cu_seqlens, C and the device are the same (compared by value:
+    1.7 ms to make at B·T = 16,384, ~20 us to compare). Empty sequences take no chunk."""
+    global _last
     cu = cu_seqlens.to("cpu", torch.long)
+    device = torch.device(device)
+    if _last is not None and _last[1] == C and _last[2] == device and _last[0].shape == cu.shape \
+            and torch.equal(_last[0], cu):
+        return _last[3]
+    lay = _make_layout(cu, C, device)
+    _last = (cu.clone(), C, device, lay)
+    return lay
+
+
+def _make_layout(cu: Tensor, C: int, device: torch.device) -> VarlenLayout:
     lens = cu[1:] - cu[:-1]
     chunks = (lens + C - 1) // C                                          # per sequence
     first_chunk = torch.cumsum(chunks, 0) - chunks
