@@ -30,11 +30,24 @@ class Variant:
     backend: str
     compiled: bool
     masked: bool = False
+    attnres: str | None = None      # with --compare-attnres: the overlay this variant's model uses
+    cfg: RunConfig | None = None
     model: torch.nn.Module = None
     forward: object = None
     opt: torch.optim.Optimizer = None
     times: list[float] = field(default_factory=list)
     peak_mem: int = 0
+
+
+def plan_attnres_variants(configs: dict[str, RunConfig], backend: str, compile: bool) -> list[Variant]:
+    """With --compare-attnres: eager (and compiled) per AttnRes overlay, nothing else, so the overlays'
+    ratios come from one run."""
+    out = []
+    for mode, cfg in configs.items():
+        out.append(Variant(f"eager attnres={mode}", backend, False, attnres=mode, cfg=cfg))
+        if compile:
+            out.append(Variant(f"compiled attnres={mode}", backend, True, attnres=mode, cfg=cfg))
+    return out
 
 
 def plan_variants(backend: str, compile: bool) -> list[Variant]:
@@ -81,14 +94,16 @@ def _step(v: Variant, ids: torch.Tensor, device: torch.device, autocast, segment
 
 
 def bench_train(cfg: RunConfig, steps: int = 10, warmup: int = 3, compile: bool = False,
-                backend: str = "auto", log=print) -> dict:
-    """Median step time with spread, tokens/s, TFLOP/s, MFU and peak memory per variant."""
+                backend: str = "auto", log=print, attnres_configs: dict[str, RunConfig] | None = None) -> dict:
+    """Median step time with spread, tokens/s, TFLOP/s, MFU and peak memory per variant. With
+    `attnres_configs` (overlay -> config, the first the reference) the variants are those overlays'."""
     device = resolve_device(cfg.train.device)
     flush_denormals(device)
     if backend == "triton" and device.type != "cuda":
         raise ValueError("--backend triton needs a CUDA device (on CPU the model runs the torch ops)")
     backend = ("triton" if device.type == "cuda" else "torch") if backend == "auto" else backend
-    variants = plan_variants(backend, compile)
+    variants = (plan_variants(backend, compile) if attnres_configs is None
+                else plan_attnres_variants(attnres_configs, backend, compile))
     B, T = cfg.train.micro_batch_size, cfg.train.seq_len
     g = torch.Generator().manual_seed(cfg.train.seed)
     ids = torch.randint(1, cfg.model.vocab_size, (B, T), generator=g)
@@ -99,7 +114,7 @@ def bench_train(cfg: RunConfig, steps: int = 10, warmup: int = 3, compile: bool 
     autocast = torch.bfloat16 if device.type == "cuda" else None
     for v in variants:
         log(f"bench-train: building {v.name} ({v.backend} ops{', torch.compile' if v.compiled else ''})")
-        _build(cfg, v, device)
+        _build(v.cfg or cfg, v, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
@@ -112,7 +127,8 @@ def bench_train(cfg: RunConfig, steps: int = 10, warmup: int = 3, compile: bool 
             v.times.append(_step(v, ids, device, autocast, segments))
             if device.type == "cuda":
                 v.peak_mem = max(v.peak_mem, torch.cuda.max_memory_allocated(device))
-    fpt = flops_per_token(cfg.model, T)["total"]
+    fpt_of = {v.name: flops_per_token((v.cfg or cfg).model, T)["total"] for v in variants}
+    fpt = fpt_of[variants[0].name]
     peak, peak_name = cfg.train.peak_tflops or None, "--peak-tflops"
     if peak is None and device.type == "cuda":
         found = device_peak_tflops(torch.cuda.get_device_name(device))
@@ -122,8 +138,8 @@ def bench_train(cfg: RunConfig, steps: int = 10, warmup: int = 3, compile: bool 
     ref = statistics.median(variants[0].times)
     for v in variants:
         med = statistics.median(v.times)
-        tflops = B * T * fpt / med / 1e12
-        rows.append({"variant": v.name, "backend": v.backend, "compiled": v.compiled,
+        tflops = B * T * fpt_of[v.name] / med / 1e12
+        rows.append({"variant": v.name, "backend": v.backend, "compiled": v.compiled, "attnres": v.attnres,
                      "step_ms": 1e3 * med, "min_ms": 1e3 * min(v.times), "max_ms": 1e3 * max(v.times),
                      "tokens_per_s": B * T / med, "tflops": tflops, "mfu": tflops / peak if peak else None,
                      "peak_mem_gb": v.peak_mem / 2**30, "speedup_vs_eager": ref / med})
@@ -135,9 +151,17 @@ def bench_train(cfg: RunConfig, steps: int = 10, warmup: int = 3, compile: bool 
         ratios["triton_vs_torch"] = by["torch-backend"] / by["eager"]  # > 1: the Triton ops are faster
     if "torch-compiled" in by:
         ratios["compiled_vs_torch_compiled"] = by["torch-compiled"] / by["compiled"]   # the same, both compiled
-    ratios["document_mask_cost"] = by["document-mask"] / by["eager"]    # > 1: the mask made the step slower
+    if "document-mask" in by:
+        ratios["document_mask_cost"] = by["document-mask"] / by["eager"]    # > 1: the mask made the step slower
+    if attnres_configs is not None:
+        ref = next(iter(attnres_configs))
+        for kind in ("eager", "compiled"):
+            for mode in attnres_configs:
+                if mode != ref and f"{kind} attnres={mode}" in by:   # > 1: the overlay's step is faster
+                    ratios[f"{kind}_{mode}_vs_{ref}"] = by[f"{kind} attnres={ref}"] / by[f"{kind} attnres={mode}"]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     return {"device": name, "device_type": device.type, "batch": B, "seq_len": T, "steps": steps,
+            "attnres": None if attnres_configs is None else list(attnres_configs),
             "documents_per_row": (len(torch.nonzero(segments.cu_seqlens[1:] - segments.cu_seqlens[:-1])) / B),
             "warmup": warmup, "flops_per_token": fpt, "peak_tflops": peak, "peak_source": peak_name if peak else None,
             "threads": torch.get_num_threads(), "rows": rows, "ratios": ratios}

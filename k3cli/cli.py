@@ -320,6 +320,9 @@ def bench_train_cmd(
     device: Annotated[Optional[str], typer.Option(help="auto | cpu | cuda (default: train.device).")] = None,
     peak_tflops: Annotated[Optional[float], typer.Option("--peak-tflops", min=0,
         help="Dense peak TFLOP/s for MFU (default: the device table; none on CPU).")] = None,
+    compare_attnres: Annotated[bool, typer.Option("--compare-attnres", help=(
+        "Time the step with each AttnRes overlay (off, full, block), eager and with --compile compiled, "
+        "interleaved in this run, with each overlay's ratio to off (instead of the backend and mask variants)."))] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON to stdout.")] = False,
 ):
     """Time whole training steps (forward, backward, AdamW) on synthetic tokens.
@@ -335,9 +338,13 @@ def bench_train_cmd(
     flags = {k: v for k, v in flags.items() if v is not None}
     if batch is not None:
         flags["train.global_batch_size"] = batch
+    if compare_attnres and attnres is not None:
+        fail("--compare-attnres times every AttnRes overlay; leave out --attnres")
     cfg = resolve(preset, config, sets, attnres, flags)
+    overlays = {m.value: resolve(preset, config, sets, m, flags) for m in AttnResMode} if compare_attnres else None
     try:
-        res = bench_train(cfg, steps=steps, warmup=warmup, compile=compile, backend=backend.value, log=_log)
+        res = bench_train(cfg, steps=steps, warmup=warmup, compile=compile, backend=backend.value, log=_log,
+                          attnres_configs=overlays)
     except ValueError as e:
         fail(str(e))
     if as_json:

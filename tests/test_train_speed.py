@@ -158,3 +158,20 @@ def test_bench_train_variants():
     assert names("triton", True) == [("eager", "triton", False), ("compiled", "triton", True),
                                      ("torch-backend", "torch", False), ("torch-compiled", "torch", True),
                                      ("document-mask", "triton", False)]
+
+
+def test_bench_train_compares_attnres_overlays_in_one_run():
+    r = runner.invoke(app, ["bench-train", "--preset", "k3-toy", "--steps", "2", "--warmup", "1", "--json",
+                            "--compare-attnres",
+                            *[a for s in TINY_MODEL + ["train.seq_len=32", "train.micro_batch_size=2",
+                                                       "train.device=cpu"] for a in ("--set", s)]])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    assert res["attnres"] == ["off", "full", "block"]
+    assert [(row["variant"], row["attnres"]) for row in res["rows"]] == [
+        ("eager attnres=off", "off"), ("eager attnres=full", "full"), ("eager attnres=block", "block")]
+    by = {row["attnres"]: row["step_ms"] for row in res["rows"]}
+    assert set(res["ratios"]) == {"eager_full_vs_off", "eager_block_vs_off"}
+    assert res["ratios"]["eager_block_vs_off"] == pytest.approx(by["off"] / by["block"])
+    r = runner.invoke(app, ["bench-train", "--compare-attnres", "--attnres", "block", "--device", "cpu"])
+    assert r.exit_code == 2 and "leave out --attnres" in r.output
