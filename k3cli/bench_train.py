@@ -4,8 +4,9 @@ Every variant is measured in the same run, interleaved step by step so that drif
 `eager` (the reference), `compiled` (with --compile), on CUDA with the Triton backend `torch-backend`
 (the same model on the torch ops) and, with --compile, `torch-compiled`, and `document-mask` (eager with
 the packed-document mask of docs/math.md §10 on rows cut into documents of mean length T/4), so the
-compiled/eager, triton/torch and mask/no-mask ratios come from one process. Warm-up steps (compilation
-included) are excluded. FLOPs per token are the analytic count of docs/math.md §9; MFU is against the
+compiled/eager, triton/torch and mask/no-mask ratios come from one process; with --compare-attnres the
+variants are instead eager (and compiled) per AttnRes overlay. Warm-up steps (compilation included) are
+excluded. FLOPs per token are the analytic count of docs/math.md §9; MFU is against the
 device's dense bf16 peak (or --peak-tflops).
 """
 from __future__ import annotations
