@@ -48,8 +48,13 @@ def _make_layout(cu: Tensor, C: int, device: torch.device) -> VarlenLayout:
     seq_of_chunk = torch.repeat_interleave(torch.arange(len(lens)), chunks)
     j = torch.arange(NT) - first_chunk[seq_of_chunk]
     ctab = (seq_of_chunk << 2) | ((j == chunks[seq_of_chunk] - 1).long() << 1) | (j == 0).long()
-    return VarlenLayout(src.to(device, non_blocking=True), dst.to(device, non_blocking=True),
-                        ctab.to(device=device, dtype=torch.int32), len(lens), torch.nonzero(lens == 0).flatten())
+    return VarlenLayout(_to(src, device), _to(dst, device), _to(ctab.to(torch.int32), device), len(lens),
+                        torch.nonzero(lens == 0).flatten())
+
+
+def _to(x: Tensor, device: torch.device) -> Tensor:
+    # through pinned memory, so that the copy is asynchronous (from pageable memory CUDA may hold the host)
+    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)
 
 
 def lay_out(x: Tensor, lay: VarlenLayout) -> Tensor:
