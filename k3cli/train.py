@@ -363,7 +363,8 @@ def _train(cfg: RunConfig, run_dir: Path, info: par.DistInfo, mode: str, accum: 
     wb = _wandb_init(wandb_mode, cfg, run_dir) if main else None
     model.train()
     t_start = time.time()
-    t_last, tokens_since = time.time(), 0
+    # aside_s: evaluation and checkpoint seconds since the last log line, kept out of its throughput
+    t_last, tokens_since, aside_s = time.time(), 0, 0.0
     if stop_at is not None and step >= stop_at:
         log(f"already at step {step} (--until {stop_at}); nothing to do")
         return TrainResult(run_dir, step, loss_val, val_loss)
@@ -420,14 +421,16 @@ def _train(cfg: RunConfig, run_dir: Path, info: par.DistInfo, mode: str, accum: 
         stop_signal = signals.poll(device)
         speed.steps += 1
         if (tc.eval_every and step % tc.eval_every == 0) or last_step or out_of_time:
+            t_eval = time.time()
             val_loss = evaluate_loss(forward, val, device, autocast_dtype, module=model, rank=rank, world_size=world,
                                      document_mask=cfg.data.document_mask)
             record["val_loss"] = round(val_loss, 6)
+            aside_s += time.time() - t_eval
         record["time_s"] = round(time_before + time.time() - t_start, 3)
         if step % tc.log_every == 0 or "val_loss" in record:
             now = time.time()
-            record.update(speed.window(tokens_since, now - t_last))
-            t_last, tokens_since = now, 0
+            record.update(speed.window(tokens_since, now - t_last - aside_s))
+            t_last, tokens_since, aside_s = now, 0, 0.0
             log(_format(record))
         if main:
             with metrics_path.open("a") as f:
@@ -437,6 +440,7 @@ def _train(cfg: RunConfig, run_dir: Path, info: par.DistInfo, mode: str, accum: 
         if progress is not None:
             progress.update(step, loss=loss_val, tokens_per_s=record.get("tokens_per_s"))
         if (tc.ckpt_every and step % tc.ckpt_every == 0) or last_step or out_of_time or paused or stop_signal:
+            t_save = time.time()
             extra = {"val_loss": val_loss, "train_loss": loss_val, "time_s": record["time_s"]}
             try:
                 if mode == "none":
@@ -449,6 +453,7 @@ def _train(cfg: RunConfig, run_dir: Path, info: par.DistInfo, mode: str, accum: 
                               "then continue with --resume auto") from None
             prune(run_dir, tc.keep_last, newest=path)
             log(f"checkpoint: {path}")
+            aside_s += time.time() - t_save
         if stop_signal and not last_step:
             name = signal.Signals(stop_signal).name
             log(f"{name} received: stopped at step {step} after its checkpoint; resume with --resume auto")

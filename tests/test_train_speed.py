@@ -175,3 +175,22 @@ def test_bench_train_compares_attnres_overlays_in_one_run():
     assert res["ratios"]["eager_block_vs_off"] == pytest.approx(by["off"] / by["block"])
     r = runner.invoke(app, ["bench-train", "--compare-attnres", "--attnres", "block", "--device", "cpu"])
     assert r.exit_code == 2 and "leave out --attnres" in r.output
+
+
+def test_throughput_leaves_out_evaluation_and_checkpoints(corpus, tmp_path, monkeypatch):
+    """A log window's step time counts training steps only: here every evaluation and every checkpoint takes
+    an extra second, which must not reach step_ms or tokens/s."""
+    import time as time_mod
+
+    import k3cli.train as train_mod
+    slow_eval, slow_save = train_mod.evaluate_loss, train_mod.save_checkpoint
+    monkeypatch.setattr(train_mod, "evaluate_loss", lambda *a, **k: (time_mod.sleep(1.0), slow_eval(*a, **k))[1])
+    monkeypatch.setattr(train_mod, "save_checkpoint", lambda *a, **k: (time_mod.sleep(1.0), slow_save(*a, **k))[1])
+    cfg = load_config("k3-toy", overrides=TINY_MODEL + TINY_TRAIN + [f"data.source={corpus}", "train.eval_every=2",
+                                                                    "train.log_every=2", "train.ckpt_every=2"])
+    train(cfg, tmp_path / "run", log=lambda m: None)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in rows if "step_ms" in r]
+    assert len(logged) >= 2 and all("val_loss" in r for r in logged)
+    # each window after the first holds one evaluation and one checkpoint: 2 s that a step must not absorb
+    assert all(r["step_ms"] < 500 for r in logged), [r["step_ms"] for r in logged]
