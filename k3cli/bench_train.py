@@ -19,10 +19,16 @@ import torch
 
 from k3cli.compile import compile_model
 from k3cli.config import RunConfig
-from k3cli.data import EOT_ID, document_starts
-from k3cli.layers.segments import Segments
+from k3cli.data import EOT_ID
 from k3cli.models.flops import device_peak_tflops, flops_per_token
-from k3cli.train import build_model, flush_denormals, param_groups, peak_memory_bytes, resolve_device
+from k3cli.train import (
+    build_model,
+    document_segments,
+    flush_denormals,
+    param_groups,
+    peak_memory_bytes,
+    resolve_device,
+)
 
 
 @dataclass
@@ -110,7 +116,7 @@ def bench_train(cfg: RunConfig, steps: int = 10, warmup: int = 3, compile: bool 
     ids = torch.randint(1, cfg.model.vocab_size, (B, T), generator=g)
     # separators at random: documents of mean length T / 4, several to a row
     ids = torch.where(torch.rand(B, T, generator=g) < 4 / T, EOT_ID, ids)
-    segments = Segments.from_starts(document_starts(ids), device)
+    segments = document_segments(ids, device, True)
     ids = ids.to(device)
     autocast = torch.bfloat16 if device.type == "cuda" else None
     for v in variants:

@@ -33,6 +33,7 @@ from k3cli.layers.moe import max_over_mean
 from k3cli.layers.segments import Segments
 from k3cli.models.causal_lm import CausalLM
 from k3cli.models.flops import device_peak_tflops, flops_per_token
+from k3cli.ops.transfer import to_device
 
 # parameters named like this take no weight decay (besides every parameter with ndim < 2)
 NO_DECAY_NAMES = ("norm", "bias", "A_log", "dt_bias", "attnres", "query", "gain")
@@ -125,14 +126,6 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def batch_to_device(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU batch on `device` without waiting for the GPU: a copy from pageable memory synchronises the
-    stream (the host could not enqueue the next micro-step while the last one runs); a pinned one does not."""
-    if device.type == "cuda":
-        return ids.pin_memory().to(device, non_blocking=True)
-    return ids.to(device)
-
-
 def document_segments(ids: torch.Tensor, device: torch.device, document_mask: bool) -> Segments | None:
     """The packed documents of a CPU batch ids [B, T] for the model (data.document_mask), else None."""
     return Segments.from_starts(document_starts(ids), device) if document_mask else None
@@ -154,7 +147,7 @@ def evaluate_loss(forward, batches: list[torch.Tensor], device: torch.device,
     for ids in batches:
         ids, counted = par.eval_rows(ids, rank, world_size)
         segments = document_segments(ids, device, document_mask)
-        ids = batch_to_device(ids, device)
+        ids = to_device(ids, device)
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             out = forward(ids, labels=ids, segments=segments)
         if counted:
@@ -381,7 +374,7 @@ def _train(cfg: RunConfig, run_dir: Path, info: par.DistInfo, mode: str, accum: 
             t_data = time.perf_counter()
             ids = next(loader)   # this rank's rows of the global micro-batch
             segments = document_segments(ids, device, cfg.data.document_mask)
-            ids = batch_to_device(ids, device)
+            ids = to_device(ids, device)
             speed.data_s += time.perf_counter() - t_data
             # gradients are reduced over ranks once a step, in the last micro-step's backward
             with par.grad_sync(forward, enabled=i == accum - 1):

@@ -11,8 +11,9 @@ from k3cli.cli import app
 from k3cli.config import load_config
 from k3cli.data import EOT_ID
 from k3cli.models.causal_lm import CausalLM
+from k3cli.ops.transfer import to_device
 from k3cli.testing import TINY_MODEL, TINY_TRAIN, write_corpus
-from k3cli.train import batch_to_device, document_segments, train
+from k3cli.train import document_segments, train
 
 runner = CliRunner()
 BUILDS = [(p, m) for p in ("kda-toy", "k3-toy") for m in ("off", "full", "block")]
@@ -133,7 +134,7 @@ def test_training_step_has_no_host_sync_on_cuda(mode, documents):
         torch.cuda.set_sync_debug_mode("error")
         try:
             segments = document_segments(ids, torch.device("cuda"), documents)
-            batch = batch_to_device(ids, torch.device("cuda"))   # as the training loop moves each micro-batch
+            batch = to_device(ids, torch.device("cuda"))   # as the training loop moves each micro-batch
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(batch, labels=batch, segments=segments).loss
             loss.backward()

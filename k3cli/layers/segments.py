@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 import torch
 
+from k3cli.ops.transfer import to_device
+
 
 class Segments(NamedTuple):
     """The documents of a batch [B, T]. The row-major flattened batch is one sequence of B·T tokens cut into
@@ -33,10 +35,5 @@ class Segments(NamedTuple):
         first = torch.nonzero(starts.flatten()).flatten()
         cu = torch.full((B * T + 1,), B * T, dtype=torch.int32)
         cu[:len(first)] = first.to(torch.int32)
-        return cls(cu, _to(doc, device), _to(pos, device))
+        return cls(cu, to_device(doc, device), to_device(pos, device))
 
-
-def _to(x: torch.Tensor, device) -> torch.Tensor:
-    # through pinned memory, so that the copy is asynchronous (from pageable memory CUDA may hold the host)
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)

@@ -7,6 +7,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from k3cli.ops.transfer import to_device
+
 
 class VarlenLayout(NamedTuple):
     """Sequences of one flattened row moved so that each starts on a chunk: a chunk never spans two, the
@@ -48,13 +50,9 @@ def _make_layout(cu: Tensor, C: int, device: torch.device) -> VarlenLayout:
     seq_of_chunk = torch.repeat_interleave(torch.arange(len(lens)), chunks)
     j = torch.arange(NT) - first_chunk[seq_of_chunk]
     ctab = (seq_of_chunk << 2) | ((j == chunks[seq_of_chunk] - 1).long() << 1) | (j == 0).long()
-    return VarlenLayout(_to(src, device), _to(dst, device), _to(ctab.to(torch.int32), device), len(lens),
+    return VarlenLayout(to_device(src, device), to_device(dst, device), to_device(ctab.to(torch.int32), device), len(lens),
                         torch.nonzero(lens == 0).flatten())
 
-
-def _to(x: Tensor, device: torch.device) -> Tensor:
-    # through pinned memory, so that the copy is asynchronous (from pageable memory CUDA may hold the host)
-    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)
 
 
 def lay_out(x: Tensor, lay: VarlenLayout) -> Tensor:
