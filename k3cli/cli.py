@@ -328,8 +328,9 @@ def bench_train_cmd(
     """Time whole training steps (forward, backward, AdamW) on synthetic tokens.
 
     Eager is the reference; --compile adds the compiled step and, on CUDA with the Triton ops, the
-    torch ops are timed too (eager, and compiled with --compile), all interleaved in this one run: median step time with its spread,
-    tokens/s, TFLOP/s (analytic FLOPs, docs/math.md §9), MFU and peak memory."""
+    torch ops are timed too (eager, and compiled with --compile), all interleaved in this one run:
+    median step time with its spread, tokens/s, TFLOP/s (analytic FLOPs, docs/math.md §9), MFU and
+    peak memory."""
     from k3cli.bench_train import bench_train
     from k3cli.report import print_bench_train
 

@@ -11,6 +11,7 @@ from k3cli.ops.kda import chunk_kda
 from k3cli.ops.kda.chunk import chunk_kda_varlen_op
 from k3cli.ops.kda.naive import naive_chunk_kda_varlen
 from k3cli.ops.kda.torch_chunk import torch_chunk_kda_varlen
+from k3cli.ops.kda.varlen import cu_seqlens_of
 from k3cli.ops.kda.verify import TOL, rel_rms
 from k3cli.testing import assert_close, kda_inputs
 
@@ -28,7 +29,7 @@ LONG = ("long", [300, 5, 1], 16, 1, 1)
 
 
 def cu_of(lens):
-    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return cu_seqlens_of(lens)
 
 
 def run(fn, q, k, v, g, beta, h0, seed=7):

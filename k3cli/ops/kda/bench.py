@@ -9,7 +9,6 @@ measured in the same run, and fla's `chunk_kda` only if `import fla` works. The 
 from __future__ import annotations
 
 import functools
-import itertools
 import statistics
 import time
 
@@ -17,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from k3cli.ops.kda.naive import chunk_local_cumsum, naive_chunk_kda, naive_kda_gate
+from k3cli.ops.kda.varlen import cu_seqlens_of
 
 # (B, T, H, HV, K=V)
 SHAPES = {
@@ -167,7 +167,7 @@ def _bench_chunk(shape, device, against_fla, on_step=None, lens=None):
     step = (lambda msg: on_step(f"{shape}: {msg}")) if on_step is not None else (lambda msg: None)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     args = _inputs(B, T, H, HV, K, dtype, device)
-    cu = None if lens is None else torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    cu = None if lens is None else cu_seqlens_of(lens)
     ours = chunk_kda if cu is None else functools.partial(chunk_kda, cu_seqlens=cu)
     fwd, fwd_bwd = _fwd_bwd_fns(ours, args, device)
     row = {"kernel": "chunk_kda", "B": B, "T": T, "H": H, "HV": HV, "K": K, "V": K, "dtype": str(dtype),

@@ -2,6 +2,7 @@
 and the torch path (torch_chunk.py)."""
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -18,6 +19,11 @@ class VarlenLayout(NamedTuple):
     ctab: Tensor   # int32 [T' / C]: sequence << 2 | (last chunk of it) << 1 | (first chunk of it)
     n_seq: int
     empty: Tensor  # indices of the sequences with no token (no chunk: their final state is their initial one)
+
+
+def cu_seqlens_of(lengths) -> Tensor:
+    """Sequence lengths -> cu_seqlens [N + 1] int32 on the CPU (0, then the running sums)."""
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
 
 
 # the last layout made: every KDA layer of a step, forward and backward, asks for the same one

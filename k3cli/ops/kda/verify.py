@@ -5,7 +5,6 @@ fed the same (rounded) inputs: relative RMS error, max abs error, the tolerance,
 """
 from __future__ import annotations
 
-import itertools
 import os
 
 import torch
@@ -17,6 +16,7 @@ from k3cli.ops.kda.naive import (
     naive_kda_gate,
     naive_recurrent_kda,
 )
+from k3cli.ops.kda.varlen import cu_seqlens_of
 
 # relative RMS limits (the same numbers as tests/ops/test_kda.py)
 TOL = {"o": 0.005, "ht": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dh0": 0.008,
@@ -112,7 +112,7 @@ def verify_kda(kernel: str = "chunk_kda", shapes: str = "ci", dtype: str | torch
             rows += [_row(f"{tag}/{n}", out[n], ref[n], TOL[n]) for n in ref]
         for lens, H, G, K in VARLEN_SHAPES[shapes]:
             # N sequences in one row, each against the fp32 recurrence run on it alone
-            cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+            cu = cu_seqlens_of(lens)
             q, k, v, g, beta, _ = kda_inputs(1, sum(lens), H, G, K, K, dt, dev)
             h0 = torch.randn(len(lens), H * G, K, K, generator=torch.Generator().manual_seed(1)).to(dev)
             inputs = (q, k, v, g, beta, h0)
