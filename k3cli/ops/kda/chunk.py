@@ -266,11 +266,7 @@ def _forward_varlen(q, k, v, g, beta, h0, cu: Tensor, scale: float, C: int, outp
     T, HV, V = v.shape[1], v.shape[2], v.shape[3]
     p = plan(1, T, HV, q.shape[-1], V, C, v.dtype, v.is_cuda, torch_allows_tf32())
     it = kda_fwd_intra(q, k, v, g, beta, scale, C, p, store_mkk=False)
-    o, ht, _, _ = kda_fwd_state(it, 1, T, HV, C, h0, p.scan_prec, v.dtype, output_final_state, ctab=lay.ctab,
-                                n_seq=lay.n_seq)
-    empty = lay.empty
-    if ht is not None and len(empty):   # no chunk stored their end state: it is their start state
-        ht[empty.to(ht.device)] = 0. if h0 is None else h0[empty.to(h0.device)]
+    o, ht, _, _ = kda_fwd_state(it, 1, T, HV, C, h0, p.scan_prec, v.dtype, output_final_state, seqs=lay.seqs)
     return o[:, lay.dst], ht
 
 
@@ -286,17 +282,13 @@ def _backward_varlen(q, k, v, g, beta, h0, cu: Tensor, do, dht, scale: float, C:
     HV, V = v.shape[2], v.shape[3]
     p = plan(1, T, HV, K, V, C, v.dtype, v.is_cuda, torch_allows_tf32())
     it = kda_fwd_intra(q, k, v, g, beta, scale, C, p, store_mkk=True)
-    _, _, h, vn = kda_fwd_state(it, 1, T, HV, C, h0, p.scan_prec, ctab=lay.ctab, n_seq=lay.n_seq)
-    dh, dvn, dh0 = kda_bwd_state(it, do, dht, 1, T, HV, C, h0 is not None, p.prec, ctab=lay.ctab,
-                                 n_seq=lay.n_seq)
+    _, _, h, vn = kda_fwd_state(it, 1, T, HV, C, h0, p.scan_prec, seqs=lay.seqs)
+    dh, dvn, dh0 = kda_bwd_state(it, do, dht, 1, T, HV, C, h0 is not None, p.prec, seqs=lay.seqs)
     dq, dk, dv, dg, dbeta = kda_bwd_intra(q, k, v, g, beta, do, it, (h, vn, dh, dvn), scale, C, p.prec)
     if HV != H:
         dq = dq.view(1, T, H, HV // H, K).sum(3).to(q.dtype)
         dk = dk.view(1, T, H, HV // H, K).sum(3).to(k.dtype)
     grads = (x[:, lay.dst].contiguous() for x in (dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype)))
-    empty = lay.empty
-    if dh0 is not None and len(empty):   # an empty sequence passes its final-state gradient straight through
-        dh0[empty.to(dh0.device)] = 0. if dht is None else dht[empty.to(dht.device)]
     return (*grads, absent(v) if dh0 is None else dh0)
 
 

@@ -23,8 +23,7 @@ from k3cli.ops.kda.chunk_fwd import (
     _load_chunk_qkg,
     _scan_start,
     _subchunk_rows,
-    _varlen_restart,
-    _varlen_store,
+    _varlen_bounds,
     interpreting,
     pick_configs,
     prune_state_configs,
@@ -65,36 +64,42 @@ def _kda_bwd_state_step(qg, kd, eg, w, aqk, do, dh, dvn, b_ds, i_b, i_hv, i_bh, 
     prune_configs_by={"early_config_prune": prune_state_configs},
 )
 @triton.jit
-def _kda_bwd_state_kernel(qg, kd, eg, w, aqk, do, dht, dh, dvn, dh0, ctab, T, NT, NBH,
+def _kda_bwd_state_kernel(qg, kd, eg, w, aqk, do, dht, dh, dvn, dh0, seqs, T, NT, NBH,
                           HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, INTERPRET: tl.constexpr,
                           PREC: tl.constexpr, VARLEN: tl.constexpr):
-    """The reverse scan from dht (or zeros); VARLEN: per sequence (`_varlen_restart`), dht and dh0 [N, HV, K, V]."""
+    """The reverse scan from dht (or zeros); VARLEN: program_id(2) scans one sequence's chunks (`seqs`), from
+    and to its block of dht and dh0 [N, HV, K, V]."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
+    if VARLEN:
+        i_s, n0, n1 = _varlen_bounds(seqs, tl.program_id(2))
+        seg = i_s.to(tl.int64) * HV * K * V
+        if USE_DHT:
+            dht += seg
+        if STORE_DH0:
+            dh0 += seg
+    else:
+        n0, n1 = 0, NT
     b_ds, p_state, m_kv = _scan_start(dht, i_bh, i_v, K, V, BK, BV, USE_DHT)
     if INTERPRET:
         # the interpreter cannot take a runtime bound in range() with numpy >= 2.4
         i_r = 0
-        while i_r < NT:
-            if VARLEN:
-                b_ds = _varlen_restart(ctab, dht, b_ds, NT - 1 - i_r, p_state, m_kv, HV * K * V, 2, USE_DHT)
+        while i_r < n1 - n0:
             b_ds = _kda_bwd_state_step(qg, kd, eg, w, aqk, do, dh, dvn, b_ds, i_b, i_hv, i_bh, i_v,
-                                       NT - 1 - i_r, T, NT, HV, K, V, BT, BK, BV, PREC)
-            if VARLEN and STORE_DH0:
-                _varlen_store(ctab, dh0, b_ds, NT - 1 - i_r, p_state, m_kv, HV * K * V, 1)
+                                       n1 - 1 - i_r, T, NT, HV, K, V, BT, BK, BV, PREC)
             i_r += 1
+    elif VARLEN:
+        for i_r in range(0, n1 - n0):
+            b_ds = _kda_bwd_state_step(qg, kd, eg, w, aqk, do, dh, dvn, b_ds, i_b, i_hv, i_bh, i_v,
+                                       n1 - 1 - i_r, T, NT, HV, K, V, BT, BK, BV, PREC)
     else:
         for i_r in range(NT):
-            if VARLEN:
-                b_ds = _varlen_restart(ctab, dht, b_ds, NT - 1 - i_r, p_state, m_kv, HV * K * V, 2, USE_DHT)
             b_ds = _kda_bwd_state_step(qg, kd, eg, w, aqk, do, dh, dvn, b_ds, i_b, i_hv, i_bh, i_v,
                                        NT - 1 - i_r, T, NT, HV, K, V, BT, BK, BV, PREC)
-            if VARLEN and STORE_DH0:
-                _varlen_store(ctab, dh0, b_ds, NT - 1 - i_r, p_state, m_kv, HV * K * V, 1)
-    if STORE_DH0 and not VARLEN:
-        tl.store(dh0 + p_state, b_ds, mask=m_kv)
+    if STORE_DH0:
+        tl.store(dh0 + p_state, b_ds, mask=m_kv)   # VARLEN: an empty sequence passes dht through
 
 
 @fast_launch
@@ -299,10 +304,10 @@ def _kda_bwd_kside_kernel(q, k, g, beta, mkk, h, dh, do, vn, dy, dqk, dkk, dqs, 
 
 
 def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, need_dh0: bool,
-                  precision: str, ctab=None, n_seq: int = 0):
+                  precision: str, seqs=None):
     """Launch the reverse scan. Returns dh [B*HV, NT, K, V] fp32 (grad of each chunk's END state),
-    dVn [B*HV, NT*BT, V] fp32, dh0 [B, HV, K, V] fp32 or None. With `ctab` (as `kda_fwd_state`'s) dht and dh0
-    are per sequence, [n_seq, HV, K, V]."""
+    dVn [B*HV, NT*BT, V] fp32, dh0 [B, HV, K, V] fp32 or None. With `seqs` (as `kda_fwd_state`'s) dht and dh0
+    are per sequence, [N, HV, K, V]."""
     K, V = it.w.shape[-1], it.u.shape[-1]
     BT = chunk_size
     NT = cdiv(T, BT)
@@ -310,12 +315,12 @@ def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, 
     dev = do.device
     dh = torch.empty(B * HV, NT, K, V, device=dev, dtype=torch.float32)
     dvn = torch.empty(B * HV, NT * BT, V, device=dev, dtype=torch.float32)
-    dh0 = torch.empty(n_seq if ctab is not None else B, HV, K, V, device=dev, dtype=torch.float32) \
-        if need_dh0 else None
-    _kda_bwd_state_kernel[lambda meta: (cdiv(V, meta["BV"]), B * HV)](
-        it.qg, it.kd, it.eg, it.w, it.aqk, do, dht, dh, dvn, dh0, ctab, T, NT, next_pow2(B * HV),
+    n_seq = 1 if seqs is None else len(seqs)
+    dh0 = torch.empty(B * n_seq, HV, K, V, device=dev, dtype=torch.float32) if need_dh0 else None
+    _kda_bwd_state_kernel[lambda meta: (cdiv(V, meta["BV"]), B * HV, n_seq)](
+        it.qg, it.kd, it.eg, it.w, it.aqk, do, dht, dh, dvn, dh0, seqs, T, NT, next_pow2(B * HV * n_seq),
         HV=HV, K=K, V=V, BT=BT, BK=BK, USE_DHT=dht is not None, STORE_DH0=need_dh0, INTERPRET=interpreting(do),
-        PREC=precision, VARLEN=ctab is not None)
+        PREC=precision, VARLEN=seqs is not None)
     return dh, dvn, dh0
 
 

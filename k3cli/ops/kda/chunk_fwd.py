@@ -426,24 +426,9 @@ def _scan_start(s0, i_bh, i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexp
 
 
 @triton.jit
-def _varlen_restart(ctab, s0, b_s, i_n, p_state, m_kv, HVKV, FLAG: tl.constexpr, USE_S0: tl.constexpr):
-    """Variable-length scans: at a chunk whose `ctab` entry (sequence << 2 | last << 1 | first) has FLAG, the
-    carry restarts from that sequence's block of s0 [N, HV, K, V] (or zeros) instead of the previous chunk's."""
-    c = tl.load(ctab + i_n)
-    hit = (c & FLAG) != 0
-    if USE_S0:
-        b_new = tl.load(s0 + (c >> 2).to(tl.int64) * HVKV + p_state, mask=m_kv & hit, other=0.)
-    else:
-        b_new = tl.zeros_like(b_s)
-    return tl.where(hit, b_new, b_s)
-
-
-@triton.jit
-def _varlen_store(ctab, s1, b_s, i_n, p_state, m_kv, HVKV, FLAG: tl.constexpr):
-    """Variable-length scans: at a chunk whose `ctab` entry has FLAG, store the carry as its sequence's block
-    of s1 [N, HV, K, V]."""
-    c = tl.load(ctab + i_n)
-    tl.store(s1 + (c >> 2).to(tl.int64) * HVKV + p_state, b_s, mask=m_kv & ((c & FLAG) != 0))
+def _varlen_bounds(seqs, i_p):
+    """Variable-length scans: program i_p's (sequence, first chunk, end chunk) from `seqs` [N, 3]."""
+    return tl.load(seqs + 3 * i_p), tl.load(seqs + 3 * i_p + 1), tl.load(seqs + 3 * i_p + 2)
 
 
 @fast_launch
@@ -453,45 +438,45 @@ def _varlen_store(ctab, s1, b_s, i_n, p_state, m_kv, HVKV, FLAG: tl.constexpr):
     prune_configs_by={"early_config_prune": prune_state_configs},
 )
 @triton.jit
-def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, ctab, T, NT, NBH, N0, N1, L, SEG_STRIDE,
+def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, seqs, T, NT, NBH, N0, N1, L, SEG_STRIDE,
                           HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_O: tl.constexpr,
                           STORE_H: tl.constexpr, INTERPRET: tl.constexpr, PREC: tl.constexpr,
                           KD_T: tl.constexpr, VARLEN: tl.constexpr):
     """The state scan over chunks [N0, N1) from h0 (or zeros), storing the end state to ht. VARLEN (B = 1):
-    the chunks hold several sequences, each starting on a chunk (`ctab`), with h0 and ht [N, HV, K, V]."""
+    program_id(2) scans one sequence's chunks (`seqs`), from and to its block of h0 and ht [N, HV, K, V]."""
     i_v, i_bh, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
-    # The bounds and offsets keep the form of the kernel the H200 figures were measured on: a run of L chunks
-    # per program_id(2) (always 0: chunk_kda launches a 2-D grid with L = N1 - N0, SEG_STRIDE = 0). ptxas
-    # allocates a plain [N0, N1) loop differently (K=V=128, BV 64, 8 warps: 128 B of spill instead of 16).
+    # Without VARLEN the bounds and offsets keep the form of the kernel the H200 figures were measured on: a
+    # run of L chunks per program_id(2) (always 0 there: L = N1 - N0, SEG_STRIDE = 0). ptxas allocates a
+    # plain [N0, N1) loop differently (K=V=128, BV 64, 8 warps: 128 B of spill instead of 16).
+    if VARLEN:
+        i_s, n0, n1 = _varlen_bounds(seqs, i_p)
+        seg = i_s.to(tl.int64) * HV * K * V
+    else:
+        seg = i_p.to(tl.int64) * SEG_STRIDE
     if USE_H0:
-        h0 += i_p.to(tl.int64) * SEG_STRIDE
+        h0 += seg
     b_s, p_state, m_kv = _scan_start(h0, i_bh, i_v, K, V, BK, BV, USE_H0)
-    n0 = N0 + i_p * L
-    n1 = tl.minimum(n0 + L, N1)
+    if not VARLEN:
+        n0 = N0 + i_p * L
+        n1 = tl.minimum(n0 + L, N1)
     if INTERPRET:
         # the interpreter cannot take a runtime bound in range() with numpy >= 2.4
         i_n = n0
         while i_n < n1:
-            if VARLEN:
-                b_s = _varlen_restart(ctab, h0, b_s, i_n, p_state, m_kv, HV * K * V, 1, USE_H0)
             b_s = _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i_v, i_n, T, NT,
                                       HV, K, V, BT, BK, BV, STORE_O, STORE_H, PREC, KD_T)
-            if VARLEN and STORE_HT:
-                _varlen_store(ctab, ht, b_s, i_n, p_state, m_kv, HV * K * V, 2)
             i_n += 1
     else:
         for i_n in range(n0, n1):
-            if VARLEN:
-                b_s = _varlen_restart(ctab, h0, b_s, i_n, p_state, m_kv, HV * K * V, 1, USE_H0)
             b_s = _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i_v, i_n, T, NT,
                                       HV, K, V, BT, BK, BV, STORE_O, STORE_H, PREC, KD_T)
-            if VARLEN and STORE_HT:
-                _varlen_store(ctab, ht, b_s, i_n, p_state, m_kv, HV * K * V, 2)
-    if STORE_HT and not VARLEN:
-        if n1 == N1:
+    if STORE_HT:
+        if VARLEN:
+            tl.store(ht + seg + p_state, b_s, mask=m_kv)   # an empty sequence stores its start state
+        elif n1 == N1:
             tl.store(ht + p_state, b_s, mask=m_kv)
 
 
@@ -581,24 +566,25 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, plan, store_m
 
 def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_state, precision: str,
                   o_dtype: torch.dtype | None = None, output_final_state: bool = False,
-                  ranges: list[tuple[int, int]] | None = None, on_range=None, ctab=None, n_seq: int = 0):
+                  ranges: list[tuple[int, int]] | None = None, on_range=None, seqs=None):
     """Launch stage 2, one launch per chunk range (`ranges`, default all chunks; `on_range(n0, n1)` is called
     before each), each starting from the previous one's end state. With `o_dtype` the scan forms O; without
     it (the backward's re-scan) it stores the chunk start states S_n and pseudo-values Vn instead.
     Returns (o [B,T,HV,V] or None, final state [B,HV,K,V] fp32 or None, S_n [B*HV,NT,K,V] fp32 or None,
-    Vn [B*HV,NT*BT,V] fp32 or None). With `ctab` (int32 [NT], B = 1, see `_varlen_restart`) the chunks hold
-    `n_seq` sequences: initial_state and the final state are [n_seq, HV, K, V], and `ranges` must be None."""
+    Vn [B*HV,NT*BT,V] fp32 or None). With `seqs` (int32 [N, 3], B = 1, varlen.VarlenLayout) the chunks hold N
+    sequences, scanned in parallel: initial_state and the final state are [N, HV, K, V], `ranges` must be None."""
     K, V = it.w.shape[-1], it.u.shape[-1]
     BT = chunk_size
     NT = cdiv(T, BT)
     dev = it.w.device
     store_o = o_dtype is not None
     o = torch.empty(B, T, HV, V, device=dev, dtype=o_dtype) if store_o else None
-    ht = torch.empty(n_seq if ctab is not None else B, HV, K, V, device=dev, dtype=torch.float32) \
+    ht = torch.empty(B if seqs is None else len(seqs), HV, K, V, device=dev, dtype=torch.float32) \
         if output_final_state else None
     h = None if store_o else torch.empty(B * HV, NT, K, V, device=dev, dtype=torch.float32)
     vn = None if store_o else torch.empty(B * HV, NT * BT, V, device=dev, dtype=torch.float32)
     ranges = ranges or [(0, NT)]
+    nbh = next_pow2(B * HV * (1 if seqs is None else len(seqs)))   # the autotuner's size key: programs per value block
     # two fp32 carries, alternating, so that the autotuner's repeated launches of a range see its start state
     carry = [torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) for _ in range(2)] if len(ranges) > 1 else []
     s_in, streams = initial_state, []
@@ -608,11 +594,11 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
             on_range(n0, n1)
         # the forward scan loads K_d^T as a tile (scan alone 0.548 against 0.868 ms at B1 T16384 H16 K=V=128);
         # the re-scan keeps the register transpose (fwd+bwd 4.624 against 4.826 ms with the tile)
-        _kda_fwd_state_kernel[lambda meta: (cdiv(V, meta["BV"]), B * HV)](
-            it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, s_in, s_out, h, vn, ctab, T, NT, next_pow2(B * HV), n0,
+        _kda_fwd_state_kernel[lambda meta: (cdiv(V, meta["BV"]), B * HV, 1 if seqs is None else len(seqs))](
+            it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, s_in, s_out, h, vn, seqs, T, NT, nbh, n0,
             n1, n1 - n0, 0, HV=HV, K=K, V=V, BT=BT, BK=max(16, next_pow2(K)), USE_H0=s_in is not None,
             STORE_HT=s_out is not None, STORE_O=store_o, STORE_H=not store_o, INTERPRET=interpreting(it.w),
-            PREC=precision, KD_T=store_o, VARLEN=ctab is not None)
+            PREC=precision, KD_T=store_o, VARLEN=seqs is not None)
         if carry and dev.type == "cuda" and torch.cuda.current_stream(dev) not in streams:
             streams.append(torch.cuda.current_stream(dev))
         s_in = s_out

@@ -13,12 +13,12 @@ from k3cli.ops.transfer import to_device
 
 class VarlenLayout(NamedTuple):
     """Sequences of one flattened row moved so that each starts on a chunk: a chunk never spans two, the
-    intra-chunk kernels need no change, and only the state scans restart per sequence (`ctab`)."""
+    intra-chunk kernels need no change, and only the state scans restart per sequence."""
     src: Tensor    # [T'] original token of each laid-out position; total_T (a zero row) in the gaps
     dst: Tensor    # [total_T] laid-out position of each original token
-    ctab: Tensor   # int32 [T' / C]: sequence << 2 | (last chunk of it) << 1 | (first chunk of it)
+    ctab: Tensor   # int32 [T' / C] on the CPU: sequence << 2 | (last chunk of it) << 1 | (first chunk of it)
+    seqs: Tensor   # int32 [N, 3] on the device: (sequence, first chunk, end chunk), longest first
     n_seq: int
-    empty: Tensor  # indices of the sequences with no token (no chunk: their final state is their initial one)
 
 
 def cu_seqlens_of(lengths) -> Tensor:
@@ -56,9 +56,12 @@ def _make_layout(cu: Tensor, C: int, device: torch.device) -> VarlenLayout:
     seq_of_chunk = torch.repeat_interleave(torch.arange(len(lens)), chunks)
     j = torch.arange(NT) - first_chunk[seq_of_chunk]
     ctab = (seq_of_chunk << 2) | ((j == chunks[seq_of_chunk] - 1).long() << 1) | (j == 0).long()
-    return VarlenLayout(to_device(src, device), to_device(dst, device), to_device(ctab.to(torch.int32), device), len(lens),
-                        torch.nonzero(lens == 0).flatten())
-
+    # the Triton scans run one program per (value block, head, sequence): the longest start first, so that
+    # the last programs the GPU schedules are the short ones
+    order = torch.sort(chunks, descending=True, stable=True).indices
+    seqs = torch.stack([order, first_chunk[order], (first_chunk + chunks)[order]], 1).to(torch.int32)
+    return VarlenLayout(to_device(src, device), to_device(dst, device), ctab.to(torch.int32),
+                        to_device(seqs, device), len(lens))
 
 
 def lay_out(x: Tensor, lay: VarlenLayout) -> Tensor:
