@@ -131,6 +131,8 @@ def bench_train(cfg: RunConfig, steps: int = 10, warmup: int = 3, compile: bool 
         v.peak_mem = peak_memory_bytes(device)
     for _ in range(steps):   # round by round: drift (clocks, other load) hits every variant alike
         for v in variants:
+            if device.type == "cuda":   # per variant: the process-wide peak would be the largest variant's
+                torch.cuda.reset_peak_memory_stats(device)
             v.times.append(_step(v, ids, device, autocast, segments))
             if device.type == "cuda":
                 v.peak_mem = max(v.peak_mem, torch.cuda.max_memory_allocated(device))
