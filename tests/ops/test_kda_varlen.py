@@ -206,7 +206,7 @@ def test_varlen_layout_is_reused_only_for_equal_boundaries():
     first = varlen.varlen_layout(cu, 16, "cpu")
     assert varlen.varlen_layout(cu.clone().long(), 16, "cpu") is first
     fresh = varlen._make_layout(cu.long(), 16, torch.device("cpu"))
-    assert all(torch.equal(a, b) for a, b in zip(first[:3], fresh[:3])) and first.n_seq == fresh.n_seq
+    assert all(torch.equal(a, b) for a, b in zip(first[:4], fresh[:4])) and first.n_seq == fresh.n_seq
     assert varlen.varlen_layout(cu, 32, "cpu") is not first
     other = cu_of([3, 41, 32])
     lay = varlen.varlen_layout(other, 16, "cpu")
@@ -215,3 +215,24 @@ def test_varlen_layout_is_reused_only_for_equal_boundaries():
     assert varlen.varlen_layout(cu_of([3, 41, 32]), 16, "cpu") is lay
     assert torch.equal(varlen.varlen_layout(other, 16, "cpu").dst, varlen._make_layout(other.long(), 16,
                                                                                         torch.device("cpu")).dst)
+
+
+def test_varlen_layout_gives_each_sequence_its_chunks_longest_first():
+    """`seqs`, the scans' table: one row per sequence (empty ones included, with no chunk), its chunk range
+    exactly ceil(length / C) chunks starting where its first token was laid out, the ranges disjoint and
+    covering every chunk, longest first."""
+    from k3cli.ops.kda import varlen
+    lens, C = [7, 0, 33, 0, 16, 1], 16
+    lay = varlen._make_layout(cu_of(lens).long(), C, torch.device("cpu"))
+    rows = lay.seqs.tolist()
+    assert sorted(r[0] for r in rows) == list(range(len(lens)))
+    counts = [n1 - n0 for _, n0, n1 in rows]
+    assert counts == sorted(counts, reverse=True)
+    cu = cu_of(lens).tolist()
+    covered = []
+    for s, n0, n1 in rows:
+        assert n1 - n0 == -(-lens[s] // C)
+        if lens[s]:
+            assert int(lay.dst[cu[s]]) == n0 * C
+        covered += range(n0, n1)
+    assert sorted(covered) == list(range(lay.src.numel() // C))
