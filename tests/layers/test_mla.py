@@ -88,13 +88,18 @@ def test_parameter_shapes():
     }
 
 
-def test_flex_document_attention_matches_the_masked_sdpa():
+def test_flex_document_attention_matches_the_masked_sdpa(monkeypatch):
     """The CUDA path of packed-document attention (FlexAttention with a block mask) against the CPU path (SDPA
     with the boolean block-diagonal causal mask), forward on the CPU (FlexAttention has no CPU backward; the
-    GPU tier compares gradients)."""
+    GPU tier compares gradients of the compiled kernel). FlexAttention runs unfused here: torch 2.13's CPU
+    Inductor build of it gave whole wrong rows when freshly compiled (right ones from its disk cache), and
+    the model never runs it on a CPU."""
     import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import flex_attention
 
+    from k3cli.layers import mla
     from k3cli.layers.mla import _document_mask, _flex_document_attention
+    monkeypatch.setattr(mla, "_fused_flex_attention", lambda: flex_attention)
     g = torch.Generator().manual_seed(0)
     B, H, T, d = 2, 2, 40, 8
     doc = torch.tensor([[0] * 7 + [1] * 20 + [2] * 13, [0] * 40])
