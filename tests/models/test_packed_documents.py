@@ -7,6 +7,7 @@ import torch
 from k3cli.config import load_config
 from k3cli.layers.segments import Segments
 from k3cli.models import CausalLM
+from k3cli.testing import TINY_MODEL
 
 # two rows of 32 tokens: documents of 5, 17, 1, 9 and of 20, 12 tokens (the 1-token one, short-conv taps
 # that would reach back over 1-3 boundaries, and KDA chunks of 16 that straddle documents)
@@ -73,10 +74,12 @@ def test_segments_from_starts():
 @pytest.mark.triton
 def test_packed_row_on_the_triton_kernels():
     """The KDA layers' Triton path (chunk_kda with cu_seqlens and the in-kernel gate; the interpreter on CPU),
-    fp32: a packed batch against each document alone, logits and gradients within chunk_kda's fp32 bound."""
+    fp32: a packed batch against each document alone, logits and gradients within chunk_kda's fp32 bound.
+    One layer of the tiny model's KDA (grouped value heads, K = 8, chunk 16) keeps the interpreter's work
+    small."""
     torch.manual_seed(0)
-    cfg = load_config("kda-toy", overrides=["model.kda.backend=triton", "model.num_hidden_layers=2",
-                                            "model.vocab_size=256"]).model
+    cfg = load_config("kda-toy", overrides=[*TINY_MODEL, "model.num_hidden_layers=1", "model.kda.backend=triton",
+                                            "model.kda.chunk_size=16", "model.vocab_size=256"]).model
     model = CausalLM(cfg).eval()
     rows = [[5, 17, 1, 9]]
     T = sum(rows[0])
