@@ -81,7 +81,7 @@ def rows(K: int, BT: int, dtype: torch.dtype = torch.bfloat16):
                          PER_PAIR=p.per_pair), F.SCORES_WARPS, p.score_stages))
     out.append(("fwd tail", F._kda_fwd_tail_kernel, stage1,
                 dict(HV=H, K=K, V=V, BT=BT, BC=BC, BK=min(BK, F.TAIL_BK), BV=BV, PREC=p.prec), F.TAIL_WARPS, 1))
-    scan = dict(stage1, h0=f32, ht=f32, h=f32, vn=f32, ctab="i32")
+    scan = dict(stage1, h0=f32, ht=f32, h=f32, vn=f32, seqs="i32")
     for name, store_o in (("fwd scan", True), ("bwd re-scan", False)):
         for c in _scan_configs(scan, V, BK, BT, p.scan_prec, kd_t=store_o):
             out.append((f"{name} BV{c.kwargs['BV']} {c.num_warps}w {c.num_stages}s", F._kda_fwd_state_kernel, scan,
@@ -89,12 +89,23 @@ def rows(K: int, BT: int, dtype: torch.dtype = torch.bfloat16):
                              STORE_O=store_o, STORE_H=not store_o, INTERPRET=False, PREC=p.scan_prec, KD_T=store_o,
                              VARLEN=False),
                         c.num_warps, c.num_stages))
+            if store_o:   # packed sequences: one program per sequence, from and to its states
+                out.append((f"{name} varlen BV{c.kwargs['BV']} {c.num_warps}w {c.num_stages}s",
+                            F._kda_fwd_state_kernel, scan,
+                            dict(HV=H, K=K, V=V, BT=BT, BK=BK, BV=c.kwargs["BV"], USE_H0=True, STORE_HT=True,
+                                 STORE_O=True, STORE_H=False, INTERPRET=False, PREC=p.scan_prec, KD_T=True,
+                                 VARLEN=True),
+                            c.num_warps, c.num_stages))
     bwd = dict(stage1, dht=f32, dh=f32, dvn=f32, dh0=f32, h=f32, vn=f32, dy=f32, dqk=f32, dkk=f32, dbeta_v=f32,
-               dqs=f32, dks=f32, dgs=f32, dg=f32, dbeta=f32, ctab="i32")
+               dqs=f32, dks=f32, dgs=f32, dg=f32, dbeta=f32, seqs="i32")
     for c in _scan_configs(bwd, V, BK, BT, p.prec, kd_t=None):
         out.append((f"bwd reverse scan BV{c.kwargs['BV']} {c.num_warps}w {c.num_stages}s", B._kda_bwd_state_kernel,
                     bwd, dict(HV=H, K=K, V=V, BT=BT, BK=BK, BV=c.kwargs["BV"], USE_DHT=False, STORE_DH0=False,
                               INTERPRET=False, PREC=p.prec, VARLEN=False), c.num_warps, c.num_stages))
+        out.append((f"bwd reverse scan varlen BV{c.kwargs['BV']} {c.num_warps}w {c.num_stages}s",
+                    B._kda_bwd_state_kernel, bwd,
+                    dict(HV=H, K=K, V=V, BT=BT, BK=BK, BV=c.kwargs["BV"], USE_DHT=True, STORE_DH0=True,
+                         INTERPRET=False, PREC=p.prec, VARLEN=True), c.num_warps, c.num_stages))
     out.append(("bwd V side", B._kda_bwd_vside_kernel, bwd, dict(HV=H, V=V, BT=BT, BV=BV, PREC=p.prec),
                 B.SIDE_WARPS, 1))
     out.append(("bwd scores", B._kda_bwd_scores_kernel, bwd,
