@@ -579,12 +579,11 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
     dev = it.w.device
     store_o = o_dtype is not None
     o = torch.empty(B, T, HV, V, device=dev, dtype=o_dtype) if store_o else None
-    ht = torch.empty(B if seqs is None else len(seqs), HV, K, V, device=dev, dtype=torch.float32) \
-        if output_final_state else None
+    n_seq = 1 if seqs is None else len(seqs)
+    ht = torch.empty(B * n_seq, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     h = None if store_o else torch.empty(B * HV, NT, K, V, device=dev, dtype=torch.float32)
     vn = None if store_o else torch.empty(B * HV, NT * BT, V, device=dev, dtype=torch.float32)
     ranges = ranges or [(0, NT)]
-    nbh = next_pow2(B * HV * (1 if seqs is None else len(seqs)))   # the autotuner's size key: programs per value block
     # two fp32 carries, alternating, so that the autotuner's repeated launches of a range see its start state
     carry = [torch.empty(B, HV, K, V, device=dev, dtype=torch.float32) for _ in range(2)] if len(ranges) > 1 else []
     s_in, streams = initial_state, []
@@ -594,8 +593,8 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
             on_range(n0, n1)
         # the forward scan loads K_d^T as a tile (scan alone 0.548 against 0.868 ms at B1 T16384 H16 K=V=128);
         # the re-scan keeps the register transpose (fwd+bwd 4.624 against 4.826 ms with the tile)
-        _kda_fwd_state_kernel[lambda meta: (cdiv(V, meta["BV"]), B * HV, 1 if seqs is None else len(seqs))](
-            it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, s_in, s_out, h, vn, seqs, T, NT, nbh, n0,
+        _kda_fwd_state_kernel[lambda meta: (cdiv(V, meta["BV"]), B * HV, n_seq)](
+            it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, s_in, s_out, h, vn, seqs, T, NT, next_pow2(B * HV * n_seq), n0,
             n1, n1 - n0, 0, HV=HV, K=K, V=V, BT=BT, BK=max(16, next_pow2(K)), USE_H0=s_in is not None,
             STORE_HT=s_out is not None, STORE_O=store_o, STORE_H=not store_o, INTERPRET=interpreting(it.w),
             PREC=precision, KD_T=store_o, VARLEN=seqs is not None)
