@@ -22,7 +22,7 @@ LAYOUTS = [
     ("one-token", [1], 16, 1, 1),
     ("15-16-17", [15, 16, 17], 16, 1, 2),
     ("on-chunk-edges", [16, 32, 16], 16, 2, 1),
-    ("mixed", [1, 15, 16, 17, 64, 100], 16, 1, 2),
+    ("mixed", [1, 15, 16, 17, 40], 16, 1, 2),
     ("chunk32", [3, 40, 33], 32, 1, 1),
 ]
 LONG = ("long", [300, 5, 1], 16, 1, 1)
@@ -110,6 +110,33 @@ def test_chunk_kda_varlen_without_states_and_with_the_gate():
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
         o1, _ = chunk_kda(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b] * 3, beta[:, a:b], **kw)
         assert_close("o", o[:, a:b], o1, FP32_TOL, rel_rms)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("states", [True, False], ids=["states", "no-states"])
+def test_scans_split_over_launches_at_the_grid_limit(monkeypatch, states):
+    """More sequences than one launch's grid z may hold (a packed batch has one cu_seqlens entry per token, so
+    B·T sequences, most empty): the scans run as several launches, each from its first row of `seqs`. Here the
+    limit is lowered to 2 so that 7 sequences (3 empty) take several launches: with states every sequence gets
+    a program, without them (as in training) only the 4 with chunks do. Outputs, states, all gradients against
+    the fp64 reference."""
+    from k3cli.ops.kda import chunk_fwd
+    monkeypatch.setattr(chunk_fwd, "MAX_GRID_Z", 2)
+    assert chunk_fwd.seq_launches(7) == [(0, 2), (2, 2), (4, 2), (6, 1)]
+    lens, C = [7, 0, 33, 0, 16, 1, 0], 16
+    cu = cu_of(lens)
+    x = varlen_inputs(lens, 1, 2, torch.float32)
+    if states:
+        packed = run(lambda *a: chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, chunk_size=C,
+                                          cu_seqlens=cu), *x)
+        ref = run(lambda *a: naive_chunk_kda_varlen(*a[:5], cu, initial_state=a[5], output_final_state=True,
+                                                    chunk_size=C), *[t.double() for t in x])
+    else:   # no h0 to differentiate: a zero "final state" keeps run()'s shape, h0 enters with weight 0
+        packed = run(lambda *a: (chunk_kda(*a[:5], chunk_size=C, cu_seqlens=cu)[0], 0 * a[5]), *x)
+        ref = run(lambda *a: (naive_chunk_kda_varlen(*a[:5], cu, chunk_size=C)[0], 0 * a[5]),
+                  *[t.double() for t in x])
+    for name in NAMES:
+        assert_close(name, packed[name], ref[name], FP32_TOL, rel_rms)
 
 
 @pytest.mark.parametrize("lens", [[1, 15, 17, 40], [7, 0, 33, 0]], ids=["mixed", "with-empty"])
@@ -236,3 +263,4 @@ def test_varlen_layout_gives_each_sequence_its_chunks_longest_first():
             assert int(lay.dst[cu[s]]) == n0 * C
         covered += range(n0, n1)
     assert sorted(covered) == list(range(lay.src.numel() // C))
+    assert lay.n_run == 4 and all(n1 > n0 for _, n0, n1 in rows[:lay.n_run])

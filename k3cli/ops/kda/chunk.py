@@ -266,7 +266,8 @@ def _forward_varlen(q, k, v, g, beta, h0, cu: Tensor, scale: float, C: int, outp
     T, HV, V = v.shape[1], v.shape[2], v.shape[3]
     p = plan(1, T, HV, q.shape[-1], V, C, v.dtype, v.is_cuda, torch_allows_tf32())
     it = kda_fwd_intra(q, k, v, g, beta, scale, C, p, store_mkk=False)
-    o, ht, _, _ = kda_fwd_state(it, 1, T, HV, C, h0, p.scan_prec, v.dtype, output_final_state, seqs=lay.seqs)
+    o, ht, _, _ = kda_fwd_state(it, 1, T, HV, C, h0, p.scan_prec, v.dtype, output_final_state, seqs=lay.seqs,
+                                n_run=lay.n_run)
     return o[:, lay.dst], ht
 
 
@@ -282,8 +283,9 @@ def _backward_varlen(q, k, v, g, beta, h0, cu: Tensor, do, dht, scale: float, C:
     HV, V = v.shape[2], v.shape[3]
     p = plan(1, T, HV, K, V, C, v.dtype, v.is_cuda, torch_allows_tf32())
     it = kda_fwd_intra(q, k, v, g, beta, scale, C, p, store_mkk=True)
-    _, _, h, vn = kda_fwd_state(it, 1, T, HV, C, h0, p.scan_prec, seqs=lay.seqs)
-    dh, dvn, dh0 = kda_bwd_state(it, do, dht, 1, T, HV, C, h0 is not None, p.prec, seqs=lay.seqs)
+    _, _, h, vn = kda_fwd_state(it, 1, T, HV, C, h0, p.scan_prec, seqs=lay.seqs, n_run=lay.n_run)
+    dh, dvn, dh0 = kda_bwd_state(it, do, dht, 1, T, HV, C, h0 is not None, p.prec, seqs=lay.seqs,
+                                 n_run=lay.n_run)
     dq, dk, dv, dg, dbeta = kda_bwd_intra(q, k, v, g, beta, do, it, (h, vn, dh, dvn), scale, C, p.prec)
     if HV != H:
         dq = dq.view(1, T, H, HV // H, K).sum(3).to(q.dtype)

@@ -27,6 +27,7 @@ from k3cli.ops.kda.chunk_fwd import (
     interpreting,
     pick_configs,
     prune_state_configs,
+    seq_launches,
 )
 from k3cli.ops.launch import cdiv, fast_launch, next_pow2
 
@@ -64,17 +65,17 @@ def _kda_bwd_state_step(qg, kd, eg, w, aqk, do, dh, dvn, b_ds, i_b, i_hv, i_bh, 
     prune_configs_by={"early_config_prune": prune_state_configs},
 )
 @triton.jit
-def _kda_bwd_state_kernel(qg, kd, eg, w, aqk, do, dht, dh, dvn, dh0, seqs, T, NT, NBH,
+def _kda_bwd_state_kernel(qg, kd, eg, w, aqk, do, dht, dh, dvn, dh0, seqs, P0, T, NT, NBH,
                           HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, INTERPRET: tl.constexpr,
                           PREC: tl.constexpr, VARLEN: tl.constexpr):
-    """The reverse scan from dht (or zeros); VARLEN: program_id(2) scans one sequence's chunks (`seqs`), from
-    and to its block of dht and dh0 [N, HV, K, V]."""
+    """The reverse scan from dht (or zeros); VARLEN: program_id(2) scans the chunks of one sequence, row
+    P0 + program_id(2) of `seqs`, from and to its block of dht and dh0 [N, HV, K, V]."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     if VARLEN:
-        i_s, n0, n1 = _varlen_bounds(seqs, tl.program_id(2))
+        i_s, n0, n1 = _varlen_bounds(seqs, P0 + tl.program_id(2))
         seg = i_s.to(tl.int64) * HV * K * V
         if USE_DHT:
             dht += seg
@@ -304,10 +305,10 @@ def _kda_bwd_kside_kernel(q, k, g, beta, mkk, h, dh, do, vn, dy, dqk, dkk, dqs, 
 
 
 def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, need_dh0: bool,
-                  precision: str, seqs=None):
+                  precision: str, seqs=None, n_run: int = 0):
     """Launch the reverse scan. Returns dh [B*HV, NT, K, V] fp32 (grad of each chunk's END state),
-    dVn [B*HV, NT*BT, V] fp32, dh0 [B, HV, K, V] fp32 or None. With `seqs` (as `kda_fwd_state`'s) dht and dh0
-    are per sequence, [N, HV, K, V]."""
+    dVn [B*HV, NT*BT, V] fp32, dh0 [B, HV, K, V] fp32 or None. With `seqs` and `n_run` (as `kda_fwd_state`'s)
+    dht and dh0 are per sequence, [N, HV, K, V]; the empty sequences get programs only for dh0 (= their dht)."""
     K, V = it.w.shape[-1], it.u.shape[-1]
     BT = chunk_size
     NT = cdiv(T, BT)
@@ -317,10 +318,11 @@ def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, 
     dvn = torch.empty(B * HV, NT * BT, V, device=dev, dtype=torch.float32)
     n_seq = 1 if seqs is None else len(seqs)
     dh0 = torch.empty(B * n_seq, HV, K, V, device=dev, dtype=torch.float32) if need_dh0 else None
-    _kda_bwd_state_kernel[lambda meta: (cdiv(V, meta["BV"]), B * HV, n_seq)](
-        it.qg, it.kd, it.eg, it.w, it.aqk, do, dht, dh, dvn, dh0, seqs, T, NT, next_pow2(B * HV * n_seq),
-        HV=HV, K=K, V=V, BT=BT, BK=BK, USE_DHT=dht is not None, STORE_DH0=need_dh0, INTERPRET=interpreting(do),
-        PREC=precision, VARLEN=seqs is not None)
+    for p0, n_p in [(0, 1)] if seqs is None else seq_launches(n_seq if need_dh0 else n_run):
+        _kda_bwd_state_kernel[lambda meta, n_p=n_p: (cdiv(V, meta["BV"]), B * HV, n_p)](
+            it.qg, it.kd, it.eg, it.w, it.aqk, do, dht, dh, dvn, dh0, seqs, p0, T, NT, next_pow2(B * HV * n_seq),
+            HV=HV, K=K, V=V, BT=BT, BK=BK, USE_DHT=dht is not None, STORE_DH0=need_dh0,
+            INTERPRET=interpreting(do), PREC=precision, VARLEN=seqs is not None)
     return dh, dvn, dh0
 
 

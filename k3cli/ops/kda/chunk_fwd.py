@@ -427,8 +427,17 @@ def _scan_start(s0, i_bh, i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexp
 
 @triton.jit
 def _varlen_bounds(seqs, i_p):
-    """Variable-length scans: program i_p's (sequence, first chunk, end chunk) from `seqs` [N, 3]."""
+    """Variable-length scans: row i_p's (sequence, first chunk, end chunk) of `seqs` [N, 3]."""
     return tl.load(seqs + 3 * i_p), tl.load(seqs + 3 * i_p + 1), tl.load(seqs + 3 * i_p + 2)
+
+
+MAX_GRID_Z = 65535   # CUDA's gridDim.z limit: a packed batch cut at every token has B·T sequences
+
+
+def seq_launches(n: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each launch of a per-sequence scan over n rows of `seqs`: at most MAX_GRID_Z
+    programs along grid z per launch."""
+    return [(p0, min(MAX_GRID_Z, n - p0)) for p0 in range(0, n, MAX_GRID_Z)]
 
 
 @fast_launch
@@ -438,21 +447,22 @@ def _varlen_bounds(seqs, i_p):
     prune_configs_by={"early_config_prune": prune_state_configs},
 )
 @triton.jit
-def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, seqs, T, NT, NBH, N0, N1, L, SEG_STRIDE,
+def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, seqs, P0, T, NT, NBH, N0, N1, L, SEG_STRIDE,
                           HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_O: tl.constexpr,
                           STORE_H: tl.constexpr, INTERPRET: tl.constexpr, PREC: tl.constexpr,
                           KD_T: tl.constexpr, VARLEN: tl.constexpr):
     """The state scan over chunks [N0, N1) from h0 (or zeros), storing the end state to ht. VARLEN (B = 1):
-    program_id(2) scans one sequence's chunks (`seqs`), from and to its block of h0 and ht [N, HV, K, V]."""
+    program_id(2) scans the chunks of one sequence, row P0 + program_id(2) of `seqs`, from and to its block of
+    h0 and ht [N, HV, K, V]."""
     i_v, i_bh, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     # Without VARLEN the bounds and offsets keep the form of the kernel the H200 figures were measured on: a
     # run of L chunks per program_id(2) (always 0 there: L = N1 - N0, SEG_STRIDE = 0). ptxas allocates a
     # plain [N0, N1) loop differently (K=V=128, BV 64, 8 warps: 128 B of spill instead of 16).
     if VARLEN:
-        i_s, n0, n1 = _varlen_bounds(seqs, i_p)
+        i_s, n0, n1 = _varlen_bounds(seqs, P0 + i_p)
         seg = i_s.to(tl.int64) * HV * K * V
     else:
         seg = i_p.to(tl.int64) * SEG_STRIDE
@@ -566,13 +576,15 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, plan, store_m
 
 def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_state, precision: str,
                   o_dtype: torch.dtype | None = None, output_final_state: bool = False,
-                  ranges: list[tuple[int, int]] | None = None, on_range=None, seqs=None):
+                  ranges: list[tuple[int, int]] | None = None, on_range=None, seqs=None, n_run: int = 0):
     """Launch stage 2, one launch per chunk range (`ranges`, default all chunks; `on_range(n0, n1)` is called
     before each), each starting from the previous one's end state. With `o_dtype` the scan forms O; without
     it (the backward's re-scan) it stores the chunk start states S_n and pseudo-values Vn instead.
     Returns (o [B,T,HV,V] or None, final state [B,HV,K,V] fp32 or None, S_n [B*HV,NT,K,V] fp32 or None,
     Vn [B*HV,NT*BT,V] fp32 or None). With `seqs` (int32 [N, 3], B = 1, varlen.VarlenLayout) the chunks hold N
-    sequences, scanned in parallel: initial_state and the final state are [N, HV, K, V], `ranges` must be None."""
+    sequences, scanned in parallel: initial_state and the final state are [N, HV, K, V], `ranges` must be None;
+    its first `n_run` rows are the sequences with chunks (the rest are empty: they only store their start
+    state, so they get programs only with `output_final_state`)."""
     K, V = it.w.shape[-1], it.u.shape[-1]
     BT = chunk_size
     NT = cdiv(T, BT)
@@ -581,6 +593,8 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
     o = torch.empty(B, T, HV, V, device=dev, dtype=o_dtype) if store_o else None
     n_seq = 1 if seqs is None else len(seqs)
     ht = torch.empty(B * n_seq, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
+    # the autotuner key counts the table's rows (fixed for a batch shape), not the launched ones (data-dependent)
+    pieces = [(0, 1)] if seqs is None else seq_launches(n_seq if output_final_state else n_run)
     h = None if store_o else torch.empty(B * HV, NT, K, V, device=dev, dtype=torch.float32)
     vn = None if store_o else torch.empty(B * HV, NT * BT, V, device=dev, dtype=torch.float32)
     ranges = ranges or [(0, NT)]
@@ -593,11 +607,12 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
             on_range(n0, n1)
         # the forward scan loads K_d^T as a tile (scan alone 0.548 against 0.868 ms at B1 T16384 H16 K=V=128);
         # the re-scan keeps the register transpose (fwd+bwd 4.624 against 4.826 ms with the tile)
-        _kda_fwd_state_kernel[lambda meta: (cdiv(V, meta["BV"]), B * HV, n_seq)](
-            it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, s_in, s_out, h, vn, seqs, T, NT, next_pow2(B * HV * n_seq), n0,
-            n1, n1 - n0, 0, HV=HV, K=K, V=V, BT=BT, BK=max(16, next_pow2(K)), USE_H0=s_in is not None,
-            STORE_HT=s_out is not None, STORE_O=store_o, STORE_H=not store_o, INTERPRET=interpreting(it.w),
-            PREC=precision, KD_T=store_o, VARLEN=seqs is not None)
+        for p0, n_p in pieces:
+            _kda_fwd_state_kernel[lambda meta, n_p=n_p: (cdiv(V, meta["BV"]), B * HV, n_p)](
+                it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, s_in, s_out, h, vn, seqs, p0, T, NT,
+                next_pow2(B * HV * n_seq), n0, n1, n1 - n0, 0, HV=HV, K=K, V=V, BT=BT, BK=max(16, next_pow2(K)),
+                USE_H0=s_in is not None, STORE_HT=s_out is not None, STORE_O=store_o, STORE_H=not store_o,
+                INTERPRET=interpreting(it.w), PREC=precision, KD_T=store_o, VARLEN=seqs is not None)
         if carry and dev.type == "cuda" and torch.cuda.current_stream(dev) not in streams:
             streams.append(torch.cuda.current_stream(dev))
         s_in = s_out

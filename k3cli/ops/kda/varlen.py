@@ -19,6 +19,7 @@ class VarlenLayout(NamedTuple):
     ctab: Tensor   # int32 [T' / C] on the CPU: sequence << 2 | (last chunk of it) << 1 | (first chunk of it)
     seqs: Tensor   # int32 [N, 3] on the device: (sequence, first chunk, end chunk), longest first
     n_seq: int
+    n_run: int     # sequences with at least one chunk: the first n_run rows of seqs
 
 
 def cu_seqlens_of(lengths) -> Tensor:
@@ -61,7 +62,7 @@ def _make_layout(cu: Tensor, C: int, device: torch.device) -> VarlenLayout:
     order = torch.sort(chunks, descending=True, stable=True).indices
     seqs = torch.stack([order, first_chunk[order], (first_chunk + chunks)[order]], 1).to(torch.int32)
     return VarlenLayout(to_device(src, device), to_device(dst, device), ctab.to(torch.int32),
-                        to_device(seqs, device), len(lens))
+                        to_device(seqs, device), len(lens), int((chunks > 0).sum()))
 
 
 def lay_out(x: Tensor, lay: VarlenLayout) -> Tensor:
