@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # TRITON_INTERPRET must be set before Python starts: @triton.jit decides at import time.
-# both cores (pytest-xdist); the slow tier (sm_90 compiles of every kernel) runs in CI after it
+# both cores (pytest-xdist); the slow tier (sm_90 compiles, multi-process, compile, long interpreter cases) runs in CI after it
 test: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 -m "not gpu and not slow"
 

@@ -66,6 +66,7 @@ def _val_losses(run):
             if "val_loss" in r]
 
 
+@pytest.mark.slow   # four training runs in two worker processes: ~35 s
 def test_study_trains_reports_and_resumes(tmp_path, monkeypatch):
     monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path / "cache"))
     corpus = write_corpus(tmp_path)

@@ -13,6 +13,8 @@ from k3cli.testing import assert_close as _assert_close
 from k3cli.testing import kda_inputs as make_inputs
 from k3cli.testing import run_with_grads
 
+SLOW = pytest.mark.slow   # 15-20 s each in the interpreter: the slow tier
+
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 needs_triton = pytest.mark.triton
@@ -112,10 +114,10 @@ TRITON_CASES = [
     pytest.param(1, 50, 2, 1, 16, 16, 16, torch.float32, True, id="T50-C16"),
     pytest.param(1, 70, 1, 1, 16, 16, 32, torch.float16, True, id="T70-C32-fp16"),
     # K > 64: the backward splits the key dim into 64-wide blocks (K = 96: a masked second block)
-    pytest.param(1, 70, 1, 2, 96, 32, 64, torch.float32, True, id="T70-K96-G2-kblocks"),
+    pytest.param(1, 70, 1, 2, 96, 32, 64, torch.float32, True, id="T70-K96-G2-kblocks", marks=SLOW),
     pytest.param(1, 40, 1, 1, 128, 128, 64, torch.float32, True, id="T40-K128"),
     # half inputs with K > 64: the default ("auto") stores W, U, Q e^Γ, K e^(γ-Γ) 2-byte
-    pytest.param(1, 70, 1, 2, 96, 32, 64, torch.float16, True, id="T70-K96-G2-fp16-2byte-buffers"),
+    pytest.param(1, 70, 1, 2, 96, 32, 64, torch.float16, True, id="T70-K96-G2-fp16-2byte-buffers", marks=SLOW),
     # K > 64 scores per block pair: one sub-chunk per chunk (C16, T = 1), two (C32, 16-bit buffers)
     pytest.param(1, 1, 1, 1, 96, 16, 16, torch.float32, True, id="T1-K96-C16-pairs"),
     pytest.param(1, 90, 1, 2, 96, 24, 32, torch.float16, True, id="T90-K96-G2-C32-fp16-pairs"),
@@ -153,8 +155,8 @@ def run_plan(p_over: dict, q, k, v, g, beta, initial_state=None, output_final_st
 # ranges is what is tested), bit-equal to one range and right against the recurrence
 RANGE_CASES = [
     pytest.param(1, 200, 1, 1, 16, 16, 16, 4, id="T200-C16-4ranges"),
-    pytest.param(1, 130, 1, 2, 40, 24, 16, 3, id="T130-K40-G2-3ranges"),
-    pytest.param(1, 100, 1, 1, 96, 32, 32, 2, id="T100-K96-C32-2ranges"),
+    pytest.param(1, 130, 1, 2, 40, 24, 16, 3, id="T130-K40-G2-3ranges", marks=SLOW),
+    pytest.param(1, 100, 1, 1, 96, 32, 32, 2, id="T100-K96-C32-2ranges", marks=SLOW),
 ]
 
 
@@ -175,7 +177,7 @@ def test_chunk_kda_ranges_match_one_range(B, T, H, G, K, V, C, n):
 # The default inputs' gate forgets the state within a chunk, so a wrong carry between chunks shows only near
 # chunk boundaries; with a slow gate the initial state and every chunk's state reach the end of the sequence.
 LONG_MEMORY_CASES = [
-    pytest.param(0, 1, 200, 1, 2, 40, 24, 64, id="T200-G2"),
+    pytest.param(0, 1, 200, 1, 2, 40, 24, 64, id="T200-G2", marks=SLOW),
     pytest.param(3, 1, 200, 1, 1, 24, 16, 64, id="T200-3ranges"),
 ]
 

@@ -77,6 +77,7 @@ def test_chunk_kda_varlen_equals_each_sequence_alone(lens, C, H, G, dtype):
 
 
 @pytest.mark.triton
+@pytest.mark.slow   # ~19 s in the interpreter
 def test_chunk_kda_varlen_long_sequence():
     check_layout(*LONG[1:], torch.float32)
 
