@@ -3,7 +3,8 @@
 fullgraph=True makes any graph break an error, so each case passing is the zero-break proof; the
 values are compared with eager. aot_eager traces exactly what Inductor would receive (Dynamo +
 AOT autograd, forward and backward) without generating code; one build goes through Inductor
-itself, steps repeatedly with recompiles turned into errors, and resumes exactly.
+itself, steps repeatedly with recompiles turned into errors, and resumes exactly. The GPU case trains
+compiled on CUDA with the document mask and then evaluates through the same compiled forward.
 """
 import json
 
@@ -103,3 +104,36 @@ def test_exact_resume_with_compile_on(tmp_path, monkeypatch, one_thread):
     wb = load_file(find_latest_checkpoint(tmp_path / "b") / "model.safetensors")
     assert wa.keys() == wb.keys() and not any(k.startswith("_orig_mod") for k in wa)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.gpu
+def test_compiled_training_then_evaluation_on_cuda_with_documents():
+    """As `k3 train --set train.compile=true` runs on a GPU: compiled training steps on packed documents
+    (varlen KDA, FlexAttention, masked short convs), then the no-grad evaluation through the same compiled
+    forward, whose loss equals the eager model's on the same batches."""
+    from k3cli.data import EOT_ID
+    from k3cli.train import document_segments, evaluate_loss
+    cfg = load_config("k3-toy", attnres="block")
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    model = CausalLM(cfg.model).to(dev).train()
+    forward = compile_model(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    gen = torch.Generator().manual_seed(0)
+
+    def batch():
+        ids = torch.randint(1, cfg.model.vocab_size, (8, 256), generator=gen)
+        return torch.where(torch.rand(8, 256, generator=gen) < 4 / 256, EOT_ID, ids)
+    for _ in range(2):
+        ids = batch()
+        segments = document_segments(ids, dev, True)
+        ids = ids.to(dev)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = forward(ids, labels=ids, segments=segments).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    val = [batch(), batch()]
+    compiled = evaluate_loss(forward, val, dev, torch.bfloat16, module=model, document_mask=True)
+    eager = evaluate_loss(model, val, dev, torch.bfloat16, document_mask=True)
+    assert compiled == pytest.approx(eager, rel=1e-2) and model.training
