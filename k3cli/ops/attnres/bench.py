@@ -8,14 +8,13 @@ Effective GB/s counts the sources read once plus h written once: the forward's m
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 
 import torch
 
 from k3cli.ops.attnres.block import attnres_merge, attnres_phase1
-from k3cli.ops.attnres.fused import fused_attnres
+from k3cli.ops.attnres.fused import INTERPRET, fused_attnres
 from k3cli.ops.attnres.naive import naive_attnres, naive_attnres_merge, naive_attnres_phase1
 
 # (sources L, tokens N, D); "k3" are the BENCHMARKS.md AttnRes rows
@@ -36,7 +35,7 @@ def _time(fn, device) -> tuple[float, float]:
     fn()
     samples = []
     # the interpreter's times say nothing of a GPU: three runs exercise the path
-    for _ in range(3 if os.environ.get("TRITON_INTERPRET") == "1" else 5):
+    for _ in range(3 if INTERPRET else 5):
         t0 = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - t0) * 1e3)
@@ -68,7 +67,7 @@ def bench_attnres(shapes: str = "ci", against_fla: bool = False, device: str | N
     if shapes not in SHAPES:
         raise ValueError(f"shapes: unknown '{shapes}'; valid: {', '.join(SHAPES)}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if dev.type != "cuda" and not INTERPRET:
         raise RuntimeError("bench_attnres: the Triton kernels need CUDA or TRITON_INTERPRET=1")
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     fla = _fla() if against_fla else None

@@ -305,7 +305,7 @@ def _kda_bwd_kside_kernel(q, k, g, beta, mkk, h, dh, do, vn, dy, dqk, dkk, dqs, 
 
 
 def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, need_dh0: bool,
-                  precision: str, seqs=None, n_run: int = 0):
+                  precision: str, seqs=None, n_run: int | None = None):
     """Launch the reverse scan. Returns dh [B*HV, NT, K, V] fp32 (grad of each chunk's END state),
     dVn [B*HV, NT*BT, V] fp32, dh0 [B, HV, K, V] fp32 or None. With `seqs` and `n_run` (as `kda_fwd_state`'s)
     dht and dh0 are per sequence, [N, HV, K, V]; the empty sequences get programs only for dh0 (= their dht)."""
@@ -318,7 +318,7 @@ def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, 
     dvn = torch.empty(B * HV, NT * BT, V, device=dev, dtype=torch.float32)
     n_seq = 1 if seqs is None else len(seqs)
     dh0 = torch.empty(B * n_seq, HV, K, V, device=dev, dtype=torch.float32) if need_dh0 else None
-    for p0, n_p in [(0, 1)] if seqs is None else seq_launches(n_seq if need_dh0 else n_run):
+    for p0, n_p in seq_launches(n_seq if need_dh0 or n_run is None else n_run):
         _kda_bwd_state_kernel[lambda meta, n_p=n_p: (cdiv(V, meta["BV"]), B * HV, n_p)](
             it.qg, it.kd, it.eg, it.w, it.aqk, do, dht, dh, dvn, dh0, seqs, p0, T, NT, next_pow2(B * HV * n_seq),
             HV=HV, K=K, V=V, BT=BT, BK=BK, USE_DHT=dht is not None, STORE_DH0=need_dh0,

@@ -576,15 +576,15 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, plan, store_m
 
 def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_state, precision: str,
                   o_dtype: torch.dtype | None = None, output_final_state: bool = False,
-                  ranges: list[tuple[int, int]] | None = None, on_range=None, seqs=None, n_run: int = 0):
+                  ranges: list[tuple[int, int]] | None = None, on_range=None, seqs=None, n_run: int | None = None):
     """Launch stage 2, one launch per chunk range (`ranges`, default all chunks; `on_range(n0, n1)` is called
     before each), each starting from the previous one's end state. With `o_dtype` the scan forms O; without
     it (the backward's re-scan) it stores the chunk start states S_n and pseudo-values Vn instead.
     Returns (o [B,T,HV,V] or None, final state [B,HV,K,V] fp32 or None, S_n [B*HV,NT,K,V] fp32 or None,
     Vn [B*HV,NT*BT,V] fp32 or None). With `seqs` (int32 [N, 3], B = 1, varlen.VarlenLayout) the chunks hold N
     sequences, scanned in parallel: initial_state and the final state are [N, HV, K, V], `ranges` must be None;
-    its first `n_run` rows are the sequences with chunks (the rest are empty: they only store their start
-    state, so they get programs only with `output_final_state`)."""
+    its first `n_run` rows (default all) are the sequences with chunks (the rest are empty: they only store
+    their start state, so they get programs only with `output_final_state`)."""
     K, V = it.w.shape[-1], it.u.shape[-1]
     BT = chunk_size
     NT = cdiv(T, BT)
@@ -593,8 +593,7 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
     o = torch.empty(B, T, HV, V, device=dev, dtype=o_dtype) if store_o else None
     n_seq = 1 if seqs is None else len(seqs)
     ht = torch.empty(B * n_seq, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-    # the autotuner key counts the table's rows (fixed for a batch shape), not the launched ones (data-dependent)
-    pieces = [(0, 1)] if seqs is None else seq_launches(n_seq if output_final_state else n_run)
+    pieces = seq_launches(n_seq if output_final_state or n_run is None else n_run)
     h = None if store_o else torch.empty(B * HV, NT, K, V, device=dev, dtype=torch.float32)
     vn = None if store_o else torch.empty(B * HV, NT * BT, V, device=dev, dtype=torch.float32)
     ranges = ranges or [(0, NT)]
@@ -608,6 +607,7 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
         # the forward scan loads K_d^T as a tile (scan alone 0.548 against 0.868 ms at B1 T16384 H16 K=V=128);
         # the re-scan keeps the register transpose (fwd+bwd 4.624 against 4.826 ms with the tile)
         for p0, n_p in pieces:
+            # the autotuner key counts the table's rows (fixed for a batch shape), not the launched (data-dependent)
             _kda_fwd_state_kernel[lambda meta, n_p=n_p: (cdiv(V, meta["BV"]), B * HV, n_p)](
                 it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, s_in, s_out, h, vn, seqs, p0, T, NT,
                 next_pow2(B * HV * n_seq), n0, n1, n1 - n0, 0, HV=HV, K=K, V=V, BT=BT, BK=max(16, next_pow2(K)),
