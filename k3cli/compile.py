@@ -8,10 +8,12 @@ training batch, the validation batch, a shorter last validation batch) rather th
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 
 # torch.compile modes `train.compile_mode` accepts (config.py lists the same choices)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -27,3 +29,17 @@ def compile_model(model: nn.Module, mode: str = "default") -> Callable:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     return torch.compile(model, mode=mode, fullgraph=True, dynamic=False)
+
+
+@contextlib.contextmanager
+def uncompiled(forward: Callable, model: nn.Module) -> Iterator[Callable]:
+    """`forward` (the model, `compile_model(model)` or a parallel wrapper of the model) with nothing
+    compiled for the duration: the model itself in place of its compiled form, and every module whose
+    own forward was compiled (the ddp / fsdp units) back on its class's forward."""
+    saved = {m: m.__dict__.pop("forward") for m in model.modules()
+             if hasattr(m.__dict__.get("forward"), "_torchdynamo_orig_callable")}
+    try:
+        yield model if isinstance(forward, OptimizedModule) else forward
+    finally:
+        for m, f in saved.items():
+            m.forward = f

@@ -327,3 +327,31 @@ def test_evaluation_builds_no_autograd_graph():
             return ModelOutput(logits=torch.zeros(0), loss=torch.ones((), requires_grad=True) * 2)
     assert evaluate_loss(Probe(), [torch.ones(2, 4, dtype=torch.long)] * 3, torch.device("cpu"), None) == 2.0
     assert seen == [False, False, False]
+
+
+def test_uncompiled_runs_the_modules_own_forwards_and_restores_the_compiled_ones():
+    """`uncompiled` (what a masked evaluation on CUDA runs through): the model in place of
+    compile_model(model), each unit's compiled forward (parallelize's ddp / fsdp units) set aside for
+    the duration and put back afterwards, also when the evaluation raises. Nothing is compiled here:
+    torch.compile wraps lazily."""
+    from k3cli.compile import compile_model, uncompiled
+    from k3cli.parallel import _compile_forward, fsdp_units
+    model = CausalLM(load_config("k3-toy", overrides=TINY_MODEL, attnres="block").model)
+    units = fsdp_units(model)
+    for u in units:
+        _compile_forward(u, "default")
+    compiled = {u: u.forward for u in units}
+    whole = compile_model(model)
+    for forward in (whole, model):
+        with uncompiled(forward, model) as f:
+            assert f is model
+            assert not any("forward" in m.__dict__ for m in model.modules())
+            assert all(u.forward.__func__ is type(u).forward for u in units)
+        assert all(u.forward is compiled[u] for u in units)
+    with pytest.raises(RuntimeError, match="inside"):
+        with uncompiled(whole, model):
+            raise RuntimeError("inside")
+    assert all(u.forward is compiled[u] for u in units)
+    wrapper = object()   # a parallel wrapper (DDP) is returned as it is
+    with uncompiled(wrapper, model) as f:
+        assert f is wrapper
