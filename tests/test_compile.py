@@ -136,7 +136,8 @@ def test_compiled_training_then_evaluation_on_cuda_with_documents():
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.item()
-    step(), step()
+    for _ in range(2):
+        step()
     val = [batch(), batch()]
     compiled = evaluate_loss(forward, val, dev, torch.bfloat16, module=model, document_mask=True)
     eager = evaluate_loss(model, val, dev, torch.bfloat16, document_mask=True)

@@ -330,18 +330,18 @@ def test_evaluation_builds_no_autograd_graph():
 
 
 def test_uncompiled_runs_the_modules_own_forwards_and_restores_the_compiled_ones():
-    """`uncompiled` (what a masked evaluation on CUDA runs through): the model in place of
-    compile_model(model), each unit's compiled forward (parallelize's ddp / fsdp units) set aside for
+    """`uncompiled` (what a masked evaluation on CUDA runs through): the model in place of its
+    compiled form, each unit's compiled forward (parallelize's ddp / fsdp units) set aside for
     the duration and put back afterwards, also when the evaluation raises. Nothing is compiled here:
     torch.compile wraps lazily."""
-    from k3cli.compile import compile_model, uncompiled
+    from k3cli.compile import uncompiled
     from k3cli.parallel import _compile_forward, fsdp_units
     model = CausalLM(load_config("k3-toy", overrides=TINY_MODEL, attnres="block").model)
     units = fsdp_units(model)
     for u in units:
         _compile_forward(u, "default")
     compiled = {u: u.forward for u in units}
-    whole = compile_model(model)
+    whole = torch.compile(model)   # as compile_model wraps it, without its global recompile settings
     for forward in (whole, model):
         with uncompiled(forward, model) as f:
             assert f is model
