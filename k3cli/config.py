@@ -57,7 +57,7 @@ class TrainConfig:
     ckpt_every: int = 100  # 0 = only at the end
     keep_last: int = 3  # checkpoints kept
     time_limit_s: float = 0.0  # stop (with a checkpoint) after this much wall time; 0 = no limit
-    compile: bool = False  # torch.compile the model (fullgraph) for training and eval
+    compile: bool = False  # torch.compile the model (fullgraph) for training and eval (masked CUDA eval: uncompiled)
     compile_mode: str = "default"  # torch.compile mode
     activation_checkpointing: str = "none"  # none | block: recompute each block's activations in backward
     peak_tflops: float = 0.0  # dense peak for MFU; 0 = from the device table (none on CPU)
