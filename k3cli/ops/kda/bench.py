@@ -9,13 +9,13 @@ measured in the same run, and fla's `chunk_kda` only if `import fla` works. The 
 from __future__ import annotations
 
 import functools
-import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
+from k3cli.ops.kda.chunk_fwd import interpreting
 from k3cli.ops.kda.naive import chunk_local_cumsum, naive_chunk_kda, naive_kda_gate
 from k3cli.ops.kda.varlen import cu_seqlens_of
 
@@ -56,7 +56,7 @@ def time_fn(fn, device, reps: int = 10) -> tuple[float, float, float]:
         import triton
         med, p20, p80 = triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
         return med, p20, p80
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         reps = 1   # the interpreter's times say nothing of a GPU: one run after the warm-up exercises the path
     fn()
     ts = []
