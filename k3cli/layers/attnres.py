@@ -24,6 +24,15 @@ IMPLS = ("auto", "naive", "two_phase", "fused")
 MAX_FUSED_SOURCES = 32  # the Triton kernels' pointer-table limit (k3cli/ops/attnres/fused.py)
 
 
+def wants_kernels(impl: str, mode: str, cuda: bool, compiling: bool) -> bool:
+    """Whether the mixes run the Triton kernels: `fused` always, `naive` / `two_phase` never, `auto` on CUDA
+    except in block mode under torch.compile, where Inductor fuses the torch two-phase form with the ops
+    around it and the step is faster (docs/performance.md, "AttnRes in a compiled step")."""
+    if impl == "auto":
+        return cuda and not (compiling and mode == "block")
+    return impl == "fused"
+
+
 def _fused_call(kernel, *args, norm: nn.Module | None = None, **kwargs) -> torch.Tensor:
     """A Triton mix (`fused_attnres` / `attnres_merge`): its h, or with `norm` (an RMSNorm) the
     normalised y the kernel computes in the same pass."""
@@ -38,7 +47,8 @@ class AttnResMixer(nn.Module):
 
     impl: `naive` (block: one softmax over all sources per sublayer), `two_phase` (block: phase 1 +
     merge in torch), `fused` (the Triton kernels of k3cli/ops/attnres), `auto` (fused on CUDA when
-    importable, else two_phase). Full mode has one form; `fused` / `auto` pick its kernel the same way.
+    importable, but two_phase for block mode under torch.compile; else two_phase). Full mode has one
+    form; `fused` / `auto` pick its kernel the same way (`wants_kernels`).
     """
 
     def __init__(self, hidden_size: int, num_sublayers: int, mode: str = "block", block_size: int = 2,
@@ -96,7 +106,7 @@ class AttnResMixer(nn.Module):
     def _triton_ops(self, emb: torch.Tensor):
         """The Triton kernels (fused_attnres, attnres_phase1, attnres_merge: entry points of the k3:: custom
         ops, opaque nodes under torch.compile), or None for torch."""
-        if self.impl in ("naive", "two_phase") or (self.impl == "auto" and not emb.is_cuda):
+        if not wants_kernels(self.impl, self.mode, emb.is_cuda, torch.compiler.is_compiling()):
             return None
         try:
             from k3cli.ops.attnres import attnres_merge, attnres_phase1, fused_attnres

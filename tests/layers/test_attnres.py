@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from k3cli.layers.attnres import AttnResMixer
+from k3cli.layers.attnres import AttnResMixer, wants_kernels
 from k3cli.layers.norm import RMSNorm, rms_norm
 from k3cli.ops.attnres.naive import naive_attnres
 from k3cli.ops.attnres.verify import MIXER_TOL
@@ -239,3 +239,15 @@ def _check_fused_norms(mode, N, S, device, T):
     assert_close("y", y, y_ref, MIXER_TOL["fused"])
     for name in g_ref:
         assert_close(f"d{name}", g[name], g_ref[name], MIXER_TOL["fused"])
+
+
+def test_auto_impl_runs_block_in_torch_under_compile():
+    """`auto`: the Triton kernels on CUDA, except block mode inside torch.compile (Inductor fuses the torch
+    two-phase form); full mode keeps its kernel when compiled; the explicit impls ignore the context."""
+    assert wants_kernels("auto", "block", cuda=True, compiling=False)
+    assert not wants_kernels("auto", "block", cuda=True, compiling=True)
+    assert wants_kernels("auto", "full", cuda=True, compiling=True)
+    assert not wants_kernels("auto", "full", cuda=False, compiling=False)
+    assert wants_kernels("fused", "block", cuda=True, compiling=True)
+    assert wants_kernels("fused", "block", cuda=False, compiling=False)
+    assert not any(wants_kernels(impl, "block", cuda=True, compiling=False) for impl in ("naive", "two_phase"))
