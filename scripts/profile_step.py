@@ -1,72 +1,106 @@
-"""Where a k3-toy training step spends host and device time, per AttnRes mode (CUDA, bf16 autocast).
+"""Where a training step spends device time, by component (CUDA, bf16 autocast).
 
-For each mode: 3 warm-up steps, then torch.profiler over 3 steps of forward, backward and AdamW on
-random tokens. Prints the step's wall time (inflated by the profiler), the CUDA kernel launches per
-step, the device-busy time per step, and the top ops by self CPU time. A step whose device-busy
-time is far below its wall time is host-bound.
+The step is `k3 bench-train`'s (k3cli/bench_train.py: forward, backward, fused AdamW on synthetic
+tokens), eager or compiled. For each AttnRes overlay: warm-up steps (compilation), then torch.profiler
+over `--steps` steps. Prints the step's wall time (inflated a little by the profiler), kernels per
+step, device-busy time per step, the busy time grouped by component (kernel-name patterns below) and
+the largest kernels. A step whose device-busy time is far below its wall time is host-bound.
 
-    .venv/bin/python scripts/profile_step.py [--batch 8] [--seq 256] [--modes off block] [--device cuda]
+    .venv/bin/python scripts/profile_step.py --preset k3-toy --batch 512 --compile --attnres off block
+    .venv/bin/python scripts/profile_step.py --preset k3-0.5b --batch 8 --seq 4096 --compile --trace /tmp/t.json
 
 `--device cpu` runs fp32 without device figures (a smoke test of the script).
 """
 from __future__ import annotations
 
 import argparse
+import re
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from k3cli.bench_train import Variant, _build, _step
 from k3cli.config import load_config
-from k3cli.models import CausalLM
+from k3cli.train import resolve_device
+
+# first match wins; names are CUDA kernel names as the profiler reports them
+COMPONENTS = [
+    ("KDA kernels (ours)", r"^_kda_|_fused_recurrent_kda"),
+    ("AttnRes kernels (ours)", r"^(attnres_|merge_|phase1_|dw_kernel)"),
+    ("attention (SDPA / FlexAttention)", r"flash|fmha|cudnn|sdpa|flex_attention"),
+    ("matrix products", r"nvjet|gemm|cutlass|xmma|splitKreduce|sm90_"),
+    ("optimizer (AdamW)", r"(?i)adam"),
+    ("Inductor fused kernels", r"^triton_"),
+    ("gathers, scatters, sorts", r"(?i)index|scatter|gather|sort|radix"),
+    ("copies and fills", r"(?i)copy|fill|memset|memcpy|cat"),
+]
 
 
-def run(mode: str, batch: int, seq: int, device: str, steps: int = 3) -> None:
-    torch.manual_seed(0)
-    cuda = device.startswith("cuda")
-    model = CausalLM(load_config("k3-toy", attnres=mode).model).to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
+def component(name: str) -> str:
+    for label, pattern in COMPONENTS:
+        if re.search(pattern, name):
+            return label
+    return "other"
 
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
 
-    def step():
-        model.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-
-    for _ in range(3):
-        step()
-    sync()
+def run(preset: str, attnres: str, batch: int, seq: int, device: torch.device, compiled: bool,
+        mode: str, steps: int, warmup: int, top: int, trace: str | None) -> None:
+    cfg = load_config(preset, attnres=attnres)
+    cfg.train.compile_mode = mode
+    cuda = device.type == "cuda"
+    v = Variant("profile", "triton" if cuda else "torch", compiled)
+    _build(cfg, v, device)
+    ids = torch.randint(1, cfg.model.vocab_size, (batch, seq), device=device)
+    autocast = torch.bfloat16 if cuda else None
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        _step(v, ids, device, autocast)
+    print(f"\n== {preset} attnres={attnres} B{batch} T{seq} {'compiled' if compiled else 'eager'}: "
+          f"warm-up {warmup} steps {time.perf_counter() - t0:.1f} s", flush=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        sync()
-        wall = (time.perf_counter() - t0) / steps
+        wall = sum(_step(v, ids, device, autocast) for _ in range(steps)) / steps
+    if trace:
+        prof.export_chrome_trace(trace.replace(".json", f"-{attnres}.json"))
     events = prof.key_averages()
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in kernels) / steps / 1e3
     launches = sum(e.count for e in kernels) / steps
-    busy_ms = sum(e.self_device_time_total for e in kernels) / steps / 1e3
-    print(f"\n== attnres {mode}: step {wall * 1e3:.2f} ms wall, {launches:.0f} kernels/step, "
-          f"device busy {busy_ms:.2f} ms/step")
-    print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    print(f"step {wall * 1e3:.2f} ms wall, {launches:.0f} kernels/step, device busy {busy:.2f} ms/step")
+    if not cuda:
+        print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
+        return
+    groups: dict[str, float] = {}
+    for e in kernels:
+        c = component(e.key)
+        groups[c] = groups.get(c, 0.0) + e.self_device_time_total / steps / 1e3
+    print(f"{'component':<36} {'ms/step':>9} {'share':>7}")
+    for c, ms in sorted(groups.items(), key=lambda kv: -kv[1]):
+        print(f"{c:<36} {ms:9.2f} {100 * ms / busy:6.1f}%")
+    print(f"\n{'kernel':<90} {'calls':>6} {'ms/step':>9}")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
+        print(f"{e.key[:90]:<90} {e.count // steps:6d} {e.self_device_time_total / steps / 1e3:9.3f}")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="k3-toy")
+    ap.add_argument("--attnres", nargs="+", default=["off", "block"], help="overlays, one profile each")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--modes", nargs="+", default=["off", "block"])
+    ap.add_argument("--compile", action="store_true", help="profile the torch.compile'd step")
+    ap.add_argument("--mode", default="default", help="torch.compile mode (train.compile_mode)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--top", type=int, default=30, help="largest kernels listed")
+    ap.add_argument("--trace", help="write a Chrome trace per overlay (NAME-<overlay>.json)")
     ap.add_argument("--device", default="cuda", help="cuda (bf16 autocast) | cpu (fp32: a smoke test of the script)")
     args = ap.parse_args()
-    for mode in args.modes:
-        run(mode, args.batch, args.seq, args.device)
+    device = resolve_device(args.device)
+    for attnres in args.attnres:
+        run(args.preset, attnres, args.batch, args.seq, device, args.compile, args.mode, args.steps,
+            args.warmup, args.top, args.trace)
 
 
 if __name__ == "__main__":

@@ -196,3 +196,39 @@ def test_throughput_leaves_out_evaluation_and_checkpoints(corpus, tmp_path, monk
     assert len(logged) >= 2 and all("val_loss" in r for r in logged)
     # each window after the first holds one evaluation and one checkpoint: 2 s that a step must not absorb
     assert all(r["step_ms"] < 500 for r in logged), [r["step_ms"] for r in logged]
+
+
+def _profile_script():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "profile_step.py"
+    spec = importlib.util.spec_from_file_location("profile_step", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_profile_step_groups_kernels_by_component():
+    """scripts/profile_step.py's grouping of CUDA kernel names, on names a compiled k3 step produces."""
+    component = _profile_script().component
+    assert component("_kda_bwd_kside_kernel") == "KDA kernels (ours)"
+    assert component("merge_bwd_kernel") == component("phase1_bwd_kernel") == "AttnRes kernels (ours)"
+    assert component("triton_poi_fused__to_copy_add_attnres_merge_bwd_view_21") == "Inductor fused kernels"
+    assert component("triton_tem_fused_0_flex_attention") == "attention (SDPA / FlexAttention)"
+    assert component("cudnn_generated_fort_native_sdpa_sm90_flash_bprop") == "attention (SDPA / FlexAttention)"
+    assert component("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NNN") == "matrix products"
+    assert component("void at::native::sbtopk::gatherTopK<float>") == "gathers, scatters, sorts"
+    assert component("something_else") == "other"
+
+
+def test_profile_step_runs_on_cpu():
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "scripts" / "profile_step.py"
+    r = subprocess.run([sys.executable, str(script), "--device", "cpu", "--batch", "2", "--seq", "32", "--attnres",
+                        "off", "block", "--steps", "1", "--warmup", "1", "--top", "3"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "== k3-toy attnres=off B2 T32 eager" in r.stdout and "== k3-toy attnres=block B2 T32 eager" in r.stdout
+    assert r.stdout.count("kernels/step") == 2
