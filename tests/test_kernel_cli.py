@@ -87,3 +87,14 @@ def test_verify_decode_kernel():
     rows = json.loads(r.stdout)
     assert {"o", "ht"} == {row["name"].split("/")[-1] for row in rows}
     assert all(row["passed"] for row in rows)
+
+
+def test_bench_flags_a_launch_bound_pass():
+    """The host-enqueue note of a bench progress line: named for its pass, flagged from 60 % of the device time
+    (the toy chunk_kda backward: 1.97 ms to enqueue a 1.955 ms forward+backward)."""
+    from k3cli.ops.kda.bench import _host_note
+    assert _host_note(None, 1.0, flag=True) == ""
+    note = _host_note(1.97, 1.955, flag=True, what="forward+backward")
+    assert "1.97 ms per forward+backward" in note and "near launch-bound, the forward+backward figure" in note
+    assert "launch-bound" not in _host_note(0.2, 1.0, flag=True)
+    assert "launch-bound" not in _host_note(1.97, 1.955)

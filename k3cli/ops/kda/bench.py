@@ -99,14 +99,14 @@ def enqueue_samples(fn, device, calls: int = 20, samples: int = 3) -> list[tuple
     return out
 
 
-def _host_note(host: float | None, device_ms: float, flag: bool = False) -> str:
-    """", host enqueue ... ms per forward" for a progress line (empty off CUDA); with `flag`, a note when the
-    host time is NEAR_LAUNCH_BOUND or more of the device time."""
+def _host_note(host: float | None, device_ms: float, flag: bool = False, what: str = "forward") -> str:
+    """", host enqueue ... ms per forward" (or `what`) for a progress line (empty off CUDA); with `flag`, a
+    note when the host time is NEAR_LAUNCH_BOUND or more of the device time."""
     if host is None:
         return ""
-    note = f", host enqueue {host:.3g} ms per forward"
+    note = f", host enqueue {host:.3g} ms per {what}"
     if flag and host >= NEAR_LAUNCH_BOUND * device_ms:
-        note += (f" ({host / device_ms:.0%} of the device time: near launch-bound, the fwd figure may move "
+        note += (f" ({host / device_ms:.0%} of the device time: near launch-bound, the {what} figure may move "
                  "with the host's speed)")
     return note
 
@@ -181,8 +181,10 @@ def _bench_chunk(shape, device, against_fla, on_step=None, lens=None):
     row["fwd_ms"], row["fwd_p20_ms"], row["fwd_p80_ms"] = time_fn(fwd, device)
     row["host_fwd_ms"] = host_ms(fwd, device)   # right after the forward's timing, in the same state
     row["fwd_bwd_ms"], row["fwd_bwd_p20_ms"], row["fwd_bwd_p80_ms"] = time_fn(fwd_bwd, device)
-    step(f"fwd {row['fwd_ms']:.4g} ms, fwd+bwd {row['fwd_bwd_ms']:.4g} ms"
-         + _host_note(row["host_fwd_ms"], row["fwd_ms"], flag=True))
+    row["host_fwd_bwd_ms"] = host_ms(fwd_bwd, device)   # the backward's host path can bound it alone
+    step(f"fwd {row['fwd_ms']:.4g} ms" + _host_note(row["host_fwd_ms"], row["fwd_ms"], flag=True)
+         + f"; fwd+bwd {row['fwd_bwd_ms']:.4g} ms"
+         + _host_note(row["host_fwd_bwd_ms"], row["fwd_bwd_ms"], flag=True, what="forward+backward"))
     esz = args[0].element_size()
     io_bytes = B * T * (2 * H * K * esz + HV * K * esz + HV * K * 4 + HV * esz + HV * K * esz)
     row["fwd_mtok_s"] = B * T / (row["fwd_ms"] * 1e-3) / 1e6
@@ -204,7 +206,7 @@ def _bench_chunk(shape, device, against_fla, on_step=None, lens=None):
     row["speedup_vs_torch_fwd_bwd"] = None if ref_fb is None else ref_fb / row["fwd_bwd_ms"]
     fla = _fla_chunk_kda() if against_fla else None
     row["fla_fwd_ms"] = row["fla_fwd_bwd_ms"] = row["fla_first_call_fwd_s"] = row["fla_first_call_fwd_bwd_s"] = None
-    row["fla_host_fwd_ms"] = None
+    row["fla_host_fwd_ms"] = row["fla_host_fwd_bwd_ms"] = None
     if fla is not None:
         kw = {} if cu is None else {"cu_seqlens": cu.to(device, torch.long)}
         ff, ffb = _fwd_bwd_fns(lambda *a: fla(*a, **kw), args, device)
@@ -216,7 +218,9 @@ def _bench_chunk(shape, device, against_fla, on_step=None, lens=None):
         row["fla_host_fwd_ms"] = host_ms(ff, device)
         step(f"fla fwd {row['fla_fwd_ms']:.4g} ms" + _host_note(row["fla_host_fwd_ms"], row["fla_fwd_ms"]))
         row["fla_fwd_bwd_ms"] = time_fn(ffb, device)[0]
-        step(f"fla fwd+bwd {row['fla_fwd_bwd_ms']:.4g} ms")
+        row["fla_host_fwd_bwd_ms"] = host_ms(ffb, device)
+        step(f"fla fwd+bwd {row['fla_fwd_bwd_ms']:.4g} ms"
+             + _host_note(row["fla_host_fwd_bwd_ms"], row["fla_fwd_bwd_ms"], what="forward+backward"))
     doc = FLA_DOC.get(shape, (None, None))
     row["fla_doc_fwd_ms"], row["fla_doc_fwd_bwd_ms"] = doc
     return row
