@@ -76,7 +76,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _build(cfg: RunConfig, v: Variant, device: torch.device) -> None:
+def build_variant(cfg: RunConfig, v: Variant, device: torch.device) -> None:
+    """v's model (on v's ops, compiled if v says so) and the training loop's fused AdamW, on `device`."""
     cfg.model.kda.backend = v.backend
     v.model = build_model(cfg).to(device).train()
     v.model.activation_checkpointing = cfg.train.activation_checkpointing
@@ -88,7 +89,8 @@ def _build(cfg: RunConfig, v: Variant, device: torch.device) -> None:
     v.forward = compile_model(v.model, cfg.train.compile_mode) if v.compiled else v.model
 
 
-def _step(v: Variant, ids: torch.Tensor, device: torch.device, autocast, segments=None) -> float:
+def timed_step(v: Variant, ids: torch.Tensor, device: torch.device, autocast, segments=None) -> float:
+    """One forward, backward and AdamW step of v on `ids` (labels = ids), synchronised: its seconds."""
     _sync(device)
     t0 = time.perf_counter()
     v.opt.zero_grad(set_to_none=True)
@@ -121,19 +123,19 @@ def bench_train(cfg: RunConfig, steps: int = 10, warmup: int = 3, compile: bool 
     autocast = torch.bfloat16 if device.type == "cuda" else None
     for v in variants:
         log(f"bench-train: building {v.name} ({v.backend} ops{', torch.compile' if v.compiled else ''})")
-        _build(v.cfg or cfg, v, device)
+        build_variant(v.cfg or cfg, v, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
         for _ in range(warmup):
-            _step(v, ids, device, autocast, segments)
+            timed_step(v, ids, device, autocast, segments)
         log(f"bench-train: {v.name} warm-up {warmup} steps in {time.perf_counter() - t0:.1f} s")
         v.peak_mem = peak_memory_bytes(device)
     for _ in range(steps):   # round by round: drift (clocks, other load) hits every variant alike
         for v in variants:
             if device.type == "cuda":   # per variant: the process-wide peak would be the largest variant's
                 torch.cuda.reset_peak_memory_stats(device)
-            v.times.append(_step(v, ids, device, autocast, segments))
+            v.times.append(timed_step(v, ids, device, autocast, segments))
             if device.type == "cuda":
                 v.peak_mem = max(v.peak_mem, torch.cuda.max_memory_allocated(device))
     fpt_of = {v.name: flops_per_token((v.cfg or cfg).model, T)["total"] for v in variants}

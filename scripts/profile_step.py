@@ -20,7 +20,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from k3cli.bench_train import Variant, _build, _step
+from k3cli.bench_train import Variant, build_variant, timed_step
 from k3cli.config import load_config
 from k3cli.train import resolve_device
 
@@ -50,17 +50,17 @@ def run(preset: str, attnres: str, batch: int, seq: int, device: torch.device, c
     cfg.train.compile_mode = mode
     cuda = device.type == "cuda"
     v = Variant("profile", "triton" if cuda else "torch", compiled)
-    _build(cfg, v, device)
+    build_variant(cfg, v, device)
     ids = torch.randint(1, cfg.model.vocab_size, (batch, seq), device=device)
     autocast = torch.bfloat16 if cuda else None
     t0 = time.perf_counter()
     for _ in range(warmup):
-        _step(v, ids, device, autocast)
+        timed_step(v, ids, device, autocast)
     print(f"\n== {preset} attnres={attnres} B{batch} T{seq} {'compiled' if compiled else 'eager'}: "
           f"warm-up {warmup} steps {time.perf_counter() - t0:.1f} s", flush=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        wall = sum(_step(v, ids, device, autocast) for _ in range(steps)) / steps
+        wall = sum(timed_step(v, ids, device, autocast) for _ in range(steps)) / steps
     if trace:
         prof.export_chrome_trace(trace.replace(".json", f"-{attnres}.json"))
     events = prof.key_averages()
