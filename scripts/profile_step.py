@@ -2,12 +2,13 @@
 
 The step is `k3 bench-train`'s (k3cli/bench_train.py: forward, backward, fused AdamW on synthetic
 tokens), eager or compiled. For each AttnRes overlay: warm-up steps (compilation), then torch.profiler
-over `--steps` steps. Prints the step's wall time (inflated a little by the profiler), kernels per
+over `--steps` steps. Prints the step's wall time (the profiler lengthens it, by about a quarter for a
+compiled k3-toy step), kernels per
 step, device-busy time per step, the busy time grouped by component (kernel-name patterns below) and
 the largest kernels. A step whose device-busy time is far below its wall time is host-bound.
 
     .venv/bin/python scripts/profile_step.py --preset k3-toy --batch 512 --compile --attnres off block
-    .venv/bin/python scripts/profile_step.py --preset k3-0.5b --batch 8 --seq 4096 --compile --trace /tmp/t.json
+    .venv/bin/python scripts/profile_step.py --preset k3-0.5b --batch 8 --seq-len 4096 --compile --trace /tmp/t.json
 
 `--device cpu` runs fp32 without device figures (a smoke test of the script).
 """
@@ -37,6 +38,16 @@ COMPONENTS = [
 ]
 
 
+def kernel_events(events) -> list:
+    """The CUDA kernels of a profile's averages, without user annotations (the optimizer's
+    `Optimizer.step#AdamW.step` region is reported on the device too, spanning kernels already counted)."""
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+            and not getattr(e, "is_user_annotation", False) and not ANNOTATION.match(e.key)]
+
+
+ANNOTATION = re.compile(r"^(Optimizer\.|ProfilerStep#)")
+
+
 def component(name: str) -> str:
     for label, pattern in COMPONENTS:
         if re.search(pattern, name):
@@ -45,18 +56,21 @@ def component(name: str) -> str:
 
 
 def run(preset: str, attnres: str, batch: int, seq: int, device: torch.device, compiled: bool,
-        mode: str, steps: int, warmup: int, top: int, trace: str | None) -> None:
+        mode: str, steps: int, warmup: int, top: int, trace: str | None, impl: str = "auto") -> None:
     cfg = load_config(preset, attnres=attnres)
     cfg.train.compile_mode = mode
     cuda = device.type == "cuda"
     v = Variant("profile", "triton" if cuda else "torch", compiled)
     build_variant(cfg, v, device)
+    if v.model.attnres is not None and cuda:
+        v.model.attnres.impl = impl
     ids = torch.randint(1, cfg.model.vocab_size, (batch, seq), device=device)
     autocast = torch.bfloat16 if cuda else None
     t0 = time.perf_counter()
     for _ in range(warmup):
         timed_step(v, ids, device, autocast)
-    print(f"\n== {preset} attnres={attnres} B{batch} T{seq} {'compiled' if compiled else 'eager'}: "
+    form = f" ({impl})" if cuda and attnres != "off" else ""
+    print(f"\n== {preset} attnres={attnres}{form} B{batch} T{seq} {'compiled' if compiled else 'eager'}: "
           f"warm-up {warmup} steps {time.perf_counter() - t0:.1f} s", flush=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
@@ -64,7 +78,7 @@ def run(preset: str, attnres: str, batch: int, seq: int, device: torch.device, c
     if trace:
         prof.export_chrome_trace(trace.replace(".json", f"-{attnres}.json"))
     events = prof.key_averages()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = kernel_events(events)
     busy = sum(e.self_device_time_total for e in kernels) / steps / 1e3
     launches = sum(e.count for e in kernels) / steps
     print(f"step {wall * 1e3:.2f} ms wall, {launches:.0f} kernels/step, device busy {busy:.2f} ms/step")
@@ -88,9 +102,11 @@ def main() -> None:
     ap.add_argument("--preset", default="k3-toy")
     ap.add_argument("--attnres", nargs="+", default=["off", "block"], help="overlays, one profile each")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--compile", action="store_true", help="profile the torch.compile'd step")
     ap.add_argument("--mode", default="default", help="torch.compile mode (train.compile_mode)")
+    ap.add_argument("--impl", default="auto", choices=("auto", "fused", "two_phase"),
+                    help="the AttnRes mixer's implementation on CUDA (fused: the Triton kernels even when compiled)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=30, help="largest kernels listed")
@@ -99,8 +115,8 @@ def main() -> None:
     args = ap.parse_args()
     device = resolve_device(args.device)
     for attnres in args.attnres:
-        run(args.preset, attnres, args.batch, args.seq, device, args.compile, args.mode, args.steps,
-            args.warmup, args.top, args.trace)
+        run(args.preset, attnres, args.batch, args.seq_len, device, args.compile, args.mode, args.steps,
+            args.warmup, args.top, args.trace, args.impl)
 
 
 if __name__ == "__main__":
