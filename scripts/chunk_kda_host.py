@@ -1,0 +1,52 @@
+"""Is a chunk_kda timing the kernels' or the host's? Per shape and pass (forward, forward+backward): the
+`k3 bench-kernel` figure (do_bench), the host's enqueue time per call, and the kernel time per call that
+torch.profiler counts, with the kernel count and the largest kernels. CUDA only.
+
+    .venv/bin/python scripts/chunk_kda_host.py --shape 8,2048,8,8,16 --shape 16,2048,8,8,32
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from k3cli.ops.kda import chunk_kda
+from k3cli.ops.kda.bench import _fwd_bwd_fns, _inputs, host_ms, time_fn
+
+
+def kernel_time(fn, calls: int = 20) -> tuple[float, float, list]:
+    """(kernel ms per call, kernels per call, [(name, calls, ms per call)] largest first) over `calls` calls."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    ks = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    top = sorted(((e.key, e.count // calls, e.self_device_time_total / calls / 1e3) for e in ks), key=lambda r: -r[2])
+    return (sum(e.self_device_time_total for e in ks) / calls / 1e3, sum(e.count for e in ks) / calls, top)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", action="append", required=True, help="B,T,H,HV,K (repeatable)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("chunk_kda_host.py needs a CUDA device")
+    device = torch.device("cuda")
+    for text in args.shape:
+        shape = tuple(int(x) for x in text.split(","))
+        fwd, fwd_bwd = _fwd_bwd_fns(chunk_kda, _inputs(*shape, torch.bfloat16, device), device)
+        for name, fn in (("forward", fwd), ("forward+backward", fwd_bwd)):
+            for _ in range(3):   # compile and autotune outside the figures
+                fn()
+            bench, host = time_fn(fn, device)[0], host_ms(fn, device)
+            busy, n, top = kernel_time(fn)
+            print(f"{shape} {name}: do_bench {bench:.4f} ms, host enqueue {host:.4f} ms, "
+                  f"kernel time {busy:.4f} ms in {n:.0f} kernels", flush=True)
+            for key, count, ms in top[:8]:
+                print(f"    {key[:70]:<70} {count:3d} {ms:.4f}")
+
+
+if __name__ == "__main__":
+    main()

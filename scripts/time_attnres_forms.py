@@ -1,0 +1,69 @@
+"""Training-step time per AttnRes overlay and mixer implementation, interleaved round by round in one process.
+
+Each variant is `OVERLAY` or `OVERLAY:IMPL` (IMPL: fused = the Triton kernels, two_phase = the torch form,
+auto = what the model picks); every one runs `k3 bench-train`'s step (k3cli/bench_train.py: forward,
+backward, fused AdamW on synthetic tokens), compiled with --compile. Prints the median step, its spread, the
+ratio to the first variant and tokens/s. The rule `wants_kernels` (k3cli/layers/attnres.py) follows from it:
+
+    .venv/bin/python scripts/time_attnres_forms.py --preset k3-toy --batch 512 --compile \\
+        off block:fused block:two_phase full:fused full:two_phase
+
+`--device cpu` (torch forms only) is a smoke test of the script.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from k3cli.bench_train import Variant, build_variant, timed_step
+from k3cli.config import load_config
+from k3cli.train import resolve_device
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("variants", nargs="+", help="OVERLAY or OVERLAY:IMPL, the first the reference")
+    ap.add_argument("--preset", default="k3-toy")
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--steps", type=int, default=15, help="timed rounds")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    device = resolve_device(args.device)
+    cuda = device.type == "cuda"
+    autocast = torch.bfloat16 if cuda else None
+    variants = []
+    for spec in args.variants:
+        overlay, _, impl = spec.partition(":")
+        v = Variant(spec, "triton" if cuda else "torch", args.compile, attnres=overlay)
+        build_variant(load_config(args.preset, attnres=overlay), v, device)
+        if impl:
+            if v.model.attnres is None:
+                raise SystemExit(f"{spec}: attnres={overlay} has no mixer to choose an implementation for")
+            v.model.attnres.impl = impl
+        variants.append(v)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, variants[0].model.config.vocab_size, (args.batch, args.seq_len), generator=gen).to(device)
+    for v in variants:
+        t0 = time.perf_counter()
+        for _ in range(args.warmup):
+            timed_step(v, ids, device, autocast)
+        print(f"{v.name}: warm-up {args.warmup} steps {time.perf_counter() - t0:.1f} s", flush=True)
+    for _ in range(args.steps):
+        for v in variants:
+            v.times.append(timed_step(v, ids, device, autocast))
+    ref = statistics.median(variants[0].times)
+    print(f"\n{'variant':<20} {'step ms':>9} {'min':>8} {'max':>8} {'× ref':>7} {'tokens/s':>12}")
+    for v in variants:
+        med = statistics.median(v.times)
+        print(f"{v.name:<20} {1e3 * med:9.2f} {1e3 * min(v.times):8.2f} {1e3 * max(v.times):8.2f} "
+              f"{med / ref:7.3f} {args.batch * args.seq_len / med:12,.0f}")
+
+
+if __name__ == "__main__":
+    main()
