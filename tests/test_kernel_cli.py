@@ -98,3 +98,16 @@ def test_bench_flags_a_launch_bound_pass():
     assert "1.97 ms per forward+backward" in note and "near launch-bound, the forward+backward figure" in note
     assert "launch-bound" not in _host_note(0.2, 1.0, flag=True)
     assert "launch-bound" not in _host_note(1.97, 1.955)
+
+
+@needs_triton
+def test_bench_chunk_row_has_both_host_times():
+    """Each chunk_kda row carries the host's enqueue time of both passes (None off CUDA), and the table shows them."""
+    import torch
+
+    from k3cli.kernels import BENCH_COLUMNS
+    from k3cli.ops.kda.bench import _bench_chunk
+    row = _bench_chunk((1, 16, 1, 1, 16), torch.device("cpu"), against_fla=False)
+    assert "host_fwd_ms" in row and "host_fwd_bwd_ms" in row and row["fwd_bwd_ms"] > 0
+    shown = [key for key, _, _ in BENCH_COLUMNS["chunk_kda"]]
+    assert "host_fwd_ms" in shown and "host_fwd_bwd_ms" in shown

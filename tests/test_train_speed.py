@@ -180,22 +180,34 @@ def test_bench_train_compares_attnres_overlays_in_one_run():
 
 
 def test_throughput_leaves_out_evaluation_and_checkpoints(corpus, tmp_path, monkeypatch):
-    """A log window's step time counts training steps only: here every evaluation and every checkpoint takes
-    an extra second, which must not reach step_ms or tokens/s."""
+    """A log window's step time counts training steps only: here every evaluation and every checkpoint moves
+    the loop's clock on by 1,000 s, which must not reach step_ms or tokens/s. (A skewed clock, not a sleep:
+    a real pause of a second was within reach of a step's own time on a loaded 2-core machine.)"""
     import time as time_mod
+    from types import SimpleNamespace
 
     import k3cli.train as train_mod
-    slow_eval, slow_save = train_mod.evaluate_loss, train_mod.save_checkpoint
-    monkeypatch.setattr(train_mod, "evaluate_loss", lambda *a, **k: (time_mod.sleep(1.0), slow_eval(*a, **k))[1])
-    monkeypatch.setattr(train_mod, "save_checkpoint", lambda *a, **k: (time_mod.sleep(1.0), slow_save(*a, **k))[1])
+    skew = [0.0]
+    monkeypatch.setattr(train_mod, "time", SimpleNamespace(
+        time=lambda: time_mod.time() + skew[0], perf_counter=time_mod.perf_counter, strftime=time_mod.strftime))
+
+    def slow(fn):
+        def wrapped(*a, **k):
+            skew[0] += 1000.0
+            return fn(*a, **k)
+        return wrapped
+    monkeypatch.setattr(train_mod, "evaluate_loss", slow(train_mod.evaluate_loss))
+    monkeypatch.setattr(train_mod, "save_checkpoint", slow(train_mod.save_checkpoint))
     cfg = load_config("k3-toy", overrides=TINY_MODEL + TINY_TRAIN + [f"data.source={corpus}", "train.eval_every=2",
                                                                     "train.log_every=2", "train.ckpt_every=2"])
     train(cfg, tmp_path / "run", log=lambda m: None)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in rows if "step_ms" in r]
     assert len(logged) >= 2 and all("val_loss" in r for r in logged)
-    # each window after the first holds one evaluation and one checkpoint: 2 s that a step must not absorb
-    assert all(r["step_ms"] < 500 for r in logged), [r["step_ms"] for r in logged]
+    assert skew[0] >= 2000.0 * (len(logged) - 1)   # an evaluation and a checkpoint before every later window
+    # leaked, 2,000 s over a window of 2 steps would add 1,000,000 ms to each step
+    assert all(r["step_ms"] < 60_000 for r in logged), [r["step_ms"] for r in logged]
+    assert rows[-1]["time_s"] >= 2000.0   # the run's own clock did see the skew
 
 
 def _profile_script():
@@ -221,14 +233,41 @@ def test_profile_step_groups_kernels_by_component():
     assert component("something_else") == "other"
 
 
+def test_profile_step_leaves_out_annotations():
+    """The optimizer's region is reported as a device event spanning kernels already counted: not a kernel."""
+    from types import SimpleNamespace
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [SimpleNamespace(key="_kda_fwd_state_kernel", device_type=cuda, is_user_annotation=False),
+              SimpleNamespace(key="Optimizer.step#AdamW.step", device_type=cuda, is_user_annotation=False),
+              SimpleNamespace(key="my_region", device_type=cuda, is_user_annotation=True),
+              SimpleNamespace(key="aten::mm", device_type=cpu, is_user_annotation=False)]
+    assert [e.key for e in _profile_script().kernel_events(events)] == ["_kda_fwd_state_kernel"]
+
+
 def test_profile_step_runs_on_cpu():
     import subprocess
     import sys
     from pathlib import Path
     script = Path(__file__).resolve().parents[1] / "scripts" / "profile_step.py"
-    r = subprocess.run([sys.executable, str(script), "--device", "cpu", "--batch", "2", "--seq", "32", "--attnres",
+    r = subprocess.run([sys.executable, str(script), "--device", "cpu", "--batch", "2", "--seq-len", "32", "--attnres",
                         "off", "block", "--steps", "1", "--warmup", "1", "--top", "3"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "== k3-toy attnres=off B2 T32 eager" in r.stdout and "== k3-toy attnres=block B2 T32 eager" in r.stdout
     assert r.stdout.count("kernels/step") == 2
+
+
+def test_time_attnres_forms_runs_on_cpu():
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "scripts" / "time_attnres_forms.py"
+    r = subprocess.run([sys.executable, str(script), "--device", "cpu", "--batch", "2", "--seq-len", "32", "--steps",
+                        "2", "--warmup", "1", "off", "block:two_phase"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    table = r.stdout.split("tokens/s\n", 1)[1].splitlines()
+    rows = {line.split()[0]: line.split() for line in table if line.strip()}
+    assert set(rows) == {"off", "block:two_phase"} and rows["off"][4] == "1.000"
+    r = subprocess.run([sys.executable, str(script), "--device", "cpu", "off:fused"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode != 0 and "has no mixer" in r.stderr

@@ -251,3 +251,19 @@ def test_auto_impl_runs_block_in_torch_under_compile():
     assert wants_kernels("fused", "block", cuda=True, compiling=True)
     assert wants_kernels("fused", "block", cuda=False, compiling=False)
     assert not any(wants_kernels(impl, "block", cuda=True, compiling=False) for impl in ("naive", "two_phase"))
+
+
+def test_mixer_asks_whether_it_is_being_compiled(monkeypatch):
+    """The mixer passes torch.compile's state to `wants_kernels`: True while traced, False when run eagerly."""
+    import k3cli.layers.attnres as attnres
+    seen = []
+
+    def spy(impl, mode, cuda, compiling):
+        seen.append(compiling)
+        return False
+    monkeypatch.setattr(attnres, "wants_kernels", spy)
+    mixer, emb, subs = make_mixer(3, "block"), torch.randn(2, 3, D, dtype=torch.float64), make_sublayers(3)
+    torch._dynamo.reset()
+    torch.compile(lambda e: mixer(e, subs), backend="eager", fullgraph=True)(emb)
+    mixer(emb, subs)
+    assert seen == [True, False]
