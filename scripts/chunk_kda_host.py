@@ -1,6 +1,7 @@
 """Is a chunk_kda timing the kernels' or the host's? Per shape and pass (forward, forward+backward): the
 `k3 bench-kernel` figure (do_bench), the host's enqueue time per call, and the kernel time per call that
-torch.profiler counts, with the kernel count and the largest kernels. CUDA only.
+torch.profiler counts, with the kernel count, the largest kernels and the host calls with the most self time.
+CUDA only.
 
     .venv/bin/python scripts/chunk_kda_host.py --shape 8,2048,8,8,16 --shape 16,2048,8,8,32
 """
@@ -15,16 +16,23 @@ from k3cli.ops.kda import chunk_kda
 from k3cli.ops.kda.bench import _fwd_bwd_fns, _inputs, host_ms, time_fn
 
 
-def kernel_time(fn, calls: int = 20) -> tuple[float, float, list]:
-    """(kernel ms per call, kernels per call, [(name, calls, ms per call)] largest first) over `calls` calls."""
+def kernel_time(fn, calls: int = 20) -> tuple[float, float, list, list]:
+    """Over `calls` calls: (kernel ms per call, kernels per call, [(kernel, calls, ms per call)] and
+    [(host op or CUDA API call, calls, self ms per call)], each largest first). The host list says where an
+    enqueue time beyond the kernels' goes (launches, stream and event calls, allocations, dispatch)."""
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    ks = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    top = sorted(((e.key, e.count // calls, e.self_device_time_total / calls / 1e3) for e in ks), key=lambda r: -r[2])
-    return (sum(e.self_device_time_total for e in ks) / calls / 1e3, sum(e.count for e in ks) / calls, top)
+    events = prof.key_averages()
+    ks = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.key != "cudaDeviceSynchronize"]
+
+    def ranked(evs, total):
+        return sorted(((e.key, e.count // calls, total(e) / calls / 1e3) for e in evs), key=lambda r: -r[2])
+    return (sum(e.self_device_time_total for e in ks) / calls / 1e3, sum(e.count for e in ks) / calls,
+            ranked(ks, lambda e: e.self_device_time_total), ranked(host, lambda e: e.self_cpu_time_total))
 
 
 def main() -> None:
@@ -41,11 +49,13 @@ def main() -> None:
             for _ in range(3):   # compile and autotune outside the figures
                 fn()
             bench, host = time_fn(fn, device)[0], host_ms(fn, device)
-            busy, n, top = kernel_time(fn)
+            busy, n, top, host_top = kernel_time(fn)
             print(f"{shape} {name}: do_bench {bench:.4f} ms, host enqueue {host:.4f} ms, "
                   f"kernel time {busy:.4f} ms in {n:.0f} kernels", flush=True)
             for key, count, ms in top[:8]:
-                print(f"    {key[:70]:<70} {count:3d} {ms:.4f}")
+                print(f"    kernel {key[:63]:<63} {count:3d} {ms:.4f}")
+            for key, count, ms in host_top[:12]:   # self time under the profiler, which adds its own per event
+                print(f"    host   {key[:63]:<63} {count:3d} {ms:.4f}")
 
 
 if __name__ == "__main__":
