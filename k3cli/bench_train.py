@@ -39,6 +39,7 @@ class Variant:
     masked: bool = False
     attnres: str | None = None      # with --compare-attnres: the overlay this variant's model uses
     cfg: RunConfig | None = None
+    attnres_impl: str | None = None   # the AttnRes mixer's implementation; None: two_phase on the torch ops, else auto
     model: torch.nn.Module = None
     forward: object = None
     opt: torch.optim.Optimizer = None
@@ -81,8 +82,9 @@ def build_variant(cfg: RunConfig, v: Variant, device: torch.device) -> None:
     cfg.model.kda.backend = v.backend
     v.model = build_model(cfg).to(device).train()
     v.model.activation_checkpointing = cfg.train.activation_checkpointing
-    if v.backend == "torch" and v.model.attnres is not None:
-        v.model.attnres.impl = "two_phase"      # the torch form of the mix, no Triton kernel
+    impl = v.attnres_impl or ("two_phase" if v.backend == "torch" else None)   # torch ops: no Triton mix
+    if impl is not None and v.model.attnres is not None:
+        v.model.attnres.impl = impl
     tc = cfg.train
     v.opt = torch.optim.AdamW(param_groups(v.model, tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2),
                               eps=1e-8, fused=True)   # the training loop's optimizer
@@ -100,6 +102,29 @@ def timed_step(v: Variant, ids: torch.Tensor, device: torch.device, autocast, se
     v.opt.step()
     _sync(device)
     return time.perf_counter() - t0
+
+
+def time_variants(variants: list[Variant], cfg: RunConfig, ids: torch.Tensor, device: torch.device, autocast,
+                  steps: int, warmup: int, segments=None, log=print) -> None:
+    """Build each variant (from its own config, else `cfg`) and run its warm-up steps, then time `steps`
+    rounds of one step per variant: fills each variant's times and peak memory."""
+    for v in variants:
+        log(f"bench-train: building {v.name} ({v.backend} ops{', torch.compile' if v.compiled else ''})")
+        build_variant(v.cfg or cfg, v, device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        for _ in range(warmup):
+            timed_step(v, ids, device, autocast, segments)
+        log(f"bench-train: {v.name} warm-up {warmup} steps in {time.perf_counter() - t0:.1f} s")
+        v.peak_mem = peak_memory_bytes(device)
+    for _ in range(steps):   # round by round: drift (clocks, other load) hits every variant alike
+        for v in variants:
+            if device.type == "cuda":   # per variant: the process-wide peak would be the largest variant's
+                torch.cuda.reset_peak_memory_stats(device)
+            v.times.append(timed_step(v, ids, device, autocast, segments))
+            if device.type == "cuda":
+                v.peak_mem = max(v.peak_mem, torch.cuda.max_memory_allocated(device))
 
 
 def bench_train(cfg: RunConfig, steps: int = 10, warmup: int = 3, compile: bool = False,
@@ -121,23 +146,7 @@ def bench_train(cfg: RunConfig, steps: int = 10, warmup: int = 3, compile: bool 
     segments = document_segments(ids, device, True)
     ids = ids.to(device)
     autocast = torch.bfloat16 if device.type == "cuda" else None
-    for v in variants:
-        log(f"bench-train: building {v.name} ({v.backend} ops{', torch.compile' if v.compiled else ''})")
-        build_variant(v.cfg or cfg, v, device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        t0 = time.perf_counter()
-        for _ in range(warmup):
-            timed_step(v, ids, device, autocast, segments)
-        log(f"bench-train: {v.name} warm-up {warmup} steps in {time.perf_counter() - t0:.1f} s")
-        v.peak_mem = peak_memory_bytes(device)
-    for _ in range(steps):   # round by round: drift (clocks, other load) hits every variant alike
-        for v in variants:
-            if device.type == "cuda":   # per variant: the process-wide peak would be the largest variant's
-                torch.cuda.reset_peak_memory_stats(device)
-            v.times.append(timed_step(v, ids, device, autocast, segments))
-            if device.type == "cuda":
-                v.peak_mem = max(v.peak_mem, torch.cuda.max_memory_allocated(device))
+    time_variants(variants, cfg, ids, device, autocast, steps, warmup, segments, log)
     fpt_of = {v.name: flops_per_token((v.cfg or cfg).model, T)["total"] for v in variants}
     fpt = fpt_of[variants[0].name]
     peak, peak_name = cfg.train.peak_tflops or None, "--peak-tflops"

@@ -38,14 +38,14 @@ COMPONENTS = [
 ]
 
 
+ANNOTATION = re.compile(r"^(Optimizer\.|ProfilerStep#)")
+
+
 def kernel_events(events) -> list:
     """The CUDA kernels of a profile's averages, without user annotations (the optimizer's
     `Optimizer.step#AdamW.step` region is reported on the device too, spanning kernels already counted)."""
     return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
             and not getattr(e, "is_user_annotation", False) and not ANNOTATION.match(e.key)]
-
-
-ANNOTATION = re.compile(r"^(Optimizer\.|ProfilerStep#)")
 
 
 def component(name: str) -> str:
@@ -60,10 +60,8 @@ def run(preset: str, attnres: str, batch: int, seq: int, device: torch.device, c
     cfg = load_config(preset, attnres=attnres)
     cfg.train.compile_mode = mode
     cuda = device.type == "cuda"
-    v = Variant("profile", "triton" if cuda else "torch", compiled)
+    v = Variant("profile", "triton" if cuda else "torch", compiled, attnres_impl=impl if cuda else None)
     build_variant(cfg, v, device)
-    if v.model.attnres is not None and cuda:
-        v.model.attnres.impl = impl
     ids = torch.randint(1, cfg.model.vocab_size, (batch, seq), device=device)
     autocast = torch.bfloat16 if cuda else None
     t0 = time.perf_counter()

@@ -1,8 +1,8 @@
 """Training-step time per AttnRes overlay and mixer implementation, interleaved round by round in one process.
 
 Each variant is `OVERLAY` or `OVERLAY:IMPL` (IMPL: fused = the Triton kernels, two_phase = the torch form,
-auto = what the model picks); every one runs `k3 bench-train`'s step (k3cli/bench_train.py: forward,
-backward, fused AdamW on synthetic tokens), compiled with --compile. Prints the median step, its spread, the
+auto = what the model picks); every one runs `k3 bench-train`'s step and interleaved rounds (`time_variants` in
+k3cli/bench_train.py: forward, backward, fused AdamW on synthetic tokens), compiled with --compile. Prints the median step, its spread, the
 ratio to the first variant and tokens/s. The rule `wants_kernels` (k3cli/layers/attnres.py) follows from it:
 
     .venv/bin/python scripts/time_attnres_forms.py --preset k3-toy --batch 512 --compile \\
@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
-from k3cli.bench_train import Variant, build_variant, timed_step
+from k3cli.bench_train import Variant, time_variants
 from k3cli.config import load_config
 from k3cli.train import resolve_device
 
@@ -40,23 +39,14 @@ def main() -> None:
     variants = []
     for spec in args.variants:
         overlay, _, impl = spec.partition(":")
-        v = Variant(spec, "triton" if cuda else "torch", args.compile, attnres=overlay)
-        build_variant(load_config(args.preset, attnres=overlay), v, device)
-        if impl:
-            if v.model.attnres is None:
-                raise SystemExit(f"{spec}: attnres={overlay} has no mixer to choose an implementation for")
-            v.model.attnres.impl = impl
-        variants.append(v)
+        cfg = load_config(args.preset, attnres=overlay)
+        if impl and cfg.model.attnres.mode == "off":
+            raise SystemExit(f"{spec}: attnres={overlay} has no mixer to choose an implementation for")
+        variants.append(Variant(spec, "triton" if cuda else "torch", args.compile, attnres=overlay, cfg=cfg,
+                                attnres_impl=impl or None))
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, variants[0].model.config.vocab_size, (args.batch, args.seq_len), generator=gen).to(device)
-    for v in variants:
-        t0 = time.perf_counter()
-        for _ in range(args.warmup):
-            timed_step(v, ids, device, autocast)
-        print(f"{v.name}: warm-up {args.warmup} steps {time.perf_counter() - t0:.1f} s", flush=True)
-    for _ in range(args.steps):
-        for v in variants:
-            v.times.append(timed_step(v, ids, device, autocast))
+    ids = torch.randint(1, variants[0].cfg.model.vocab_size, (args.batch, args.seq_len), generator=gen).to(device)
+    time_variants(variants, variants[0].cfg, ids, device, autocast, args.steps, args.warmup)
     ref = statistics.median(variants[0].times)
     print(f"\n{'variant':<20} {'step ms':>9} {'min':>8} {'max':>8} {'× ref':>7} {'tokens/s':>12}")
     for v in variants:
