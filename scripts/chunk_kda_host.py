@@ -4,16 +4,19 @@ torch.profiler counts, with the kernel count, the largest kernels and the host c
 CUDA only.
 
     .venv/bin/python scripts/chunk_kda_host.py --shape 8,2048,8,8,16 --shape 16,2048,8,8,32
+    .venv/bin/python scripts/chunk_kda_host.py --varlen     # bench-kernel's varlen row (16,384 tokens, 20 documents)
 """
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from k3cli.ops.kda import chunk_kda
-from k3cli.ops.kda.bench import _fwd_bwd_fns, _inputs, host_ms, time_fn
+from k3cli.ops.kda.bench import VARLEN_SHAPES, _fwd_bwd_fns, _inputs, host_ms, time_fn
+from k3cli.ops.kda.varlen import cu_seqlens_of
 
 
 def kernel_time(fn, calls: int = 20) -> tuple[float, float, list, list]:
@@ -37,14 +40,20 @@ def kernel_time(fn, calls: int = 20) -> tuple[float, float, list, list]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shape", action="append", required=True, help="B,T,H,HV,K (repeatable)")
+    ap.add_argument("--shape", action="append", default=[], help="B,T,H,HV,K (repeatable)")
+    ap.add_argument("--varlen", action="store_true", help="also the varlen row of `k3 bench-kernel --shapes k3`")
     args = ap.parse_args()
+    if not args.shape and not args.varlen:
+        ap.error("give --shape and/or --varlen")
     if not torch.cuda.is_available():
         raise SystemExit("chunk_kda_host.py needs a CUDA device")
     device = torch.device("cuda")
-    for text in args.shape:
-        shape = tuple(int(x) for x in text.split(","))
-        fwd, fwd_bwd = _fwd_bwd_fns(chunk_kda, _inputs(*shape, torch.bfloat16, device), device)
+    cases = [(tuple(int(x) for x in text.split(",")), None) for text in args.shape]
+    if args.varlen:
+        cases += [((1, sum(lens), H, H, K), lens) for lens, H, K in VARLEN_SHAPES["k3"]]
+    for shape, lens in cases:
+        op = chunk_kda if lens is None else functools.partial(chunk_kda, cu_seqlens=cu_seqlens_of(lens))
+        fwd, fwd_bwd = _fwd_bwd_fns(op, _inputs(*shape, torch.bfloat16, device), device)
         for name, fn in (("forward", fwd), ("forward+backward", fwd_bwd)):
             for _ in range(3):   # compile and autotune outside the figures
                 fn()
@@ -52,7 +61,7 @@ def main() -> None:
             busy, n, top, host_top = kernel_time(fn)
             print(f"{shape} {name}: do_bench {bench:.4f} ms, host enqueue {host:.4f} ms, "
                   f"kernel time {busy:.4f} ms in {n:.0f} kernels", flush=True)
-            for key, count, ms in top[:8]:
+            for key, count, ms in top[:12]:
                 print(f"    kernel {key[:63]:<63} {count:3d} {ms:.4f}")
             for key, count, ms in host_top[:12]:   # self time under the profiler, which adds its own per event
                 print(f"    host   {key[:63]:<63} {count:3d} {ms:.4f}")

@@ -20,8 +20,9 @@ from k3cli.ops.kda.checks import check_kda_inputs, check_tensor
 from k3cli.ops.kda.chunk_bwd import kda_bwd_intra, kda_bwd_state
 from k3cli.ops.kda.chunk_fwd import Intra, intra_buffers, kda_fwd_intra, kda_fwd_state, torch_allows_tf32
 from k3cli.ops.kda.torch_chunk import torch_chunk_kda, torch_chunk_kda_varlen
-from k3cli.ops.kda.varlen import lay_out, varlen_layout
+from k3cli.ops.kda.varlen import VarlenLayout, varlen_layout
 from k3cli.ops.norm import l2norm
+from k3cli.ops.rows import gather_rows
 
 _CHUNK_SIZES = (16, 32, 64)
 
@@ -257,10 +258,16 @@ def _autograd_backward(ctx, do, dht, *_):
 chunk_kda_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
+def _lay_out(x: Tensor, lay: VarlenLayout) -> Tensor:
+    """[1, total_T, ...] -> [1, T', ...] in the chunk-aligned layout, zeros in the gaps (varlen.lay_out's
+    result, in one copy kernel)."""
+    return gather_rows(x[0], lay.src)[None]
+
+
 def _forward_varlen(q, k, v, g, beta, h0, cu: Tensor, scale: float, C: int, output_final_state: bool):
     """The Triton forward over chunk-aligned sequences: (o [1, total_T, HV, V], final states [N, HV, K, V])."""
     lay = varlen_layout(cu, C, q.device)
-    q, k, v, g, beta = (lay_out(x.contiguous(), lay) for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (_lay_out(x, lay) for x in (q, k, v, g, beta))
     h0 = None if h0 is None else h0.contiguous()
     launch.configure()
     T, HV, V = v.shape[1], v.shape[2], v.shape[3]
@@ -268,14 +275,14 @@ def _forward_varlen(q, k, v, g, beta, h0, cu: Tensor, scale: float, C: int, outp
     it = kda_fwd_intra(q, k, v, g, beta, scale, C, p, store_mkk=False)
     o, ht, _, _ = kda_fwd_state(it, 1, T, HV, C, h0, p.scan_prec, v.dtype, output_final_state, seqs=lay.seqs,
                                 n_run=lay.n_run)
-    return o[:, lay.dst], ht
+    return gather_rows(o[0], lay.dst)[None], ht
 
 
 def _backward_varlen(q, k, v, g, beta, h0, cu: Tensor, do, dht, scale: float, C: int):
     """The Triton backward over chunk-aligned sequences; stage 1 is recomputed (its buffers have the layout's
     data-dependent length, so the forward op cannot return them)."""
     lay = varlen_layout(cu, C, q.device)
-    q, k, v, g, beta, do = (lay_out(x.contiguous(), lay) for x in (q, k, v, g, beta, do))
+    q, k, v, g, beta, do = (_lay_out(x, lay) for x in (q, k, v, g, beta, do))
     h0 = None if h0 is None else h0.contiguous()
     dht = None if dht is None else dht.contiguous().float()
     launch.configure()
@@ -290,7 +297,7 @@ def _backward_varlen(q, k, v, g, beta, h0, cu: Tensor, do, dht, scale: float, C:
     if HV != H:
         dq = dq.view(1, T, H, HV // H, K).sum(3).to(q.dtype)
         dk = dk.view(1, T, H, HV // H, K).sum(3).to(k.dtype)
-    grads = (x[:, lay.dst].contiguous() for x in (dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype)))
+    grads = (gather_rows(x[0], lay.dst, like.dtype)[None] for x, like in zip((dq, dk, dv, dg, dbeta), (q, k, v, g, beta)))
     return (*grads, absent(v) if dh0 is None else dh0)
 
 
