@@ -144,15 +144,19 @@ def _forward_reference(q, k, v, g, beta, h0, scale: float, C: int, output_final_
 _FWD_OUT = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
+def _chunk_kda_impl(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, store_mkk):
+    if triton_runs(q.device):
+        return _forward(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, store_mkk)
+    return _forward_reference(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state)
+
+
 @torch.library.custom_op("k3::chunk_kda", mutates_args=(), device_types=("cuda", "cpu"))
 def chunk_kda_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
                  scale: float, chunk_size: int, output_final_state: bool, store_mkk: bool) -> _FWD_OUT:
     """Returns (o, final state, w, u, qg, kd, eg, aqk, tm, mkk): the final state an empty fp32 tensor unless
     output_final_state, mkk one unless store_mkk; w .. mkk are the stage-1 buffers (`Intra`) the backward
     reads (empty on the torch reference path). Inputs as `chunk_kda`'s, already checked, gated and normed."""
-    if triton_runs(q.device):
-        return _forward(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, store_mkk)
-    return _forward_reference(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state)
+    return _chunk_kda_impl(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, store_mkk)
 
 
 @chunk_kda_op.register_fake
@@ -216,6 +220,14 @@ def _backward_reference(q, k, v, g, beta, h0, do, dht, scale: float, C: int):
 _BWD_OUT = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
+def _chunk_kda_bwd_impl(q, k, v, g, beta, initial_state, w, u, qg, kd, eg, aqk, tm, mkk, do, dht, scale,
+                        chunk_size):
+    if triton_runs(q.device):
+        return _backward(q, k, v, g, beta, initial_state, Intra(w, u, qg, kd, eg, aqk, tm, mkk, gc=None), do,
+                         dht, scale, chunk_size)
+    return _backward_reference(q, k, v, g, beta, initial_state, do, dht, scale, chunk_size)
+
+
 @torch.library.custom_op("k3::chunk_kda_bwd", mutates_args=(), device_types=("cuda", "cpu"))
 def chunk_kda_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
                      w: Tensor, u: Tensor, qg: Tensor, kd: Tensor, eg: Tensor, aqk: Tensor, tm: Tensor,
@@ -223,10 +235,8 @@ def chunk_kda_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, i
     """k3::chunk_kda's backward: (dq, dk, dv, dg, dbeta, dh0), dh0 an empty fp32 tensor without an initial
     state; w .. mkk as the forward returned them (with store_mkk); dht None where no gradient reaches the
     final state."""
-    if triton_runs(q.device):
-        return _backward(q, k, v, g, beta, initial_state, Intra(w, u, qg, kd, eg, aqk, tm, mkk, gc=None), do,
-                         dht, scale, chunk_size)
-    return _backward_reference(q, k, v, g, beta, initial_state, do, dht, scale, chunk_size)
+    return _chunk_kda_bwd_impl(q, k, v, g, beta, initial_state, w, u, qg, kd, eg, aqk, tm, mkk, do, dht, scale,
+                               chunk_size)
 
 
 @chunk_kda_bwd_op.register_fake
@@ -244,18 +254,35 @@ def _setup_context(ctx, inputs, output):
     ctx.scale, ctx.chunk_size, ctx.store_mkk, ctx.has_ht = scale, chunk_size, store_mkk, output_final_state
 
 
-def _autograd_backward(ctx, do, dht, *_):
+def _autograd_backward(ctx, do, dht, *_, bwd=None):
+    """The backward of k3::chunk_kda and of _ChunkKDA: through the op `chunk_kda_bwd_op`, or `bwd`."""
     if not ctx.store_mkk:
         raise RuntimeError("k3::chunk_kda ran with store_mkk=False, which keeps nothing for a backward")
     q, k, v, g, beta, h0, *buffers = ctx.saved_tensors
     if do is None:   # only the final state reached the loss
         do = torch.zeros_like(v)
-    dq, dk, dv, dg, dbeta, dh0 = chunk_kda_bwd_op(q, k, v, g, beta, h0, *buffers, do, dht if ctx.has_ht else None,
-                                                  ctx.scale, ctx.chunk_size)
+    dq, dk, dv, dg, dbeta, dh0 = (bwd or chunk_kda_bwd_op)(q, k, v, g, beta, h0, *buffers, do,
+                                                           dht if ctx.has_ht else None, ctx.scale, ctx.chunk_size)
     return dq, dk, dv, dg, dbeta, None if h0 is None else dh0, None, None, None, None
 
 
 chunk_kda_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+class _ChunkKDA(torch.autograd.Function):
+    """k3::chunk_kda's eager autograd: the ops' implementations without the dispatcher and torch.library's
+    autograd wrapper, host time a launch-bound call pays (docs/performance.md, the toy row). Same inputs,
+    outputs, saved tensors and backward as the op; torch.compile traces the op."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _chunk_kda_impl(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _autograd_backward(ctx, *grads, bwd=_chunk_kda_bwd_impl)
 
 
 def _lay_out(x: Tensor, lay: VarlenLayout) -> Tensor:
@@ -309,6 +336,12 @@ def chunk_kda_varlen_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     into; inputs as `chunk_kda`'s, already checked, gated and normed. cu_seqlens is read on the host.
     `reference`: the torch implementation on any device and chunk size (the KDA layer's CPU path under
     torch.compile, which cannot trace its cu_seqlens-dependent shapes)."""
+    return _chunk_kda_varlen_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size,
+                                  output_final_state, reference)
+
+
+def _chunk_kda_varlen_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size, output_final_state,
+                           reference=False):
     if triton_runs(q.device) and not reference:
         o, ht = _forward_varlen(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size, output_final_state)
     else:
@@ -330,6 +363,12 @@ def chunk_kda_varlen_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
                             cu_seqlens: Tensor, do: Tensor, dht: Tensor | None, scale: float,
                             chunk_size: int, reference: bool = False) -> _BWD_OUT:
     """k3::chunk_kda_varlen's backward: (dq, dk, dv, dg, dbeta, dh0 [N, HV, K, V] or an empty fp32 tensor)."""
+    return _chunk_kda_varlen_bwd_impl(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, chunk_size,
+                                      reference)
+
+
+def _chunk_kda_varlen_bwd_impl(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, chunk_size,
+                               reference=False):
     if triton_runs(q.device) and not reference:
         return _backward_varlen(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, chunk_size)
 
@@ -354,17 +393,32 @@ def _setup_varlen(ctx, inputs, output):
     ctx.scale, ctx.chunk_size, ctx.has_ht, ctx.reference = scale, chunk_size, output_final_state, reference
 
 
-def _varlen_autograd_backward(ctx, do, dht):
+def _varlen_autograd_backward(ctx, do, dht, bwd=None):
+    """The backward of k3::chunk_kda_varlen and of _ChunkKDAVarlen: through the op, or `bwd`."""
     q, k, v, g, beta, h0, cu_seqlens = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
-    dq, dk, dv, dg, dbeta, dh0 = chunk_kda_varlen_bwd_op(q, k, v, g, beta, h0, cu_seqlens, do,
-                                                         dht if ctx.has_ht else None, ctx.scale, ctx.chunk_size,
-                                                         ctx.reference)
+    dq, dk, dv, dg, dbeta, dh0 = (bwd or chunk_kda_varlen_bwd_op)(q, k, v, g, beta, h0, cu_seqlens, do,
+                                                                  dht if ctx.has_ht else None, ctx.scale,
+                                                                  ctx.chunk_size, ctx.reference)
     return dq, dk, dv, dg, dbeta, None if h0 is None else dh0, None, None, None, None, None
 
 
 chunk_kda_varlen_op.register_autograd(_varlen_autograd_backward, setup_context=_setup_varlen)
+
+
+class _ChunkKDAVarlen(torch.autograd.Function):
+    """k3::chunk_kda_varlen's eager autograd, as _ChunkKDA is k3::chunk_kda's."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _chunk_kda_varlen_impl(*inputs)
+        _setup_varlen(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        return _varlen_autograd_backward(ctx, do, dht, bwd=_chunk_kda_varlen_bwd_impl)
 
 
 def check_cu_seqlens(op: str, cu_seqlens, q: Tensor, initial_state, HV: int, V: int) -> None:
@@ -442,12 +496,15 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         g = kda_gate(g, A_log, dt_bias, lower_bound=lower_bound, chunk_size=chunk_size, cumsum=False)
     # contiguous here, so that the copies (of the short convs' transposed outputs) are the ones saved
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    # eagerly the ops' implementations under a plain autograd.Function (less host time per call)
+    eager = not torch.compiler.is_compiling()
     if cu_seqlens is not None:
-        o, ht = chunk_kda_varlen_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size,
-                                    output_final_state)
+        varlen = _ChunkKDAVarlen.apply if eager else chunk_kda_varlen_op
+        o, ht = varlen(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size, output_final_state, False)
         return o, ht if output_final_state else None
     # Mkk is stored for the backward only: the op cannot see whether autograd will need one
     store_mkk = torch.is_grad_enabled() and any(x is not None and x.requires_grad
                                                 for x in (q, k, v, g, beta, initial_state))
-    o, ht, *_ = chunk_kda_op(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, store_mkk)
+    o, ht, *_ = (_ChunkKDA.apply if eager else chunk_kda_op)(q, k, v, g, beta, initial_state, scale, chunk_size,
+                                                             output_final_state, store_mkk)
     return o, ht if output_final_state else None
