@@ -462,8 +462,9 @@ def _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log,
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
               lower_bound=-5.0, chunk_size=64, cu_seqlens=None):
-    """Chunked Kimi Delta Attention (docs/math.md §2.2) with Triton forward and backward, through the custom
-    ops `k3::chunk_kda` / `k3::chunk_kda_bwd` (README.md, "Custom ops").
+    """Chunked Kimi Delta Attention (docs/math.md §2.2) with Triton forward and backward: the custom ops
+    `k3::chunk_kda` / `k3::chunk_kda_bwd` under torch.compile, their implementations directly when eager
+    (README.md, "Custom ops").
 
     Args:
         q, k: [B, T, H, K] (fp32 / fp16 / bf16, one dtype with v); v: [B, T, HV, V], HV = G * H.
