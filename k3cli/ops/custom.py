@@ -71,3 +71,17 @@ def reference_vjp(fn: Callable, inputs: Sequence, cotangents: Sequence) -> list:
         else:
             out.append(None)
     return out
+
+
+def eager_function(name: str, impl, setup_context, backward, bwd_impl) -> type[torch.autograd.Function]:
+    """An autograd.Function that runs a custom op's implementation `impl` with the op's own `setup_context` and
+    `backward` (called with `bwd=bwd_impl`, the backward op's implementation): the op's autograd without the
+    dispatcher, for eager calls. Same saved tensors and gradients; torch.compile should trace the op instead."""
+    def forward(ctx, *inputs):
+        output = impl(*inputs)
+        setup_context(ctx, inputs, output)
+        return output
+
+    def grad(ctx, *grads):
+        return backward(ctx, *grads, bwd=bwd_impl)
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(grad)})

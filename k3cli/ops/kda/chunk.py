@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from k3cli.ops import launch
-from k3cli.ops.custom import absent, reference_vjp, triton_runs
+from k3cli.ops.custom import absent, eager_function, reference_vjp, triton_runs
 from k3cli.ops.kda.checks import check_kda_inputs, check_tensor
 from k3cli.ops.kda.chunk_bwd import kda_bwd_intra, kda_bwd_state
 from k3cli.ops.kda.chunk_fwd import Intra, intra_buffers, kda_fwd_intra, kda_fwd_state, torch_allows_tf32
@@ -255,7 +255,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _autograd_backward(ctx, do, dht, *_, bwd=None):
-    """The backward of k3::chunk_kda and of _ChunkKDA: through the op `chunk_kda_bwd_op`, or `bwd`."""
+    """The backward of k3::chunk_kda (through the op `chunk_kda_bwd_op`) and of _ChunkKDA (`bwd`)."""
     if not ctx.store_mkk:
         raise RuntimeError("k3::chunk_kda ran with store_mkk=False, which keeps nothing for a backward")
     q, k, v, g, beta, h0, *buffers = ctx.saved_tensors
@@ -269,20 +269,9 @@ def _autograd_backward(ctx, do, dht, *_, bwd=None):
 chunk_kda_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
-class _ChunkKDA(torch.autograd.Function):
-    """k3::chunk_kda's eager autograd: the ops' implementations without the dispatcher and torch.library's
-    autograd wrapper, host time a launch-bound call pays (docs/performance.md, the toy row). Same inputs,
-    outputs, saved tensors and backward as the op; torch.compile traces the op."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = _chunk_kda_impl(*inputs)
-        _setup_context(ctx, inputs, output)
-        return output
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return _autograd_backward(ctx, *grads, bwd=_chunk_kda_bwd_impl)
+# eagerly: the implementations without the dispatcher and torch.library's autograd wrapper, host time a
+# launch-bound call pays (docs/performance.md, the toy row); torch.compile traces the op
+_ChunkKDA = eager_function("_ChunkKDA", _chunk_kda_impl, _setup_context, _autograd_backward, _chunk_kda_bwd_impl)
 
 
 def _lay_out(x: Tensor, lay: VarlenLayout) -> Tensor:
@@ -394,7 +383,7 @@ def _setup_varlen(ctx, inputs, output):
 
 
 def _varlen_autograd_backward(ctx, do, dht, bwd=None):
-    """The backward of k3::chunk_kda_varlen and of _ChunkKDAVarlen: through the op, or `bwd`."""
+    """The backward of k3::chunk_kda_varlen (through its backward op) and of _ChunkKDAVarlen (`bwd`)."""
     q, k, v, g, beta, h0, cu_seqlens = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
@@ -407,18 +396,8 @@ def _varlen_autograd_backward(ctx, do, dht, bwd=None):
 chunk_kda_varlen_op.register_autograd(_varlen_autograd_backward, setup_context=_setup_varlen)
 
 
-class _ChunkKDAVarlen(torch.autograd.Function):
-    """k3::chunk_kda_varlen's eager autograd, as _ChunkKDA is k3::chunk_kda's."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = _chunk_kda_varlen_impl(*inputs)
-        _setup_varlen(ctx, inputs, output)
-        return output
-
-    @staticmethod
-    def backward(ctx, do, dht):
-        return _varlen_autograd_backward(ctx, do, dht, bwd=_chunk_kda_varlen_bwd_impl)
+_ChunkKDAVarlen = eager_function("_ChunkKDAVarlen", _chunk_kda_varlen_impl, _setup_varlen,
+                                 _varlen_autograd_backward, _chunk_kda_varlen_bwd_impl)
 
 
 def check_cu_seqlens(op: str, cu_seqlens, q: Tensor, initial_state, HV: int, V: int) -> None:
