@@ -167,6 +167,18 @@ def test_chunk_kda_eager_function_equals_op(device, varlen):
     assert torch.equal(*grads)
 
 
+def test_kda_gate_eager_function_equals_op(device):
+    """kda_gate eagerly runs the op's implementation under an autograd.Function, as chunk_kda: bitwise equal."""
+    x = gate_inputs(2, 20, 3, 8, True, device)
+    results = []
+    for fn in (lambda *a: kda_gate_op(*a, -5.0, 16, True), lambda *a: kda_gate(*a, chunk_size=16)):
+        xs = leaves(*x)
+        out = fn(*xs)
+        results.append((out, *torch.autograd.grad((out * rand(*out.shape, seed=7, device=device)).sum(), xs)))
+    assert type(out.grad_fn).__name__ == "_KDAGateBackward"
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 def test_chunk_kda_without_store_mkk_refuses_backward(device):
     q, k, v, g, beta, s0 = leaves(*kda_inputs(1, 5, 1, 1, 16, 16, device=device))
     o = chunk_kda_op(q, k, v, g, beta, s0, 0.25, 16, False, False)[0]

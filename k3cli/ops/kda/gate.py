@@ -13,7 +13,7 @@ import triton.language as tl
 from torch import Tensor
 
 from k3cli.ops.checks import FLOATS, check_number, check_tensor
-from k3cli.ops.custom import absent, reference_vjp, triton_runs
+from k3cli.ops.custom import absent, eager_function, reference_vjp, triton_runs
 
 # g_raw, A_log, dt_bias: the kernels' dtypes and float64 (read as fp32; the output is fp32 anyway)
 GATE_FLOATS = (*FLOATS, torch.float64)
@@ -114,13 +114,17 @@ def _contiguous(x):
     return None if x is None else x.contiguous()
 
 
+def _gate_impl(g_raw, A_log, dt_bias, lower_bound, chunk_size, cumsum):
+    if triton_runs(g_raw.device):
+        return _forward(g_raw, A_log, dt_bias, lower_bound, chunk_size, cumsum)
+    return _reference(g_raw, A_log, dt_bias, lower_bound, chunk_size, cumsum)
+
+
 @torch.library.custom_op("k3::kda_gate", mutates_args=(), device_types=("cuda", "cpu"))
 def kda_gate_op(g_raw: Tensor, A_log: Tensor, dt_bias: Tensor | None, lower_bound: float, chunk_size: int,
                 cumsum: bool) -> Tensor:
     """`kda_gate` on checked inputs: [B, T, HV, K] fp32."""
-    if triton_runs(g_raw.device):
-        return _forward(g_raw, A_log, dt_bias, lower_bound, chunk_size, cumsum)
-    return _reference(g_raw, A_log, dt_bias, lower_bound, chunk_size, cumsum)
+    return _gate_impl(g_raw, A_log, dt_bias, lower_bound, chunk_size, cumsum)
 
 
 @kda_gate_op.register_fake
@@ -132,6 +136,10 @@ def _(g_raw, A_log, dt_bias, lower_bound, chunk_size, cumsum):
 def kda_gate_bwd_op(g_raw: Tensor, A_log: Tensor, dt_bias: Tensor | None, dout: Tensor, lower_bound: float,
                     chunk_size: int, cumsum: bool) -> tuple[Tensor, Tensor, Tensor]:
     """k3::kda_gate's backward: (d g_raw, dA_log, d dt_bias), the last an empty fp32 tensor without dt_bias."""
+    return _gate_bwd_impl(g_raw, A_log, dt_bias, dout, lower_bound, chunk_size, cumsum)
+
+
+def _gate_bwd_impl(g_raw, A_log, dt_bias, dout, lower_bound, chunk_size, cumsum):
     if triton_runs(g_raw.device):
         return _backward(g_raw, A_log, dt_bias, dout, lower_bound, chunk_size, cumsum)
     dg_raw, dA_log, ddt_bias = reference_vjp(
@@ -152,14 +160,17 @@ def _setup_context(ctx, inputs, output):
     ctx.lower_bound, ctx.chunk_size, ctx.cumsum = lower_bound, chunk_size, cumsum
 
 
-def _autograd_backward(ctx, dout):
+def _autograd_backward(ctx, dout, bwd=None):
+    """The backward of k3::kda_gate (through its backward op) and of _KDAGate (`bwd`)."""
     g_raw, A_log, dt_bias = ctx.saved_tensors
-    dg_raw, dA_log, ddt_bias = kda_gate_bwd_op(g_raw, A_log, dt_bias, dout, ctx.lower_bound, ctx.chunk_size,
+    dg_raw, dA_log, ddt_bias = (bwd or kda_gate_bwd_op)(g_raw, A_log, dt_bias, dout, ctx.lower_bound, ctx.chunk_size,
                                                ctx.cumsum)
     return dg_raw, dA_log, None if dt_bias is None else ddt_bias, None, None, None
 
 
 kda_gate_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+# eagerly without the dispatcher, as chunk_kda (k3cli/ops/kda/README.md, "Custom ops")
+_KDAGate = eager_function("_KDAGate", _gate_impl, _setup_context, _autograd_backward, _gate_bwd_impl)
 
 
 def kda_gate(g_raw, A_log, dt_bias=None, lower_bound=-5.0, chunk_size=64, cumsum=True):
@@ -183,4 +194,5 @@ def kda_gate(g_raw, A_log, dt_bias=None, lower_bound=-5.0, chunk_size=64, cumsum
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, torch.SymInt)) or chunk_size < 1 \
             or chunk_size & (chunk_size - 1):
         raise ValueError(f"kda_gate: chunk_size={chunk_size!r} must be a power of 2")
-    return kda_gate_op(g_raw, A_log, dt_bias, float(lower_bound), int(chunk_size), bool(cumsum))
+    gate = kda_gate_op if torch.compiler.is_compiling() else _KDAGate.apply
+    return gate(g_raw, A_log, dt_bias, float(lower_bound), int(chunk_size), bool(cumsum))
