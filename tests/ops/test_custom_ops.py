@@ -161,10 +161,34 @@ def test_chunk_kda_eager_function_equals_op(device, varlen):
     want, got = run_with_grads(op, *x), run_with_grads(eager, *x)
     assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want), \
         [n for n in want if not torch.equal(got[n], want[n])]
-    # only o reaches the loss: the final state's gradient is None in the backward
-    q = x[0].detach().clone().requires_grad_(True)
-    grads = [torch.autograd.grad(fn(q, *x[1:5], x[5], False)[0].square().sum(), q)[0] for fn in (op, eager)]
-    assert torch.equal(*grads)
+    # only o reaches the loss (the final state's gradient is None in the backward), then only the final state
+    for out, final in ((0, False), (1, True)):
+        q = x[0].detach().clone().requires_grad_(True)
+        grads = [torch.autograd.grad(fn(q, *x[1:5], x[5], final)[out].square().sum(), q)[0] for fn in (op, eager)]
+        assert torch.equal(*grads)
+
+
+@pytest.mark.triton
+def test_chunk_kda_varlen_eager_backward_reuses_the_forward(monkeypatch):
+    """Eagerly the varlen forward keeps its laid-out inputs and stage-1 buffers: the backward runs no stage 1
+    (the op's backward recomputes it) and lays out only dO."""
+    import k3cli.ops.kda.chunk as ck
+    from k3cli.ops.kda.varlen import cu_seqlens_of
+    calls = {"intra": 0, "lay_out": 0}
+
+    def counted(name, fn):
+        def wrapped(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return wrapped
+    monkeypatch.setattr(ck, "kda_fwd_intra", counted("intra", ck.kda_fwd_intra))
+    monkeypatch.setattr(ck, "_lay_out", counted("lay_out", ck._lay_out))
+    dev = "cuda" if HAS_CUDA else "cpu"
+    q, k, v, g, beta, _ = leaves(*kda_inputs(1, 37, 1, 2, 16, 16, device=dev, h0=False))
+    o, _ = chunk_kda(q, k, v, g, beta, chunk_size=16, cu_seqlens=cu_seqlens_of([5, 16, 1, 15]))
+    assert calls == {"intra": 1, "lay_out": 5}
+    o.sum().backward()
+    assert calls == {"intra": 1, "lay_out": 6}
 
 
 def test_kda_gate_eager_function_equals_op(device):

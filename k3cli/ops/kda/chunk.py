@@ -280,32 +280,40 @@ def _lay_out(x: Tensor, lay: VarlenLayout) -> Tensor:
     return gather_rows(x[0], lay.src)[None]
 
 
-def _forward_varlen(q, k, v, g, beta, h0, cu: Tensor, scale: float, C: int, output_final_state: bool):
-    """The Triton forward over chunk-aligned sequences: (o [1, total_T, HV, V], final states [N, HV, K, V])."""
+def _forward_varlen(q, k, v, g, beta, h0, cu: Tensor, scale: float, C: int, output_final_state: bool,
+                    keep: bool = False):
+    """The Triton forward over chunk-aligned sequences: (o [1, total_T, HV, V], final states [N, HV, K, V]); with
+    `keep`, also the laid-out (q, k, v, g, β) and the stage-1 buffers (`Intra`, Mkk stored, no Γ) for
+    `_backward_varlen`."""
     lay = varlen_layout(cu, C, q.device)
     q, k, v, g, beta = (_lay_out(x, lay) for x in (q, k, v, g, beta))
     h0 = None if h0 is None else h0.contiguous()
     launch.configure()
     T, HV, V = v.shape[1], v.shape[2], v.shape[3]
     p = plan(1, T, HV, q.shape[-1], V, C, v.dtype, v.is_cuda, torch_allows_tf32())
-    it = kda_fwd_intra(q, k, v, g, beta, scale, C, p, store_mkk=False)
+    it = kda_fwd_intra(q, k, v, g, beta, scale, C, p, store_mkk=keep)
     o, ht, _, _ = kda_fwd_state(it, 1, T, HV, C, h0, p.scan_prec, v.dtype, output_final_state, seqs=lay.seqs,
                                 n_run=lay.n_run)
-    return gather_rows(o[0], lay.dst)[None], ht
+    o = gather_rows(o[0], lay.dst)[None]
+    return (o, ht, (q, k, v, g, beta), it._replace(gc=None)) if keep else (o, ht)
 
 
-def _backward_varlen(q, k, v, g, beta, h0, cu: Tensor, do, dht, scale: float, C: int):
-    """The Triton backward over chunk-aligned sequences; stage 1 is recomputed (its buffers have the layout's
-    data-dependent length, so the forward op cannot return them)."""
+def _backward_varlen(q, k, v, g, beta, h0, cu: Tensor, do, dht, scale: float, C: int, it: Intra | None = None):
+    """The Triton backward over chunk-aligned sequences. With `it` (the forward's stage-1 buffers, eagerly),
+    q .. beta are already laid out; without, stage 1 is recomputed (the op's path: its buffers have the
+    layout's data-dependent length, so the forward op cannot return them)."""
     lay = varlen_layout(cu, C, q.device)
-    q, k, v, g, beta, do = (_lay_out(x, lay) for x in (q, k, v, g, beta, do))
+    if it is None:
+        q, k, v, g, beta = (_lay_out(x, lay) for x in (q, k, v, g, beta))
+    do = _lay_out(do, lay)
     h0 = None if h0 is None else h0.contiguous()
     dht = None if dht is None else dht.contiguous().float()
     launch.configure()
     _, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     p = plan(1, T, HV, K, V, C, v.dtype, v.is_cuda, torch_allows_tf32())
-    it = kda_fwd_intra(q, k, v, g, beta, scale, C, p, store_mkk=True)
+    if it is None:
+        it = kda_fwd_intra(q, k, v, g, beta, scale, C, p, store_mkk=True)
     _, _, h, vn = kda_fwd_state(it, 1, T, HV, C, h0, p.scan_prec, seqs=lay.seqs, n_run=lay.n_run)
     dh, dvn, dh0 = kda_bwd_state(it, do, dht, 1, T, HV, C, h0 is not None, p.prec, seqs=lay.seqs,
                                  n_run=lay.n_run)
@@ -396,8 +404,40 @@ def _varlen_autograd_backward(ctx, do, dht, bwd=None):
 chunk_kda_varlen_op.register_autograd(_varlen_autograd_backward, setup_context=_setup_varlen)
 
 
-_ChunkKDAVarlen = eager_function("_ChunkKDAVarlen", _chunk_kda_varlen_impl, _setup_varlen,
-                                 _varlen_autograd_backward, _chunk_kda_varlen_bwd_impl)
+class _ChunkKDAVarlen(torch.autograd.Function):
+    """k3::chunk_kda_varlen's eager autograd (as _ChunkKDA is k3::chunk_kda's), which also keeps what the op
+    cannot: on the Triton path, when a backward will run, the laid-out inputs and the stage-1 buffers, so
+    that the backward neither lays the inputs out again nor recomputes stage 1 (README.md §9)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, cu_seqlens, scale, chunk_size, output_final_state, reference):
+        inputs = (q, k, v, g, beta, h0, cu_seqlens, scale, chunk_size, output_final_state, reference)
+        ctx.keep = triton_runs(q.device) and not reference and any(ctx.needs_input_grad[:6])
+        if not ctx.keep:
+            output = _chunk_kda_varlen_impl(*inputs)
+            _setup_varlen(ctx, inputs, output)
+            return output
+        o, ht, laid_out, it = _forward_varlen(q, k, v, g, beta, h0, cu_seqlens, scale, chunk_size,
+                                              output_final_state, keep=True)
+        ht = absent(v) if ht is None else ht.contiguous()
+        if not output_final_state:
+            ctx.mark_non_differentiable(ht)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*laid_out, h0, cu_seqlens, *it[:-1])
+        ctx.scale, ctx.chunk_size, ctx.has_ht, ctx.o_shape = scale, chunk_size, output_final_state, o.shape
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        if not ctx.keep:
+            return _varlen_autograd_backward(ctx, do, dht, bwd=_chunk_kda_varlen_bwd_impl)
+        q, k, v, g, beta, h0, cu_seqlens, *buffers = ctx.saved_tensors
+        if do is None:   # only the final states reached the loss
+            do = v.new_zeros(ctx.o_shape)
+        dq, dk, dv, dg, dbeta, dh0 = _backward_varlen(q, k, v, g, beta, h0, cu_seqlens, do,
+                                                      dht if ctx.has_ht else None, ctx.scale, ctx.chunk_size,
+                                                      Intra(*buffers, gc=None))
+        return dq, dk, dv, dg, dbeta, None if h0 is None else dh0, None, None, None, None, None
 
 
 def check_cu_seqlens(op: str, cu_seqlens, q: Tensor, initial_state, HV: int, V: int) -> None:
