@@ -203,6 +203,28 @@ def test_kda_gate_eager_function_equals_op(device):
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
+def test_fused_recurrent_eager_equals_op(device):
+    """fused_recurrent_kda eagerly runs the ops' implementations (the autograd one under an autograd.Function,
+    the in-place decode step directly): bitwise equal to the ops, state included."""
+    q, k, v, g, beta, s0 = kda_inputs(2, 3, 1, 2, 16, 16, device=device)
+    args = (None, None, 0.25, -5.0)
+    results = []
+    for eager in (False, True):
+        xs = leaves(q, k, v, g, beta, s0)
+        if eager:
+            o, ht = fused_recurrent_kda(*xs[:5], scale=0.25, initial_state=xs[5], output_final_state=True)
+            assert type(o.grad_fn).__name__ == "_FusedRecurrentKDABackward"
+        else:
+            o, ht = fused_recurrent_kda_op(*xs, *args, True, False, False)
+        grads = torch.autograd.grad((o * rand(*o.shape, seed=3, device=device)).sum() + ht.square().sum(), xs)
+        state = s0.clone()
+        with torch.no_grad():
+            step = fused_recurrent_kda(q, k, v, g, beta, scale=0.25, initial_state=state, inplace_state=True)[0] \
+                if eager else fused_recurrent_kda_inplace_op(q, k, v, g, beta, state, *args, False, False)
+        results.append((o, ht, *grads, step, state))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 def test_chunk_kda_without_store_mkk_refuses_backward(device):
     q, k, v, g, beta, s0 = leaves(*kda_inputs(1, 5, 1, 1, 16, 16, device=device))
     o = chunk_kda_op(q, k, v, g, beta, s0, 0.25, 16, False, False)[0]

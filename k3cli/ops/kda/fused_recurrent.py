@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from k3cli.ops.custom import absent, reference_vjp, triton_runs
+from k3cli.ops.custom import absent, eager_function, reference_vjp, triton_runs
 from k3cli.ops.kda.checks import check_kda_inputs
 from k3cli.ops.kda.chunk_fwd import interpreting, pick_configs
 from k3cli.ops.norm import l2norm
@@ -224,6 +224,12 @@ def fused_recurrent_kda_inplace_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, b
                                    use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool) -> Tensor:
     """The decode step on a cached state: o, with `state` (contiguous fp32) advanced over the T tokens in
     place. No autograd (`fused_recurrent_kda` refuses inplace_state under grad)."""
+    return _inplace_impl(q, k, v, g, beta, state, A_log, dt_bias, scale, lower_bound, use_qk_l2norm_in_kernel,
+                         use_gate_in_kernel)
+
+
+def _inplace_impl(q, k, v, g, beta, state, A_log, dt_bias, scale, lower_bound, use_qk_l2norm_in_kernel,
+                  use_gate_in_kernel):
     if triton_runs(q.device):
         return fused_recurrent_kda_fwd(q, k, v, g, beta, scale, state, True, use_qk_l2norm_in_kernel,
                                        use_gate_in_kernel, A_log, dt_bias, lower_bound, inplace_state=True)[0]
@@ -248,11 +254,8 @@ def fused_recurrent_kda_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta:
                                use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool) -> _BWD_OUT:
     """k3::fused_recurrent_kda's backward, on every device by autograd through `_reference` (decode has no
     Triton backward): (dq, dk, dv, dg, dbeta, dh0, dA_log, d dt_bias), empty fp32 tensors for absent inputs."""
-    def fwd(q, k, v, g, beta, h0, A_log, dt_bias):
-        return _reference(q, k, v, g, beta, scale, h0, True, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log,
-                          dt_bias, lower_bound)
-    grads = reference_vjp(fwd, (q, k, v, g, beta, initial_state, A_log, dt_bias), (do, dht))
-    return tuple(absent(v) if d is None else d for d in grads)
+    return _bwd_impl(q, k, v, g, beta, initial_state, A_log, dt_bias, do, dht, scale, lower_bound,
+                     use_qk_l2norm_in_kernel, use_gate_in_kernel)
 
 
 @fused_recurrent_kda_bwd_op.register_fake
@@ -270,13 +273,25 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _autograd_backward(ctx, do, dht):
+def _bwd_impl(q, k, v, g, beta, initial_state, A_log, dt_bias, do, dht, scale, lower_bound, use_qk_l2norm_in_kernel,
+              use_gate_in_kernel):
+    def fwd(q, k, v, g, beta, h0, A_log, dt_bias):
+        return _reference(q, k, v, g, beta, scale, h0, True, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log,
+                          dt_bias, lower_bound)
+    grads = reference_vjp(fwd, (q, k, v, g, beta, initial_state, A_log, dt_bias), (do, dht))
+    return tuple(absent(v) if d is None else d for d in grads)
+
+
+def _autograd_backward(ctx, do, dht, bwd=None):
+    """The backward of k3::fused_recurrent_kda (through its backward op) and of _FusedRecurrentKDA (`bwd`)."""
     tensors = ctx.saved_tensors
-    grads = fused_recurrent_kda_bwd_op(*tensors, do, dht if ctx.has_ht else None, *ctx.args)
+    grads = (bwd or fused_recurrent_kda_bwd_op)(*tensors, do, dht if ctx.has_ht else None, *ctx.args)
     return (*(None if x is None else d for x, d in zip(tensors, grads)), None, None, None, None, None)
 
 
 fused_recurrent_kda_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+# eagerly without the dispatcher, as chunk_kda (README.md, "Custom ops"): a decode step is host-bound
+_FusedRecurrentKDA = eager_function("_FusedRecurrentKDA", _forward, _setup_context, _autograd_backward, _bwd_impl)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -284,7 +299,8 @@ def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
                         lower_bound=-5.0, inplace_state=False):
     """Recurrent Kimi Delta Attention (docs/math.md §2.1) in one Triton launch, for decoding.
 
-    Through the custom op `k3::fused_recurrent_kda` (`k3::fused_recurrent_kda_inplace` with inplace_state).
+    Through the custom op `k3::fused_recurrent_kda` (`k3::fused_recurrent_kda_inplace` with inplace_state)
+    under torch.compile; eagerly their implementations, without the dispatcher.
     Its backward differentiates the torch reference by autograd (slow: decode is inference); under grad
     mode with an input that requires grad, `inplace_state` is an error.
 
@@ -311,12 +327,15 @@ def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     A_log, dt_bias = (A_log, dt_bias) if use_gate_in_kernel else (None, None)
     args = (A_log, dt_bias, scale, float(lower_bound))
+    eager = not torch.compiler.is_compiling()   # eagerly the implementations, not the ops
     flags = (bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel))
     if inplace_state:
         tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias)
         if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
             raise ValueError("fused_recurrent_kda: inplace_state=True cannot be differentiated; call it "
                              "under torch.no_grad() (decode) or pass inplace_state=False")
-        return fused_recurrent_kda_inplace_op(q, k, v, g, beta, initial_state, *args, *flags), initial_state
-    o, ht = fused_recurrent_kda_op(q, k, v, g, beta, initial_state, *args, bool(output_final_state), *flags)
+        step = _inplace_impl if eager else fused_recurrent_kda_inplace_op
+        return step(q, k, v, g, beta, initial_state, *args, *flags), initial_state
+    fwd = _FusedRecurrentKDA.apply if eager else fused_recurrent_kda_op
+    o, ht = fwd(q, k, v, g, beta, initial_state, *args, bool(output_final_state), *flags)
     return o, ht if output_final_state else None
