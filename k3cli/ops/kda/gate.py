@@ -163,8 +163,8 @@ def _setup_context(ctx, inputs, output):
 def _autograd_backward(ctx, dout, bwd=None):
     """The backward of k3::kda_gate (through its backward op) and of _KDAGate (`bwd`)."""
     g_raw, A_log, dt_bias = ctx.saved_tensors
-    dg_raw, dA_log, ddt_bias = (bwd or kda_gate_bwd_op)(g_raw, A_log, dt_bias, dout, ctx.lower_bound, ctx.chunk_size,
-                                               ctx.cumsum)
+    dg_raw, dA_log, ddt_bias = (bwd or kda_gate_bwd_op)(g_raw, A_log, dt_bias, dout, ctx.lower_bound,
+                                                        ctx.chunk_size, ctx.cumsum)
     return dg_raw, dA_log, None if dt_bias is None else ddt_bias, None, None, None
 
 
