@@ -275,8 +275,7 @@ _ChunkKDA = eager_function("_ChunkKDA", _chunk_kda_impl, _setup_context, _autogr
 
 
 def _lay_out(x: Tensor, lay: VarlenLayout) -> Tensor:
-    """[1, total_T, ...] -> [1, T', ...] in the chunk-aligned layout, zeros in the gaps (varlen.lay_out's
-    result, in one copy kernel)."""
+    """varlen.lay_out by the Triton copy kernel."""
     return gather_rows(x[0], lay.src)[None]
 
 
@@ -338,14 +337,17 @@ def chunk_kda_varlen_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
 
 
 def _chunk_kda_varlen_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size, output_final_state,
-                           reference=False):
+                           reference=False, keep=False):
+    """The op's (o, ht); with `keep` (Triton path only) also `_forward_varlen`'s laid-out inputs and buffers."""
+    kept = ()
     if triton_runs(q.device) and not reference:
-        o, ht = _forward_varlen(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size, output_final_state)
+        o, ht, *kept = _forward_varlen(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size,
+                                       output_final_state, keep)
     else:
         o, ht = torch_chunk_kda_varlen(q, k, v, g, beta, cu_seqlens, scale, initial_state, output_final_state,
                                        chunk_size)
         o = o.contiguous()
-    return o, absent(v) if ht is None else ht.contiguous()
+    return (o, absent(v) if ht is None else ht.contiguous(), *kept)
 
 
 @chunk_kda_varlen_op.register_fake
@@ -381,12 +383,13 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, chunk_size, r
     return (*(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, g, beta)), dh0)
 
 
-def _setup_varlen(ctx, inputs, output):
+def _setup_varlen(ctx, inputs, output, saved=None):
+    """Saves the inputs, or `saved` (_ChunkKDAVarlen's laid-out inputs and buffers)."""
     q, k, v, g, beta, h0, cu_seqlens, scale, chunk_size, output_final_state, reference = inputs
     if not output_final_state:
         ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, g, beta, h0, cu_seqlens)
+    ctx.save_for_backward(*(saved or (q, k, v, g, beta, h0, cu_seqlens)))
     ctx.scale, ctx.chunk_size, ctx.has_ht, ctx.reference = scale, chunk_size, output_final_state, reference
 
 
@@ -413,18 +416,13 @@ class _ChunkKDAVarlen(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, h0, cu_seqlens, scale, chunk_size, output_final_state, reference):
         inputs = (q, k, v, g, beta, h0, cu_seqlens, scale, chunk_size, output_final_state, reference)
         ctx.keep = triton_runs(q.device) and not reference and any(ctx.needs_input_grad[:6])
-        if not ctx.keep:
-            output = _chunk_kda_varlen_impl(*inputs)
-            _setup_varlen(ctx, inputs, output)
-            return output
-        o, ht, laid_out, it = _forward_varlen(q, k, v, g, beta, h0, cu_seqlens, scale, chunk_size,
-                                              output_final_state, keep=True)
-        ht = absent(v) if ht is None else ht.contiguous()
-        if not output_final_state:
-            ctx.mark_non_differentiable(ht)
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(*laid_out, h0, cu_seqlens, *it[:-1])
-        ctx.scale, ctx.chunk_size, ctx.has_ht, ctx.o_shape = scale, chunk_size, output_final_state, o.shape
+        o, ht, *kept = _chunk_kda_varlen_impl(*inputs, keep=ctx.keep)
+        saved = None
+        if ctx.keep:
+            laid_out, it = kept
+            saved = (*laid_out, h0, cu_seqlens, *it[:-1])
+        _setup_varlen(ctx, inputs, (o, ht), saved)
+        ctx.o_shape = o.shape
         return o, ht
 
     @staticmethod

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from k3cli.ops.rows import gather_rows_reference
 from k3cli.ops.transfer import to_device
 
 
@@ -68,4 +69,4 @@ def _make_layout(cu: Tensor, C: int, device: torch.device) -> VarlenLayout:
 def lay_out(x: Tensor, lay: VarlenLayout) -> Tensor:
     """[1, total_T, ...] -> [1, T', ...] in `lay`'s order, zeros in the gaps (q = k = v = 0, g = 0, β = 0: a gap
     changes no state and its outputs are dropped)."""
-    return torch.cat([x[0], x.new_zeros(1, *x.shape[2:])])[lay.src][None]
+    return gather_rows_reference(x[0], lay.src)[None]
