@@ -127,7 +127,14 @@ class KDAAttention(nn.Module):
         if segments is not None and cache is not None:
             raise ValueError("KDAAttention: segments (packed documents) and a decode cache do not combine")
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.short_conv > 0 and cache is None:
+        conv = self._triton_op(q, "short_conv") if self.short_conv > 0 and cache is None else None
+        if conv is not None:
+            # conv, SiLU and q's and k's L2 norm in one kernel each way (k3cli/ops/kda/README.md §10)
+            pos = None if segments is None else segments.pos
+            q = conv(q, self.q_conv.weight[:, 0], pos, norm_dim=K)
+            k = conv(k, self.k_conv.weight[:, 0], pos, norm_dim=K)
+            v = conv(v, self.v_conv.weight[:, 0], pos)
+        elif self.short_conv > 0 and cache is None:
             pos = None if segments is None else segments.pos
             q = _short_conv(q, self.q_conv.weight, pos)
             k = _short_conv(k, self.k_conv.weight, pos)
@@ -147,7 +154,9 @@ class KDAAttention(nn.Module):
                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=self.A_log,
                       dt_bias=self.dt_bias.view(HV, K), lower_bound=self.lower_bound)[0]
         else:
-            o = self._kda(l2norm(q), l2norm(k), v, g_raw, beta, cache, segments)  # (B, T, HV, V)
+            normed = conv is not None
+            o = self._kda(q if normed else l2norm(q), k if normed else l2norm(k), v, g_raw, beta, cache,
+                          segments)                                                # (B, T, HV, V)
         o = self.o_norm(o)
         if self.output_gate:
             o = o * torch.sigmoid(self.g_b(self.g_a(x))).view(B, T, HV, V)
@@ -220,8 +229,8 @@ class KDAAttention(nn.Module):
         return o.view(B, T, *o.shape[2:])
 
     def _triton_op(self, q: torch.Tensor, name: str = "chunk_kda"):
-        """The Triton op `name` (chunk_kda | fused_recurrent_kda: entry points of the k3:: custom ops, opaque
-        nodes under torch.compile), or None for the torch path."""
+        """The Triton op `name` (chunk_kda | fused_recurrent_kda | short_conv: entry points of the k3:: custom
+        ops, opaque nodes under torch.compile), or None for the torch path."""
         if self.backend == "torch" or (self.backend == "auto" and not q.is_cuda):
             return None
         try:

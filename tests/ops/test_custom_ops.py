@@ -483,7 +483,8 @@ def test_compiled_layers_are_one_graph_each():
         mixer.out_query.normal_()
     subs = [torch.nn.Linear(16, 16).to(dev) for _ in range(4)]
     norms, final = [RMSNorm(16).to(dev) for _ in range(4)], RMSNorm(16).to(dev)
-    cases = [(kda, rand(1, 20, 16, device=dev), {"k3.chunk_kda.default", "k3.kda_gate.default"}),
+    cases = [(kda, rand(1, 20, 16, device=dev), {"k3.chunk_kda.default", "k3.kda_gate.default",
+                                                 "k3.short_conv.default"}),
              (lambda e: mixer(e, subs, norms=norms, final_norm=final), rand(1, 5, 16, device=dev),
               {"k3.fused_attnres.default", "k3.attnres_phase1.default", "k3.attnres_merge.default"})]
     for fn, x, ops in cases:
