@@ -50,7 +50,7 @@ CASES = [
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" else []))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("B,T,C,W,norm_dim,docs", CASES)
 def test_short_conv_matches_reference(B, T, C, W, norm_dim, docs, dtype):
     x, w, dy = inputs(B, T, C, W, dtype)
