@@ -23,6 +23,8 @@ from k3cli.ops.custom import eager_function, reference_vjp, triton_runs
 from k3cli.ops.launch import cdiv, next_pow2
 
 _BT = 32          # rows per tile
+_BT_DA = 32       # rows per tile of the backward's first kernel
+_WARPS_DA = 4
 _BC = 128         # channels per tile without the norm (with it, one head)
 _PROGRAMS = 1024  # the backward's first kernel loops over tiles until about this many programs remain
 
@@ -165,17 +167,17 @@ def _backward(x: Tensor, weight: Tensor, pos: Tensor | None, dy: Tensor, norm_di
     if x.numel() == 0:
         return torch.empty_like(x), torch.zeros_like(weight)
     G, BC = _groups(C, norm_dim)
-    NC, NT = cdiv(C, G), cdiv(T, _BT)
+    NC, NT = cdiv(C, G), cdiv(T, _BT_DA)
     steps = max(1, min(8, NT * NC * B // _PROGRAMS))
     NB = cdiv(NT, steps)
     da = torch.empty_like(x)
     dw_part = torch.empty(B * NB, C, W, device=x.device, dtype=torch.float32)
     _short_conv_bwd_da_kernel[(NB, NC, B)](x, weight, pos, dy, da, dw_part, T, C, eps, STEPS=steps, G=G, W=W,
-                                           WP=next_pow2(W), BT=_BT, BC=BC, HAS_POS=pos is not None,
-                                           NORM=bool(norm_dim), num_warps=4)
+                                           WP=next_pow2(W), BT=_BT_DA, BC=BC, HAS_POS=pos is not None,
+                                           NORM=bool(norm_dim), num_warps=_WARPS_DA)
     dx = torch.empty_like(x)
     BCX = min(_BC, next_pow2(C))
-    _short_conv_bwd_dx_kernel[(NT, cdiv(C, BCX), B)](da, weight, pos, dx, T, C, W=W, BT=_BT, BC=BCX,
+    _short_conv_bwd_dx_kernel[(cdiv(T, _BT), cdiv(C, BCX), B)](da, weight, pos, dx, T, C, W=W, BT=_BT, BC=BCX,
                                                       HAS_POS=pos is not None, num_warps=4)
     return dx, dw_part.sum(0).to(weight.dtype)
 
