@@ -184,6 +184,7 @@ class Kernel(str, Enum):
     kda_gate = "kda_gate"
     decode = "decode"
     attnres = "attnres"
+    short_conv = "short_conv"
     all = "all"
 
 

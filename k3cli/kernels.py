@@ -11,8 +11,8 @@ import os
 import sys
 from collections.abc import Callable
 
-VERIFY_KERNELS = ("chunk_kda", "kda_gate", "decode", "attnres")
-BENCH_KERNELS = ("chunk_kda", "kda_gate", "decode", "attnres")
+VERIFY_KERNELS = ("chunk_kda", "kda_gate", "decode", "attnres", "short_conv")
+BENCH_KERNELS = ("chunk_kda", "kda_gate", "decode", "attnres", "short_conv")
 
 
 def prepare_device() -> str:
@@ -35,13 +35,14 @@ def prepare_device() -> str:
 
 def _verify_fns() -> dict[str, Callable]:
     from k3cli.ops.attnres.verify import verify_attnres
-    from k3cli.ops.kda.verify import verify_kda
+    from k3cli.ops.kda.verify import verify_kda, verify_short_conv
 
     return {
         "chunk_kda": lambda shapes, dtype: verify_kda("chunk_kda", shapes, dtype),
         "kda_gate": lambda shapes, dtype: verify_kda("kda_gate", shapes, dtype),
         "decode": lambda shapes, dtype: verify_kda("fused_recurrent_kda", shapes, dtype),
         "attnres": lambda shapes, dtype: verify_attnres(shapes, dtype),
+        "short_conv": lambda shapes, dtype: verify_short_conv(shapes, dtype),
     }
 
 
@@ -78,6 +79,12 @@ BENCH_COLUMNS = {
                 ("fwdbwd_ms", "f+b ms", ".3f"), ("vs_naive_fwdbwd", "× naive f+b", ".1f"),
                 ("fla_fwd_ms", "fla fwd", ".3f"), ("fla_ref_fwd_ms", "fla† fwd", ".3f"),
                 ("vs_fla_ref_fwd", "× fla†", ".2f")],
+    "short_conv": [("B", "B", "d"), ("T", "T", "d"), ("C", "C", "d"), ("norm_dim", "norm", "d"),
+                   ("documents", "docs", "s"), ("fwd_ms", "fwd ms", ".3f"), ("fwd_GBps", "fwd GB/s", ".0f"),
+                   ("fwd_frac_copy", "of copy", ".1%"), ("fwd_bwd_ms", "f+b ms", ".3f"),
+                   ("vs_torch_fwd", "× torch fwd", ".1f"), ("vs_torch_fwd_bwd", "× torch f+b", ".1f"),
+                   ("compiled_fwd_ms", "compiled fwd", ".3f"), ("compiled_fwd_bwd_ms", "compiled f+b", ".3f"),
+                   ("vs_compiled_fwd", "× compiled fwd", ".2f"), ("vs_compiled_fwd_bwd", "× compiled f+b", ".2f")],
 }
 
 
@@ -97,6 +104,7 @@ def run_bench(kernels: list[str], shapes: str, against_fla: bool,
     (B, T, H, HV, K) shapes."""
     from k3cli.ops.attnres.bench import bench_attnres
     from k3cli.ops.kda.bench import bench_kda
+    from k3cli.ops.kda.bench_conv import bench_short_conv
     from k3cli.ops.kda.bench_decode import SHAPES as DECODE_SHAPES
     from k3cli.ops.kda.bench_decode import bench_decode
 
@@ -113,4 +121,6 @@ def run_bench(kernels: list[str], shapes: str, against_fla: bool,
                 on_row(row)
         elif k == "attnres":
             out[k] = bench_attnres("ci" if shapes == "ci" else "k3", against_fla, on_row=on_row)
+        elif k == "short_conv":
+            out[k] = bench_short_conv(shapes, on_row=on_row)
     return out

@@ -20,7 +20,8 @@ from k3cli.ops.kda.varlen import cu_seqlens_of
 
 # relative RMS limits (the same numbers as tests/ops/test_kda.py)
 TOL = {"o": 0.005, "ht": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dh0": 0.008,
-       "dg": 0.02, "dbeta": 0.02, "g": 1e-5, "dg_raw": 0.008, "dA_log": 0.008, "ddt_bias": 0.008}
+       "dg": 0.02, "dbeta": 0.02, "g": 1e-5, "dg_raw": 0.008, "dA_log": 0.008, "ddt_bias": 0.008,
+       "y": 0.005, "dx": 0.008, "dweight": 0.008}
 
 # (B, T, H, G, K=V)
 CHUNK_SHAPES = {
@@ -38,6 +39,9 @@ DECODE_SHAPES = {"ci": [(1, 1, 1, 1, 16), (2, 3, 2, 2, 32)],
 # (B, T, HV, K)
 GATE_SHAPES = {"ci": [(1, 70, 2, 16), (2, 33, 3, 24)], "full": [(8, 2048, 16, 128), (2, 1000, 32, 64)]}
 
+# (B, T, C, norm_dim, packed documents): short_conv, width 4
+CONV_SHAPES = {"ci": [(1, 33, 24, 8, True), (2, 17, 20, 0, False)],
+               "full": [(4, 2048, 1024, 128, True), (4, 2048, 1024, 0, False), (3, 1000, 96, 16, False)]}
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "fp32": torch.float32, "float32": torch.float32}
 
@@ -151,4 +155,33 @@ def verify_kda(kernel: str = "chunk_kda", shapes: str = "ci", dtype: str | torch
     else:
         raise ValueError(f"verify_kda: unknown kernel {kernel!r}; valid: 'chunk_kda', 'kda_gate', "
                          "'fused_recurrent_kda'")
+    return rows
+
+
+def verify_short_conv(shapes: str = "ci", dtype: str | torch.dtype = "bf16") -> list[tuple]:
+    """short_conv against its torch form in fp32 on the same (rounded) inputs: y, dx and dweight rows."""
+    from k3cli.ops.kda.conv import short_conv, short_conv_reference
+    dev = _device()
+    dt = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+    if dev == "cpu" and dt == torch.bfloat16:
+        dt = torch.float32   # the Triton interpreter mis-handles bf16
+    rows = []
+    for B, T, C, nd, docs in CONV_SHAPES[shapes]:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(B, T, C, generator=gen).to(dev, dt)
+        w = (torch.randn(C, 4, generator=gen) * 0.5).to(dev)
+        dy = torch.randn(B, T, C, generator=gen).to(dev, dt)
+        pos = None
+        if docs:   # documents start where a coin with probability 1/8 lands
+            starts = torch.rand(B, T, generator=gen) < 0.125
+            starts[:, 0] = True
+            t = torch.arange(T).expand(B, T)
+            pos = (t - torch.cummax(torch.where(starts, t, 0), dim=1).values).to(dev)
+        res = []
+        for fn, xin, dyin in ((short_conv_reference, x.float(), dy.float()), (short_conv, x, dy)):
+            xl, wl = xin.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+            y = fn(xl, wl, pos, nd)
+            res.append({"y": y.detach(), **dict(zip(("dx", "dweight"), torch.autograd.grad(y, (xl, wl), dyin)))})
+        tag = f"B{B}-T{T}-C{C}-norm{nd}{'-docs' if docs else ''}-{str(dt).split('.')[-1]}"
+        rows += [_row(f"{tag}/{n}", res[1][n], res[0][n], TOL[n]) for n in res[0]]
     return rows
