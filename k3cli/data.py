@@ -578,7 +578,8 @@ def prepare_data(data_cfg, vocab_size: int, seq_len: int, cache_dir: str | os.Pa
         write_text_atomic(tok_path, tok.to_str())
     res = shards.prepare_shards(source, root / "shards" / key, tok, val_fraction=data_cfg.val_fraction,
                                 text_field=data_cfg.text_field, max_bytes=data_cfg.max_bytes,
-                                min_frequency=data_cfg.min_frequency, say=say, scan=scan)
+                                min_frequency=data_cfg.min_frequency, say=say, scan=scan,
+                                wait=True)   # runs started together (`k3 study --parallel`) share the entry
     if not res.reused:
         say(f"tokenized into {res.path} in {res.seconds:.1f} s")
     return _prepared(shards.open_prepared(res.path), seq_len, key, tokenizer_cached, res.reused, tok)

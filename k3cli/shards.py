@@ -462,12 +462,13 @@ def prepare_shards(source: str, out: str | os.PathLike, tokenizer: Tokenizer | N
                    shard_tokens: int = SHARD_TOKENS, say: Callable[[str], None] | None = None,
                    on_start: Callable[[int, int], None] | None = None,
                    on_progress: Callable[[int, int, int], None] | None = None,
-                   scan: Scan | None = None) -> PrepareResult:
+                   scan: Scan | None = None, wait: bool = False) -> PrepareResult:
     """Tokenize `source` into `out` (see the module docstring). With `tokenizer` it is used as is,
     else a byte-level BPE of `vocab_size` is trained on the scan's sample. An `out` that already
     holds this source prepared with this tokenizer (or tokenizer settings) is reused as it is.
     `on_start(documents, bytes)` once the scan is done; `on_progress(documents, tokens, bytes)` as
-    chunks are written (cumulative). `scan`: the source's `scan_source` when the caller has it."""
+    chunks are written (cumulative). `scan`: the source's `scan_source` when the caller has it. `wait`: if
+    another process holds `out`, wait for it (then reuse its result) instead of refusing."""
     say = say or (lambda msg: None)
     root = Path(out).expanduser()
     if root.exists() and not root.is_dir():
@@ -481,8 +482,16 @@ def prepare_shards(source: str, out: str | os.PathLike, tokenizer: Tokenizer | N
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        lock.close()
-        raise DataError(f"another `k3 data prepare` is writing {root}; wait for it or choose another --out") from None
+        if not wait:
+            lock.close()
+            raise DataError(f"another `k3 data prepare` is writing {root}; wait for it or choose another --out") \
+                from None
+        say(f"another process is preparing {root}; waiting for it")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except BaseException:
+            lock.close()
+            raise
     try:
         return _prepare_locked(source, root, tokenizer, vocab_size, workers, val_fraction, text_field, max_bytes,
                                min_frequency, shard_tokens, say, on_start, on_progress, scan)

@@ -184,3 +184,27 @@ def test_train_on_prepared_dir_and_its_refusals(corpus, tmp_path):
     # a shard of the same size but other bytes: only the checksum finds it
     shard.write_bytes(b"\0" * (json.loads((prep / MANIFEST).read_text())["splits"]["train"]["shards"][1]["bytes"]))
     assert "SHA-256" in one_error_line(runner.invoke(app, ["data", "info", str(prep), "--verify"]))
+
+
+def test_cache_prepare_waits_for_another_writer(corpus, tmp_path):
+    """`k3 data prepare` refuses a folder another process holds; the training cache (wait=True, as runs started
+    together by `k3 study --parallel` reach the same entry) waits for it, then reuses what it wrote."""
+    import fcntl
+    import threading
+
+    from k3cli.data import DataError
+    out = tmp_path / "prep"
+    prepare_shards(str(corpus), out, vocab_size=300, val_fraction=0.2)
+    holder = open(out / ".lock", "w")
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    with pytest.raises(DataError, match="another `k3 data prepare` is writing"):
+        prepare_shards(str(corpus), out, vocab_size=300, val_fraction=0.2)
+    said, result = [], {}
+    waiter = threading.Thread(target=lambda: result.setdefault(
+        "res", prepare_shards(str(corpus), out, vocab_size=300, val_fraction=0.2, say=said.append, wait=True)))
+    waiter.start()
+    waiter.join(1.0)
+    assert waiter.is_alive() and any("waiting for it" in m for m in said)
+    holder.close()
+    waiter.join(60)
+    assert not waiter.is_alive() and result["res"].reused
