@@ -1,10 +1,11 @@
-"""Registers and spill stack of every chunk_kda kernel as it ships, compiled for sm_90 (H100/H200), no GPU needed.
+"""Registers and spill stack of every chunk_kda and short_conv kernel as it ships, compiled for sm_90 (H100/H200), no GPU needed.
 
     .venv/bin/python scripts/ptxas_report.py [--K 16 32 64 128] [--chunk 64] [--dtype bf16]
 
 For each K = V and chunk size, the kernels and meta-parameters chunk_kda launches (its launch plan for that
 shape on CUDA, `k3cli.ops.kda.chunk.plan`), with the buffer dtypes the plan picks; the autotuned scans once per
-config their autotuner may pick. Triton compiles each for sm_90 with its bundled ptxas and `cuobjdump -res-usage`
+config their autotuner may pick; then the short conv's three kernels for q / k (norm over heads of K, packed
+documents) and for v (no norm). Triton compiles each for sm_90 with its bundled ptxas and `cuobjdump -res-usage`
 reads the cubin. REG 255 with a non-zero STACK means spills. A proxy for occupancy, not a timing. Run it without
 TRITON_INTERPRET (the kernels must be real @triton.jit functions). Exits non-zero if any kernel fails to compile.
 """
@@ -26,10 +27,11 @@ from triton.runtime.autotuner import Autotuner
 
 from k3cli.ops.kda import chunk_bwd as B
 from k3cli.ops.kda import chunk_fwd as F
+from k3cli.ops.kda import conv
 from k3cli.ops.kda.chunk import plan
 
 _TY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-_SCALARS = {"scale": "fp32"}
+_SCALARS = {"scale": "fp32", "eps": "fp32"}
 
 
 def compile_report(fn, ptr_types: dict, const: dict, num_warps: int, num_stages: int = 1) -> tuple[int, int]:
@@ -112,6 +114,25 @@ def rows(K: int, BT: int, dtype: torch.dtype = torch.bfloat16):
                 dict(H=H, HV=H, K=K, BT=BT, BC=BC, BK=min(BK, B.SCORES_BK), PREC=p.prec), B.SCORES_WARPS, 1))
     out.append(("bwd key side", B._kda_bwd_kside_kernel, bwd,
                 dict(H=H, HV=H, K=K, V=V, BT=BT, BK=min(BK, B.MAX_BK), BV=BV, PREC=p.prec), B.SIDE_WARPS, 1))
+    return out + conv_rows(K, dtype)
+
+
+def conv_rows(K: int, dtype: torch.dtype = torch.bfloat16):
+    """The short conv's kernels with the meta-parameters `short_conv` launches them with (width 4): q / k, L2
+    norm over heads of K with packed documents, and v without either."""
+    x = _TY[dtype]
+    ptrs = dict(x=x, w="fp32", pos="i64", y=x, dy=x, da=x, dx=x, dw_part="fp32")
+    out = []
+    for norm in (True, False):
+        G, BC = conv._groups(1024, K if norm else 0)
+        tag = f"norm {K}, documents" if norm else "no norm"
+        common = dict(W=4, HAS_POS=norm)
+        out.append((f"short conv fwd, {tag}", conv._short_conv_fwd_kernel, ptrs,
+                    dict(common, G=G, BT=conv._BT, BC=BC, NORM=norm), 4, 1))
+        out.append((f"short conv bwd da, {tag}", conv._short_conv_bwd_da_kernel, ptrs,
+                    dict(common, STEPS=8, G=G, WP=4, BT=conv._BT_DA, BC=BC, NORM=norm), conv._WARPS_DA, 1))
+        out.append((f"short conv bwd dx, {tag}", conv._short_conv_bwd_dx_kernel, ptrs,
+                    dict(common, BT=conv._BT, BC=conv._BC), 4, 1))
     return out
 
 
@@ -133,7 +154,7 @@ def main() -> None:
                 except Exception as e:  # report, keep going
                     failed += 1
                     cell = f"FAILED {type(e).__name__}"
-                print(f"  {label:36s} {warps:>2d} warps  REG / STACK {cell}", flush=True)
+                print(f"  {label:40s} {warps:>2d} warps  REG / STACK {cell}", flush=True)
     sys.exit(1 if failed else 0)
 
 

@@ -1,8 +1,8 @@
-"""Every chunk_kda kernel, as it ships, compiles for sm_90 (no GPU needed).
+"""Every chunk_kda and short_conv kernel, as it ships, compiles for sm_90 (no GPU needed).
 
 The interpreter tier runs kernels as Python and cannot see compiler failures (an empty `while` loop in the
 score kernel at chunk 16 once crashed Triton's coalesce pass while every interpreter test passed).
-`scripts/ptxas_report.py` compiles each launch of chunk_kda's plan with Triton's bundled ptxas and prints
+`scripts/ptxas_report.py` compiles each launch of chunk_kda's plan (and the short conv's kernels) with Triton's bundled ptxas and prints
 registers / stack bytes, exiting non-zero when a kernel fails to compile.
 """
 import os
