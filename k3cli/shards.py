@@ -480,19 +480,14 @@ def prepare_shards(source: str, out: str | os.PathLike, tokenizer: Tokenizer | N
                         "choose an empty or new folder")
     lock = open(root / ".lock", "w")
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        if not wait:
-            lock.close()
-            raise DataError(f"another `k3 data prepare` is writing {root}; wait for it or choose another --out") \
-                from None
-        say(f"another process is preparing {root}; waiting for it")
         try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            if not wait:
+                raise DataError(f"another `k3 data prepare` is writing {root}; wait for it or choose another "
+                                "--out") from None
+            say(f"another process is preparing {root}; waiting for it")
             fcntl.flock(lock, fcntl.LOCK_EX)
-        except BaseException:
-            lock.close()
-            raise
-    try:
         return _prepare_locked(source, root, tokenizer, vocab_size, workers, val_fraction, text_field, max_bytes,
                                min_frequency, shard_tokens, say, on_start, on_progress, scan)
     finally:

@@ -127,18 +127,20 @@ class KDAAttention(nn.Module):
         if segments is not None and cache is not None:
             raise ValueError("KDAAttention: segments (packed documents) and a decode cache do not combine")
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        conv = self._triton_op(q, "short_conv") if self.short_conv > 0 and cache is None else None
-        if conv is not None:
-            # conv, SiLU and q's and k's L2 norm in one kernel each way (k3cli/ops/kda/README.md §10)
+        normed = False   # q and k L2-normalised already
+        if self.short_conv > 0 and cache is None:
             pos = None if segments is None else segments.pos
-            q = conv(q, self.q_conv.weight[:, 0], pos, norm_dim=K)
-            k = conv(k, self.k_conv.weight[:, 0], pos, norm_dim=K)
-            v = conv(v, self.v_conv.weight[:, 0], pos)
-        elif self.short_conv > 0 and cache is None:
-            pos = None if segments is None else segments.pos
-            q = _short_conv(q, self.q_conv.weight, pos)
-            k = _short_conv(k, self.k_conv.weight, pos)
-            v = _short_conv(v, self.v_conv.weight, pos)
+            conv = self._triton_op(q, "short_conv")
+            if conv is not None:
+                # conv, SiLU and q's and k's L2 norm in one kernel each way (k3cli/ops/kda/README.md §10)
+                q = conv(q, self.q_conv.weight[:, 0], pos, norm_dim=K)
+                k = conv(k, self.k_conv.weight[:, 0], pos, norm_dim=K)
+                v = conv(v, self.v_conv.weight[:, 0], pos)
+                normed = True
+            else:
+                q = _short_conv(q, self.q_conv.weight, pos)
+                k = _short_conv(k, self.k_conv.weight, pos)
+                v = _short_conv(v, self.v_conv.weight, pos)
         elif self.short_conv > 0:
             q, cache.conv_q = _short_conv_step(q, self.q_conv.weight, cache.conv_q)
             k, cache.conv_k = _short_conv_step(k, self.k_conv.weight, cache.conv_k)
@@ -154,7 +156,6 @@ class KDAAttention(nn.Module):
                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=self.A_log,
                       dt_bias=self.dt_bias.view(HV, K), lower_bound=self.lower_bound)[0]
         else:
-            normed = conv is not None
             o = self._kda(q if normed else l2norm(q), k if normed else l2norm(k), v, g_raw, beta, cache,
                           segments)                                                # (B, T, HV, V)
         o = self.o_norm(o)

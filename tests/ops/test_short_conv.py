@@ -7,7 +7,13 @@ import torch
 
 from k3cli.ops.custom import triton_runs
 from k3cli.ops.kda import conv
-from k3cli.ops.kda.conv import short_conv, short_conv_bwd_op, short_conv_op, short_conv_reference
+from k3cli.ops.kda.conv import (
+    document_positions,
+    short_conv,
+    short_conv_bwd_op,
+    short_conv_op,
+    short_conv_reference,
+)
 from k3cli.testing import assert_close, relative_rms_error
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -18,10 +24,7 @@ TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 def positions(B, T, seed=0, p=0.15):
     """Each token's position in its document, documents starting where a coin with probability p lands."""
     gen = torch.Generator().manual_seed(seed)
-    starts = torch.rand(B, T, generator=gen) < p
-    starts[:, 0] = True
-    t = torch.arange(T).expand(B, T)
-    return t - torch.cummax(torch.where(starts, t, 0), dim=1).values
+    return document_positions(torch.rand(B, T, generator=gen) < p)
 
 
 def inputs(B, T, C, W, dtype, seed=0):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from k3cli.ops.kda.bench import _first_call, copy_ceiling_gbps, time_fn
-from k3cli.ops.kda.conv import short_conv, short_conv_reference
+from k3cli.ops.kda.conv import document_positions, short_conv, short_conv_reference
 
 # (B, T, C, norm_dim, documents): "k3" is k3-0.5b's q / k (norm over heads of 128) and v at its B16 T4096 step,
 # then q with packed documents; "toy" k3-toy's q at B512 T256
@@ -22,10 +22,7 @@ WIDTH = 4
 def _positions(B, T, mean_len, device):
     """Each token's position in its document; documents of about `mean_len` tokens."""
     gen = torch.Generator().manual_seed(0)
-    starts = torch.rand(B, T, generator=gen) < 1 / mean_len
-    starts[:, 0] = True
-    t = torch.arange(T).expand(B, T)
-    return (t - torch.cummax(torch.where(starts, t, 0), dim=1).values).to(device)
+    return document_positions(torch.rand(B, T, generator=gen) < 1 / mean_len).to(device)
 
 
 def _fns(fn, x, w, pos, nd, dy):

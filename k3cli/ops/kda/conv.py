@@ -29,6 +29,14 @@ _BC = 128         # channels per tile without the norm (with it, one head)
 _PROGRAMS = 1024  # the backward's first kernel loops over tiles until about this many programs remain
 
 
+def document_positions(starts: Tensor) -> Tensor:
+    """starts [B, T] bool (True where a document begins; each row's first token begins one) -> each token's
+    position in its document, [B, T] long: the `pos` that short_conv takes."""
+    B, T = starts.shape
+    t = torch.arange(T, device=starts.device).expand(B, T)
+    return t - torch.cummax(torch.where(starts, t, 0), dim=1).values
+
+
 def short_conv_reference(x: Tensor, weight: Tensor, pos: Tensor | None = None, norm_dim: int = 0,
                          eps: float = 1e-6) -> Tensor:
     """The torch form: a sum of shifted rows in fp32 (fp64 stays fp64), SiLU, the optional per-head L2 norm,
@@ -176,7 +184,7 @@ def _backward(x: Tensor, weight: Tensor, pos: Tensor | None, dy: Tensor, norm_di
                                            WP=next_pow2(W), BT=_BT_DA, BC=BC, HAS_POS=pos is not None,
                                            NORM=bool(norm_dim), num_warps=_WARPS_DA)
     dx = torch.empty_like(x)
-    BCX = min(_BC, next_pow2(C))
+    BCX = _groups(C, 0)[1]
     _short_conv_bwd_dx_kernel[(cdiv(T, _BT), cdiv(C, BCX), B)](da, weight, pos, dx, T, C, W=W, BT=_BT, BC=BCX,
                                                       HAS_POS=pos is not None, num_warps=4)
     return dx, dw_part.sum(0).to(weight.dtype)
@@ -191,8 +199,7 @@ def _impl(x, weight, pos, norm_dim, eps):
 def _bwd_impl(x, weight, pos, dy, norm_dim, eps):
     if triton_runs(x.device) and x.dtype != torch.float64:
         return _backward(x, weight, pos, dy, norm_dim, eps)
-    dx, dw = reference_vjp(lambda a, b: short_conv_reference(a, b, pos, norm_dim, eps), (x, weight), (dy,))
-    return dx, dw
+    return tuple(reference_vjp(lambda a, b: short_conv_reference(a, b, pos, norm_dim, eps), (x, weight), (dy,)))
 
 
 @torch.library.custom_op("k3::short_conv", mutates_args=(), device_types=("cuda", "cpu"))

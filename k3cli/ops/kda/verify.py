@@ -160,7 +160,7 @@ def verify_kda(kernel: str = "chunk_kda", shapes: str = "ci", dtype: str | torch
 
 def verify_short_conv(shapes: str = "ci", dtype: str | torch.dtype = "bf16") -> list[tuple]:
     """short_conv against its torch form in fp32 on the same (rounded) inputs: y, dx and dweight rows."""
-    from k3cli.ops.kda.conv import short_conv, short_conv_reference
+    from k3cli.ops.kda.conv import document_positions, short_conv, short_conv_reference
     dev = _device()
     dt = _DTYPES[dtype] if isinstance(dtype, str) else dtype
     if dev == "cpu" and dt == torch.bfloat16:
@@ -173,10 +173,7 @@ def verify_short_conv(shapes: str = "ci", dtype: str | torch.dtype = "bf16") -> 
         dy = torch.randn(B, T, C, generator=gen).to(dev, dt)
         pos = None
         if docs:   # documents start where a coin with probability 1/8 lands
-            starts = torch.rand(B, T, generator=gen) < 0.125
-            starts[:, 0] = True
-            t = torch.arange(T).expand(B, T)
-            pos = (t - torch.cummax(torch.where(starts, t, 0), dim=1).values).to(dev)
+            pos = document_positions(torch.rand(B, T, generator=gen) < 0.125).to(dev)
         res = []
         for fn, xin, dyin in ((short_conv_reference, x.float(), dy.float()), (short_conv, x, dy)):
             xl, wl = xin.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
