@@ -130,7 +130,8 @@ class KDAAttention(nn.Module):
         normed = False   # q and k L2-normalised already
         if self.short_conv > 0 and cache is None:
             pos = None if segments is None else segments.pos
-            conv = self._triton_op(q, "short_conv")
+            # the fused kernel takes widths up to the SPEC's 4; wider convs run in torch
+            conv = self._triton_op(q, "short_conv") if self.short_conv <= 4 else None
             if conv is not None:
                 # conv, SiLU and q's and k's L2 norm in one kernel each way (k3cli/ops/kda/README.md §10)
                 q = conv(q, self.q_conv.weight[:, 0], pos, norm_dim=K)

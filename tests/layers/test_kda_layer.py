@@ -36,6 +36,7 @@ CASES = [
     ("noconv_nogate", 0, False, 2, 2, 20),
     ("conv2_GVA_G2", 2, True, 1, 2, 33),
     ("T1", 4, True, 2, 2, 1),
+    ("conv6_torch_conv", 6, True, 2, 2, 9),   # wider than the fused short conv takes: the torch conv
 ]
 
 

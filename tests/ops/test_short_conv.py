@@ -134,7 +134,7 @@ def test_short_conv_rejects_bad_input():
     x = torch.randn(1, 5, 8)
     w = torch.randn(8, 4)
     cases = [((x[0], w), "x must have 3 dims"), ((x, torch.randn(6, 4)), r"weight shape \(6, 4\) must be \[C=8, W\]"),
-             ((x, torch.randn(8, 9)), "1 <= W <= 8"), ((x.int(), w), "x dtype"),
+             ((x, torch.randn(8, 5)), "1 <= W <= 4"), ((x.int(), w), "x dtype"),
              ((x, w, torch.zeros(1, 4, dtype=torch.long)), r"pos shape \(1, 4\) must be \(1, 5\)"),
              ((x, w, torch.zeros(1, 5)), "pos dtype"), ((x, w, None, 3), "norm_dim=3 must be 0 or divide C=8"),
              ((x, w, None, -8), "norm_dim=-8"), ((x, w, None, 4, -1.0), "eps=-1.0")]

@@ -1,4 +1,4 @@
-"""KDA's short conv (docs/math.md §2.4): depthwise causal conv of width W, SiLU, and optionally the L2 norm over
+"""KDA's short conv (docs/math.md §2.4): depthwise causal conv of width W ≤ 4, SiLU, and optionally the L2 norm over
 each head's channels, one pass forward and two backward (README.md §10 has the math).
 
     a[t, c] = Σ_{j<W} w[c, W−1−j] · x[t−j, c]      (a tap only inside the sequence, and with `pos` inside the
@@ -90,15 +90,19 @@ def _short_conv_fwd_kernel(x, w, pos, y, T, C, eps, G: tl.constexpr, W: tl.const
 
 @triton.jit
 def _short_conv_bwd_da_kernel(x, w, pos, dy, da, dw_part, T, C, eps, STEPS: tl.constexpr, G: tl.constexpr, W: tl.constexpr,
-                              WP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr,
+                              BT: tl.constexpr, BC: tl.constexpr, HAS_POS: tl.constexpr,
                               NORM: tl.constexpr):
     """One program per (STEPS · BT rows, one group, sequence): da for its rows, and its partial sum of dw."""
     i_blk, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_g = tl.arange(0, BC)
     o_c = i_c * G + o_g
     m_c = (o_g < G) & (o_c < C)
-    o_w = tl.arange(0, WP)
-    b_dw = tl.zeros([BC, WP], dtype=tl.float32)
+    # one [BT, BC] accumulator per tap, summed over rows once at the end: a row sum per tap and tile
+    # (a cross-thread reduction) made this kernel 1.5x slower
+    acc0 = tl.zeros([BT, BC], dtype=tl.float32)
+    acc1 = tl.zeros([BT, BC], dtype=tl.float32)
+    acc2 = tl.zeros([BT, BC], dtype=tl.float32)
+    acc3 = tl.zeros([BT, BC], dtype=tl.float32)
     for i in range(STEPS):
         o_t = (i_blk * STEPS + i) * BT + tl.arange(0, BT)
         m = (o_t < T)[:, None] & m_c[None, :]
@@ -120,9 +124,23 @@ def _short_conv_bwd_da_kernel(x, w, pos, dy, da, dw_part, T, C, eps, STEPS: tl.c
             if HAS_POS:
                 m_t = m_t & (b_pos >= j)
             b_x = tl.load(x + p - j * C, mask=m_t[:, None] & m_c[None, :], other=0.).to(tl.float32)
-            b_dw += tl.where(o_w[None, :] == W - 1 - j, tl.sum(b_da * b_x, 0)[:, None], 0.)
-    i_part = (i_b * tl.num_programs(0) + i_blk).to(tl.int64) * C
-    tl.store(dw_part + (i_part + o_c)[:, None] * W + o_w[None, :], b_dw, mask=m_c[:, None] & (o_w < W)[None, :])
+            if j == 0:
+                acc0 += b_da * b_x
+            elif j == 1:
+                acc1 += b_da * b_x
+            elif j == 2:
+                acc2 += b_da * b_x
+            else:
+                acc3 += b_da * b_x
+    # tap j multiplies x[t − j], weight column W − 1 − j
+    base = dw_part + ((i_b * tl.num_programs(0) + i_blk).to(tl.int64) * C + o_c) * W + W - 1
+    tl.store(base, tl.sum(acc0, 0), mask=m_c)
+    if W > 1:
+        tl.store(base - 1, tl.sum(acc1, 0), mask=m_c)
+    if W > 2:
+        tl.store(base - 2, tl.sum(acc2, 0), mask=m_c)
+    if W > 3:
+        tl.store(base - 3, tl.sum(acc3, 0), mask=m_c)
 
 
 @triton.jit
@@ -181,7 +199,7 @@ def _backward(x: Tensor, weight: Tensor, pos: Tensor | None, dy: Tensor, norm_di
     da = torch.empty_like(x)
     dw_part = torch.empty(B * NB, C, W, device=x.device, dtype=torch.float32)
     _short_conv_bwd_da_kernel[(NB, NC, B)](x, weight, pos, dy, da, dw_part, T, C, eps, STEPS=steps, G=G, W=W,
-                                           WP=next_pow2(W), BT=_BT_DA, BC=BC, HAS_POS=pos is not None,
+                                           BT=_BT_DA, BC=BC, HAS_POS=pos is not None,
                                            NORM=bool(norm_dim), num_warps=_WARPS_DA)
     dx = torch.empty_like(x)
     BCX = _groups(C, 0)[1]
@@ -260,8 +278,8 @@ def short_conv(x: Tensor, weight: Tensor, pos: Tensor | None = None, norm_dim: i
     check_tensor("short_conv", "x", x, 3, dtypes=floats)
     B, T, C = x.shape
     check_tensor("short_conv", "weight", weight, 2, x.device, floats, ref="x")
-    if weight.shape[0] != C or not 1 <= weight.shape[1] <= 8:
-        raise ValueError(f"short_conv: weight shape {tuple(weight.shape)} must be [C={C}, W] with 1 <= W <= 8")
+    if weight.shape[0] != C or not 1 <= weight.shape[1] <= 4:
+        raise ValueError(f"short_conv: weight shape {tuple(weight.shape)} must be [C={C}, W] with 1 <= W <= 4")
     if pos is not None:
         check_tensor("short_conv", "pos", pos, 2, x.device, (torch.int32, torch.int64), shape=(B, T), ref="x")
     if isinstance(norm_dim, bool) or not isinstance(norm_dim, int):
