@@ -130,7 +130,7 @@ def conv_rows(K: int, dtype: torch.dtype = torch.bfloat16):
         out.append((f"short conv fwd, {tag}", conv._short_conv_fwd_kernel, ptrs,
                     dict(common, G=G, BT=conv._BT, BC=BC, NORM=norm), 4, 1))
         out.append((f"short conv bwd da, {tag}", conv._short_conv_bwd_da_kernel, ptrs,
-                    dict(common, STEPS=8, G=G, WP=4, BT=conv._BT_DA, BC=BC, NORM=norm), conv._WARPS_DA, 1))
+                    dict(common, STEPS=8, G=G, BT=conv._BT_DA, BC=BC, NORM=norm), conv._WARPS_DA, 1))
         out.append((f"short conv bwd dx, {tag}", conv._short_conv_bwd_dx_kernel, ptrs,
                     dict(common, BT=conv._BT, BC=conv._BC), 4, 1))
     return out
