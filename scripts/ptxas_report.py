@@ -73,30 +73,37 @@ def rows(K: int, BT: int, dtype: torch.dtype = torch.bfloat16):
     BV = min(64, max(16, triton.next_power_of_2(V)))
     BC = min(16, BT)
     io = dict(q=x, k=x, v=x, beta=x, do=x, o=x, dv=x, dq=x, dk=x, g=f32)
-    stage1 = dict(io, gc=f32, qg=gated, kd=gated, eg=f32, w=inter, u=inter, aqk=aqk, tm=f32, mkk=f32)
-    out = [("fwd gamma", F._kda_fwd_gamma_kernel, stage1,
-            dict(H=H, HV=H, K=K, BT=BT, BK=min(BK, F.GAMMA_BK)), F.GAMMA_WARPS, 1)]
-    for store_mkk in (True, False):
-        out.append((f"fwd scores {'per pair' if p.per_pair else 'per sub-chunk'}{'' if store_mkk else ' no Mkk'}",
-                    F._kda_fwd_scores_kernel, stage1,
-                    dict(H=H, HV=H, K=K, BT=BT, BC=BC, BK=min(BK, F.SCORES_BK), PREC=p.prec, STORE_MKK=store_mkk,
-                         PER_PAIR=p.per_pair), F.SCORES_WARPS, p.score_stages))
-    out.append(("fwd tail", F._kda_fwd_tail_kernel, stage1,
-                dict(HV=H, K=K, V=V, BT=BT, BC=BC, BK=min(BK, F.TAIL_BK), BV=BV, PREC=p.prec), F.TAIL_WARPS, 1))
+    stage1 = dict(io, gc=f32, qg=gated, kd=gated, eg=f32, w=inter, u=inter, aqk=aqk, tm=f32, mkk=f32, rows="i32")
+    out = []
+    for gather in (False, True):   # packed sequences: inputs read through the layout's token map
+        tag = " varlen" if gather else ""
+        no_rows = {} if gather else {"rows": None}   # launched with rows=None: a constexpr, as Triton binds it
+        out.append((f"fwd gamma{tag}", F._kda_fwd_gamma_kernel, stage1,
+                    dict(H=H, HV=H, K=K, BT=BT, BK=min(BK, F.GAMMA_BK), GATHER=gather, **no_rows), F.GAMMA_WARPS, 1))
+        for store_mkk in (True, False):
+            out.append((f"fwd scores {'per pair' if p.per_pair else 'per sub-chunk'}{'' if store_mkk else ' no Mkk'}"
+                        f"{tag}", F._kda_fwd_scores_kernel, stage1,
+                        dict(H=H, HV=H, K=K, BT=BT, BC=BC, BK=min(BK, F.SCORES_BK), PREC=p.prec,
+                             STORE_MKK=store_mkk, PER_PAIR=p.per_pair, GATHER=gather, **no_rows),
+                        F.SCORES_WARPS, p.score_stages))
+        out.append((f"fwd tail{tag}", F._kda_fwd_tail_kernel, stage1,
+                    dict(HV=H, K=K, V=V, BT=BT, BC=BC, BK=min(BK, F.TAIL_BK), BV=BV, PREC=p.prec, GATHER=gather,
+                         **no_rows),
+                    F.TAIL_WARPS, 1))
     scan = dict(stage1, h0=f32, ht=f32, h=f32, vn=f32, seqs="i32")
     for name, store_o in (("fwd scan", True), ("bwd re-scan", False)):
         for c in _scan_configs(scan, V, BK, BT, p.scan_prec, kd_t=store_o):
             out.append((f"{name} BV{c.kwargs['BV']} {c.num_warps}w {c.num_stages}s", F._kda_fwd_state_kernel, scan,
                         dict(HV=H, K=K, V=V, BT=BT, BK=BK, BV=c.kwargs["BV"], USE_H0=False, STORE_HT=False,
                              STORE_O=store_o, STORE_H=not store_o, INTERPRET=False, PREC=p.scan_prec, KD_T=store_o,
-                             VARLEN=False),
+                             VARLEN=False, GATHER=False, rows=None),
                         c.num_warps, c.num_stages))
             if store_o:   # packed sequences: one program per sequence, from and to its states
                 out.append((f"{name} varlen BV{c.kwargs['BV']} {c.num_warps}w {c.num_stages}s",
                             F._kda_fwd_state_kernel, scan,
                             dict(HV=H, K=K, V=V, BT=BT, BK=BK, BV=c.kwargs["BV"], USE_H0=True, STORE_HT=True,
                                  STORE_O=True, STORE_H=False, INTERPRET=False, PREC=p.scan_prec, KD_T=True,
-                                 VARLEN=True),
+                                 VARLEN=True, GATHER=True),
                             c.num_warps, c.num_stages))
     bwd = dict(stage1, dht=f32, dh=f32, dvn=f32, dh0=f32, h=f32, vn=f32, dy=f32, dqk=f32, dkk=f32, dbeta_v=f32,
                dqs=f32, dks=f32, dgs=f32, dg=f32, dbeta=f32, seqs="i32")

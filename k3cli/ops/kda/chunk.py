@@ -282,29 +282,26 @@ def _lay_out(x: Tensor, lay: VarlenLayout) -> Tensor:
 def _forward_varlen(q, k, v, g, beta, h0, cu: Tensor, scale: float, C: int, output_final_state: bool,
                     keep: bool = False):
     """The Triton forward over chunk-aligned sequences: (o [1, total_T, HV, V], final states [N, HV, K, V]); with
-    `keep`, also the laid-out (q, k, v, g, β) and the stage-1 buffers (`Intra`, Mkk stored, no Γ) for
-    `_backward_varlen`."""
+    `keep`, also the stage-1 buffers (`Intra`, Mkk stored, no Γ) for `_backward_varlen`. Its kernels read the
+    inputs and store O in place, through the layout's token map: no copy either way."""
     lay = varlen_layout(cu, C, q.device)
-    q, k, v, g, beta = (_lay_out(x, lay) for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     h0 = None if h0 is None else h0.contiguous()
     launch.configure()
-    T, HV, V = v.shape[1], v.shape[2], v.shape[3]
+    T, HV, V = lay.tok.numel(), v.shape[2], v.shape[3]
     p = plan(1, T, HV, q.shape[-1], V, C, v.dtype, v.is_cuda, torch_allows_tf32())
-    it = kda_fwd_intra(q, k, v, g, beta, scale, C, p, store_mkk=keep)
+    it = kda_fwd_intra(q, k, v, g, beta, scale, C, p, store_mkk=keep, rows=lay.tok)
     o, ht, _, _ = kda_fwd_state(it, 1, T, HV, C, h0, p.scan_prec, v.dtype, output_final_state, seqs=lay.seqs,
-                                n_run=lay.n_run)
-    o = gather_rows(o[0], lay.dst)[None]
-    return (o, ht, (q, k, v, g, beta), it._replace(gc=None)) if keep else (o, ht)
+                                n_run=lay.n_run, rows=lay.tok, n_tokens=v.shape[1])
+    return (o, ht, it._replace(gc=None)) if keep else (o, ht)
 
 
 def _backward_varlen(q, k, v, g, beta, h0, cu: Tensor, do, dht, scale: float, C: int, it: Intra | None = None):
-    """The Triton backward over chunk-aligned sequences. With `it` (the forward's stage-1 buffers, eagerly),
-    q .. beta are already laid out; without, stage 1 is recomputed (the op's path: its buffers have the
-    layout's data-dependent length, so the forward op cannot return them)."""
+    """The Triton backward over chunk-aligned sequences, on laid-out copies of the inputs and dO. With `it` (the
+    forward's stage-1 buffers, eagerly) it runs no stage 1; without, stage 1 is recomputed (the op's path: its
+    buffers have the layout's data-dependent length, so the forward op cannot return them)."""
     lay = varlen_layout(cu, C, q.device)
-    if it is None:
-        q, k, v, g, beta = (_lay_out(x, lay) for x in (q, k, v, g, beta))
-    do = _lay_out(do, lay)
+    q, k, v, g, beta, do = (_lay_out(x, lay) for x in (q, k, v, g, beta, do))
     h0 = None if h0 is None else h0.contiguous()
     dht = None if dht is None else dht.contiguous().float()
     launch.configure()
@@ -338,7 +335,7 @@ def chunk_kda_varlen_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
 
 def _chunk_kda_varlen_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size, output_final_state,
                            reference=False, keep=False):
-    """The op's (o, ht); with `keep` (Triton path only) also `_forward_varlen`'s laid-out inputs and buffers."""
+    """The op's (o, ht); with `keep` (Triton path only) also `_forward_varlen`'s stage-1 buffers."""
     kept = ()
     if triton_runs(q.device) and not reference:
         o, ht, *kept = _forward_varlen(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size,
@@ -409,8 +406,8 @@ chunk_kda_varlen_op.register_autograd(_varlen_autograd_backward, setup_context=_
 
 class _ChunkKDAVarlen(torch.autograd.Function):
     """k3::chunk_kda_varlen's eager autograd (as _ChunkKDA is k3::chunk_kda's), which also keeps what the op
-    cannot: on the Triton path, when a backward will run, the laid-out inputs and the stage-1 buffers, so
-    that the backward neither lays the inputs out again nor recomputes stage 1 (README.md §9)."""
+    cannot: on the Triton path, when a backward will run, the stage-1 buffers, so that the backward does not
+    recompute stage 1 (README.md §9)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, cu_seqlens, scale, chunk_size, output_final_state, reference):
@@ -419,8 +416,7 @@ class _ChunkKDAVarlen(torch.autograd.Function):
         o, ht, *kept = _chunk_kda_varlen_impl(*inputs, keep=ctx.keep)
         saved = None
         if ctx.keep:
-            laid_out, it = kept
-            saved = (*laid_out, h0, cu_seqlens, *it[:-1])
+            saved = (q, k, v, g, beta, h0, cu_seqlens, *kept[0][:-1])
         _setup_varlen(ctx, inputs, (o, ht), saved)
         ctx.o_shape = o.shape
         return o, ht

@@ -161,30 +161,45 @@ def _unit_lower_inverse(p, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _head_rows(x, i_b, i_h, o_t, o_k, T, H: tl.constexpr, K: tl.constexpr):
-    """Token rows o_t, columns o_k of head i_h of sequence i_b of a [B, T, H, K] tensor, fp32, zeros past
-    T and K."""
-    m = (o_t < T)[:, None] & (o_k < K)[None, :]
-    row = (i_b * T + o_t).to(tl.int64) * (H * K) + i_h * K
+def _token_rows(rows, i_b, t0, o_t, T, GATHER: tl.constexpr):
+    """The input rows (int64) of positions t0 + o_t of sequence i_b, and which are real tokens: i_b*T + t0 + o_t
+    below T; with GATHER (B = 1, varlen), `rows[t0 + o_t]`, a gap's -1 masked, so inputs are read in place."""
+    if GATHER:
+        r = tl.load(rows + t0 + o_t, mask=(t0 + o_t) < T, other=-1)
+        return r.to(tl.int64), r >= 0
+    else:
+        # scalar offsets first: the form the kernels' H200 figures were measured with
+        return (i_b * T + t0 + o_t).to(tl.int64), (t0 + o_t) < T
+
+
+@triton.jit
+def _head_rows(x, rows, i_b, i_h, o_t, o_k, T, H: tl.constexpr, K: tl.constexpr, GATHER: tl.constexpr):
+    """Token rows o_t, columns o_k of head i_h of sequence i_b of a [B, T, H, K] tensor (`_token_rows`),
+    fp32, zeros past T, in gaps and past K."""
+    r, m_t = _token_rows(rows, i_b, 0, o_t, T, GATHER)
+    m = m_t[:, None] & (o_k < K)[None, :]
+    row = r * (H * K) + i_h * K
     return tl.load(x + row[:, None] + o_k[None, :], mask=m, other=0.).to(tl.float32)
 
 
 @triton.jit
-def _load_rows_qkg(q, k, g, i_b, i_h, i_hv, o_t, i_k, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                   BK: tl.constexpr):
-    """Token rows o_t of sequence i_b, key columns [i_k*BK, (i_k+1)*BK): q, k fp32 (head i_h) and
-    g fp32 (head i_hv); zeros past T and past K."""
+def _load_rows_qkg(q, k, g, rows, i_b, i_h, i_hv, o_t, i_k, T, H: tl.constexpr, HV: tl.constexpr,
+                   K: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr):
+    """Token rows o_t of sequence i_b (`_token_rows`), key columns [i_k*BK, (i_k+1)*BK): q, k fp32 (head i_h)
+    and g fp32 (head i_hv); zeros past T, in gaps and past K."""
     o_k = i_k * BK + tl.arange(0, BK)
-    return (_head_rows(q, i_b, i_h, o_t, o_k, T, H, K), _head_rows(k, i_b, i_h, o_t, o_k, T, H, K),
-            _head_rows(g, i_b, i_hv, o_t, o_k, T, HV, K))
+    return (_head_rows(q, rows, i_b, i_h, o_t, o_k, T, H, K, GATHER),
+            _head_rows(k, rows, i_b, i_h, o_t, o_k, T, H, K, GATHER),
+            _head_rows(g, rows, i_b, i_hv, o_t, o_k, T, HV, K, GATHER))
 
 
 @triton.jit
-def _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H: tl.constexpr, HV: tl.constexpr,
-                    K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+def _load_chunk_qkg(q, k, g, rows, i_b, i_h, i_hv, i_n, i_k, T, H: tl.constexpr, HV: tl.constexpr,
+                    K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr):
     """q, k [BT, BK] fp32 of head i_h and Γ = chunk-local cumsum of g [BT, BK] fp32 of head i_hv,
     key columns [i_k*BK, (i_k+1)*BK)."""
-    b_q, b_k, b_g = _load_rows_qkg(q, k, g, i_b, i_h, i_hv, i_n * BT + tl.arange(0, BT), i_k, T, H, HV, K, BK)
+    b_q, b_k, b_g = _load_rows_qkg(q, k, g, rows, i_b, i_h, i_hv, i_n * BT + tl.arange(0, BT), i_k, T, H, HV, K,
+                                   BK, GATHER)
     return b_q, b_k, tl.cumsum(b_g, 0)
 
 
@@ -192,19 +207,19 @@ def _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H: tl.constexpr, HV: t
 def _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, c, i_k, T, H: tl.constexpr, HV: tl.constexpr,
                    K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
     """Rows of sub-chunk c of chunk i_n (`_load_rows_qkg` of [BC, BK]): q, k, g, no cumsum."""
-    return _load_rows_qkg(q, k, g, i_b, i_h, i_hv, i_n * BT + c * BC + tl.arange(0, BC), i_k, T, H, HV, K, BK)
+    return _load_rows_qkg(q, k, g, None, i_b, i_h, i_hv, i_n * BT + c * BC + tl.arange(0, BC), i_k, T, H, HV, K,
+                          BK, False)
 
 
 @triton.jit
-def _store_u(v, u, b_tm, b_beta, i_b, i_hv, i_n, base, T, HV: tl.constexpr, V: tl.constexpr,
+def _store_u(v, u, b_tm, b_beta, r_t, m_t, i_hv, base, HV: tl.constexpr, V: tl.constexpr,
              BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
-    """U = Tm diag(β) V for one chunk, one BV-column block at a time."""
+    """U = Tm diag(β) V for one chunk (v's token rows r_t, real where m_t), one BV-column block at a time."""
     o_t = tl.arange(0, BT)
-    m_t = (i_n * BT + o_t) < T
     for i_v in range((V + BV - 1) // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        p_v = v + (i_b * T + i_n * BT + o_t).to(tl.int64)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+        p_v = v + r_t[:, None] * (HV * V) + i_hv * V + o_v[None, :]
         b_v = tl.load(p_v, mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32)
         b_u = _dot(b_tm, b_v * b_beta[:, None], PREC)
         tl.store(u + (base + o_t)[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_v[None, :])
@@ -212,8 +227,9 @@ def _store_u(v, u, b_tm, b_beta, i_b, i_hv, i_n, base, T, HV: tl.constexpr, V: t
 
 @fast_launch
 @triton.jit
-def _kda_fwd_gamma_kernel(q, k, g, beta, gc, qg, kd, eg, w, scale, T, NT, N0, H: tl.constexpr, HV: tl.constexpr,
-                          K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+def _kda_fwd_gamma_kernel(q, k, g, beta, rows, gc, qg, kd, eg, w, scale, T, NT, N0, H: tl.constexpr,
+                          HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                          GATHER: tl.constexpr):
     """Stage 1a, one program per (chunk N0 + i, batch*value-head, BK key columns): Γ = chunk-local cumsum of
     g into the fp32 `gc` buffer, the state scans' gated operands scale·Q e^Γ, K e^(γ-Γ), e^γ, and β K e^Γ into
     the W buffer, which the tail reads (and overwrites with W) instead of reading k and g again."""
@@ -223,7 +239,7 @@ def _kda_fwd_gamma_kernel(q, k, g, beta, gc, qg, kd, eg, w, scale, T, NT, N0, H:
     o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
-    b_q, b_k, b_G = _load_chunk_qkg(q, k, g, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK)
+    b_q, b_k, b_G = _load_chunk_qkg(q, k, g, rows, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK, GATHER)
     base = i_bh.to(tl.int64) * NT * BT + i_n * BT
     p_rk = (base + o_t)[:, None] * K + o_k[None, :]
     b_gam = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), 0)
@@ -231,8 +247,8 @@ def _kda_fwd_gamma_kernel(q, k, g, beta, gc, qg, kd, eg, w, scale, T, NT, N0, H:
     tl.store(qg + p_rk, (b_q * tl.exp(b_G) * scale).to(qg.dtype.element_ty), mask=m_k[None, :])
     tl.store(kd + p_rk, (b_k * tl.exp(b_gam[None, :] - b_G)).to(kd.dtype.element_ty), mask=m_k[None, :])
     tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=m_k)
-    m_t = (i_n * BT + o_t) < T
-    b_beta = tl.load(beta + (i_b * T + i_n * BT + o_t).to(tl.int64) * HV + i_hv, mask=m_t, other=0.)
+    r_t, m_t = _token_rows(rows, i_b, i_n * BT, o_t, T, GATHER)
+    b_beta = tl.load(beta + r_t * HV + i_hv, mask=m_t, other=0.)
     b_x = b_k * tl.exp(b_G) * b_beta.to(tl.float32)[:, None]
     tl.store(w + p_rk, b_x.to(w.dtype.element_ty), mask=m_k[None, :])
 
@@ -262,29 +278,43 @@ def _store_zero_blocks(aqk, tm, mkk, p_row, i_row, c, o_c, b_beta, scale, NC: tl
 
 
 @triton.jit
-def _score_pair(q_h, k_h, gc_n, a, c, t_a, t_c, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+def _score_pair(q_h, k_h, gc_n, rows, a, c, t_a, t_c, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, GATHER: tl.constexpr):
     """The raw BC x BC products of query sub-chunk a (token rows from t_a) with key sub-chunk c (from t_c)
     of one chunk, over BK-column key blocks, from the stored Γ (`gc_n`: this chunk's [BT, K] rows),
     anchored at Γ of sub-chunk a's first row A, so that no factor depends on a later token and every
     exponent of a pair below the diagonal is <= 0:
-    q·k: Σ_d (q_id e^(Γ_id - A_d)) (k_jd e^(A_d - Γ_jd)), and the same with k_i for q_i."""
+    q·k: Σ_d (q_id e^(Γ_id - A_d)) (k_jd e^(A_d - Γ_jd)), and the same with k_i for q_i.
+    GATHER: q and k rows through `rows` (`_token_rows`), by pointer tiles instead of block pointers."""
     b_sq = tl.zeros([BC, BC], dtype=tl.float32)
     b_sk = tl.zeros([BC, BC], dtype=tl.float32)
+    if GATHER:
+        o_c = tl.arange(0, BC)
+        r_a, m_a = _token_rows(rows, 0, t_a, o_c, T, True)
+        r_c, m_c = _token_rows(rows, 0, t_c, o_c, T, True)
     for i_k in range((K + BK - 1) // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         b_A = tl.load(gc_n + a * BC * K + o_k, mask=o_k < K, other=0.)
         p_ga = tl.make_block_ptr(gc_n, (BT, K), (K, 1), (a * BC, i_k * BK), (BC, BK), (1, 0))
         b_e = tl.exp(tl.load(p_ga, boundary_check=(1,), padding_option="zero") - b_A[None, :])
-        # the key side loaded transposed, [BK, BC]
-        p_kt = tl.make_block_ptr(k_h, (K, T), (1, H * K), (i_k * BK, t_c), (BK, BC), (0, 1))
         p_gt = tl.make_block_ptr(gc_n, (K, BT), (1, K), (i_k * BK, c * BC), (BK, BC), (0, 1))
-        b_kt = tl.load(p_kt, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
-        b_kt *= tl.exp(b_A[:, None] - tl.load(p_gt, boundary_check=(0,), padding_option="zero"))
-        p_q = tl.make_block_ptr(q_h, (T, K), (H * K, 1), (t_a, i_k * BK), (BC, BK), (1, 0))
-        p_k = tl.make_block_ptr(k_h, (T, K), (H * K, 1), (t_a, i_k * BK), (BC, BK), (1, 0))
-        b_qa = tl.load(p_q, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
-        b_ka = tl.load(p_k, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+        if GATHER:
+            m_k = o_k < K
+            m_ak = m_a[:, None] & m_k[None, :]
+            b_kt = tl.load(k_h + r_c[None, :] * (H * K) + o_k[:, None], mask=m_k[:, None] & m_c[None, :],
+                           other=0.).to(tl.float32)
+            b_kt *= tl.exp(b_A[:, None] - tl.load(p_gt, boundary_check=(0,), padding_option="zero"))
+            b_qa = tl.load(q_h + r_a[:, None] * (H * K) + o_k[None, :], mask=m_ak, other=0.).to(tl.float32)
+            b_ka = tl.load(k_h + r_a[:, None] * (H * K) + o_k[None, :], mask=m_ak, other=0.).to(tl.float32)
+        else:
+            # the key side loaded transposed, [BK, BC]
+            p_kt = tl.make_block_ptr(k_h, (K, T), (1, H * K), (i_k * BK, t_c), (BK, BC), (0, 1))
+            b_kt = tl.load(p_kt, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+            b_kt *= tl.exp(b_A[:, None] - tl.load(p_gt, boundary_check=(0,), padding_option="zero"))
+            p_q = tl.make_block_ptr(q_h, (T, K), (H * K, 1), (t_a, i_k * BK), (BC, BK), (1, 0))
+            p_k = tl.make_block_ptr(k_h, (T, K), (H * K, 1), (t_a, i_k * BK), (BC, BK), (1, 0))
+            b_qa = tl.load(p_q, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+            b_ka = tl.load(p_k, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
         b_sq += _dot(b_qa * b_e, b_kt, PREC)
         b_sk += _dot(b_ka * b_e, b_kt, PREC)
     return b_sq, b_sk
@@ -292,9 +322,10 @@ def _score_pair(q_h, k_h, gc_n, a, c, t_a, t_c, T, H: tl.constexpr, K: tl.conste
 
 @fast_launch
 @triton.jit
-def _kda_fwd_scores_kernel(q, k, gc, beta, aqk, tm, mkk, scale, T, NT, N0, H: tl.constexpr, HV: tl.constexpr,
-                           K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                           PREC: tl.constexpr, STORE_MKK: tl.constexpr, PER_PAIR: tl.constexpr):
+def _kda_fwd_scores_kernel(q, k, gc, beta, rows, aqk, tm, mkk, scale, T, NT, N0, H: tl.constexpr,
+                           HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                           PREC: tl.constexpr, STORE_MKK: tl.constexpr, PER_PAIR: tl.constexpr,
+                           GATHER: tl.constexpr):
     """Stage 1b, one program per (chunk x query sub-chunk a, batch*value-head): the BC x BC score blocks
     (a, c) of rows [a*BC, (a+1)*BC), c <= a (`_score_pair`). Writes scale·Aqk (j <= i) to aqk, β_i Akk
     (j < i) to tm, raw Akk to mkk with STORE_MKK, and zeros in the blocks c > a. PER_PAIR: one program per
@@ -316,9 +347,9 @@ def _kda_fwd_scores_kernel(q, k, gc, beta, aqk, tm, mkk, scale, T, NT, N0, H: tl
     i_h = i_hv // (HV // H)
     o_c = tl.arange(0, BC)
     i_row = a * BC + o_c
-    m_i = (i_n * BT + i_row) < T
+    r_i, m_i = _token_rows(rows, i_b, i_n * BT, i_row, T, GATHER)
     base = i_bh.to(tl.int64) * NT * BT + i_n * BT
-    b_beta = tl.load(beta + (i_b * T + i_n * BT + i_row).to(tl.int64) * HV + i_hv, mask=m_i, other=0.)
+    b_beta = tl.load(beta + r_i * HV + i_hv, mask=m_i, other=0.)
     b_beta = b_beta.to(tl.float32)
     # scalar bases and block pointers (64-bit pointer tiles cost two registers per element)
     q_h = q + (i_b.to(tl.int64) * T * H + i_h) * K
@@ -330,7 +361,8 @@ def _kda_fwd_scores_kernel(q, k, gc, beta, aqk, tm, mkk, scale, T, NT, N0, H: tl
     if PER_PAIR:
         c = c_first
         j_col = c * BC + o_c
-        b_sq, b_sk = _score_pair(q_h, k_h, gc_n, a, c, t_a, i_n * BT + c * BC, T, H, K, BT, BC, BK, PREC)
+        b_sq, b_sk = _score_pair(q_h, k_h, gc_n, rows, a, c, t_a, i_n * BT + c * BC, T, H, K, BT, BC, BK, PREC,
+                                     GATHER)
         _store_score_block(aqk, tm, mkk, p_row + j_col[None, :], i_row, j_col, b_sq, b_sk, b_beta, scale, STORE_MKK)
         # the diagonal block's program also writes the zero blocks right of it (none when the chunk is one
         # sub-chunk; the loop left in for NC = 1 crashes Triton's coalesce pass)
@@ -341,7 +373,8 @@ def _kda_fwd_scores_kernel(q, k, gc, beta, aqk, tm, mkk, scale, T, NT, N0, H: tl
         c = c_first
         while c <= a:
             j_col = c * BC + o_c
-            b_sq, b_sk = _score_pair(q_h, k_h, gc_n, a, c, t_a, i_n * BT + c * BC, T, H, K, BT, BC, BK, PREC)
+            b_sq, b_sk = _score_pair(q_h, k_h, gc_n, rows, a, c, t_a, i_n * BT + c * BC, T, H, K, BT, BC, BK, PREC,
+                                     GATHER)
             _store_score_block(aqk, tm, mkk, p_row + j_col[None, :], i_row, j_col, b_sq, b_sk, b_beta, scale,
                                STORE_MKK)
             c += 1
@@ -350,17 +383,17 @@ def _kda_fwd_scores_kernel(q, k, gc, beta, aqk, tm, mkk, scale, T, NT, N0, H: tl
 
 @fast_launch
 @triton.jit
-def _kda_fwd_tail_kernel(v, beta, w, u, tm, T, NT, N0, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def _kda_fwd_tail_kernel(v, beta, rows, w, u, tm, T, NT, N0, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                         PREC: tl.constexpr):
+                         PREC: tl.constexpr, GATHER: tl.constexpr):
     """Stage 1c, one program per (chunk N0 + i, batch*value-head): the solve Tm = (I + Akk)^-1 in place of
     the tm buffer, then W = Tm (β K e^Γ) in place of the W buffer (BK columns at a time) and U = Tm diag(β) V."""
     i_n, i_bh = tl.program_id(0) + N0, tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     o_t = tl.arange(0, BT)
-    m_t = (i_n * BT + o_t) < T
+    r_t, m_t = _token_rows(rows, i_b, i_n * BT, o_t, T, GATHER)
     base = i_bh.to(tl.int64) * NT * BT + i_n * BT
-    b_beta = tl.load(beta + (i_b * T + i_n * BT + o_t).to(tl.int64) * HV + i_hv, mask=m_t, other=0.)
+    b_beta = tl.load(beta + r_t * HV + i_hv, mask=m_t, other=0.)
     b_beta = b_beta.to(tl.float32)
     tl.debug_barrier()
     b_tm = _unit_lower_inverse(tm + base * BT, BT, BC)
@@ -371,16 +404,18 @@ def _kda_fwd_tail_kernel(v, beta, w, u, tm, T, NT, N0, HV: tl.constexpr, K: tl.c
         b_x = tl.load(p_w, mask=m_k[None, :], other=0.).to(tl.float32)
         b_w = _dot(b_tm, b_x, PREC)
         tl.store(p_w, b_w.to(w.dtype.element_ty), mask=m_k[None, :])
-    _store_u(v, u, b_tm, b_beta, i_b, i_hv, i_n, base, T, HV, V, BT, BV, PREC)
+    _store_u(v, u, b_tm, b_beta, r_t, m_t, i_hv, base, HV, V, BT, BV, PREC)
 
 
 @triton.jit
-def _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i_v, i_n, T, NT,
+def _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, rows, b_s, i_b, i_hv, i_bh, i_v, i_n, T, NT,
                         HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                        STORE_O: tl.constexpr, STORE_H: tl.constexpr, PREC: tl.constexpr, KD_T: tl.constexpr):
-    """One chunk of the state scan: emit O (and S, Vn for the backward), return the next S. KD_T: read
-    K_d^T as a [BK, BT] tile straight from memory instead of transposing the loaded [BT, BK] tile."""
+                        STORE_O: tl.constexpr, STORE_H: tl.constexpr, PREC: tl.constexpr, KD_T: tl.constexpr,
+                        GATHER: tl.constexpr):
+    """One chunk of the state scan: emit O (to its token rows, `_token_rows`) (and S, Vn for the backward),
+    return the next S. KD_T: read K_d^T as a [BK, BT] tile straight from memory instead of transposing the
+    loaded [BT, BK] tile."""
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -399,8 +434,8 @@ def _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i
         b_qg = tl.load(qg + p_rk, mask=m_k[None, :], other=0.).to(tl.float32)
         b_a = tl.load(aqk + row[:, None] * BT + o_t[None, :]).to(tl.float32)
         b_o = _dot(b_qg, b_s, PREC) + _dot(b_a, b_vn, PREC)
-        m_t = (i_n * BT + o_t) < T
-        p_o = o + (i_b * T + i_n * BT + o_t).to(tl.int64)[:, None] * (HV * V) + i_hv * V + o_v[None, :]
+        r_t, m_t = _token_rows(rows, i_b, i_n * BT, o_t, T, GATHER)
+        p_o = o + r_t[:, None] * (HV * V) + i_hv * V + o_v[None, :]
         tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
     if KD_T:
         b_kdt = tl.load(kd + row[None, :] * K + o_k[:, None], mask=m_k[:, None], other=0.).to(tl.float32)
@@ -447,15 +482,15 @@ def seq_launches(n: int) -> list[tuple[int, int]]:
     prune_configs_by={"early_config_prune": prune_state_configs},
 )
 @triton.jit
-def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, seqs, P0, T, NT, NBH, N0, N1, L, SEG_STRIDE,
-                          HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, seqs, rows, P0, T, NT, NBH, N0, N1, L,
+                          SEG_STRIDE, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           USE_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_O: tl.constexpr,
                           STORE_H: tl.constexpr, INTERPRET: tl.constexpr, PREC: tl.constexpr,
-                          KD_T: tl.constexpr, VARLEN: tl.constexpr):
+                          KD_T: tl.constexpr, VARLEN: tl.constexpr, GATHER: tl.constexpr):
     """The state scan over chunks [N0, N1) from h0 (or zeros), storing the end state to ht. VARLEN (B = 1):
     program_id(2) scans the chunks of one sequence, row P0 + program_id(2) of `seqs`, from and to its block of
-    h0 and ht [N, HV, K, V]."""
+    h0 and ht [N, HV, K, V]; GATHER: O goes to the token rows `rows` names (`_token_rows`)."""
     i_v, i_bh, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hv = i_bh // HV, i_bh % HV
     # Without VARLEN the bounds and offsets keep the form of the kernel the H200 figures were measured on: a
@@ -476,13 +511,13 @@ def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, seqs, P0, T, 
         # the interpreter cannot take a runtime bound in range() with numpy >= 2.4
         i_n = n0
         while i_n < n1:
-            b_s = _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i_v, i_n, T, NT,
-                                      HV, K, V, BT, BK, BV, STORE_O, STORE_H, PREC, KD_T)
+            b_s = _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, rows, b_s, i_b, i_hv, i_bh, i_v, i_n, T,
+                                      NT, HV, K, V, BT, BK, BV, STORE_O, STORE_H, PREC, KD_T, GATHER)
             i_n += 1
     else:
         for i_n in range(n0, n1):
-            b_s = _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, b_s, i_b, i_hv, i_bh, i_v, i_n, T, NT,
-                                      HV, K, V, BT, BK, BV, STORE_O, STORE_H, PREC, KD_T)
+            b_s = _kda_fwd_state_step(qg, kd, eg, w, u, aqk, o, h, vn, rows, b_s, i_b, i_hv, i_bh, i_v, i_n, T,
+                                      NT, HV, K, V, BT, BK, BV, STORE_O, STORE_H, PREC, KD_T, GATHER)
     if STORE_HT:
         if VARLEN:
             tl.store(ht + seg + p_state, b_s, mask=m_kv)   # an empty sequence stores its start state
@@ -541,11 +576,15 @@ def intra_buffers(B: int, T: int, HV: int, K: int, V: int, chunk_size: int, plan
 
 
 def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, plan, store_mkk: bool,
-                  ranges: list[tuple[int, int]] | None = None, on_range=None) -> Intra:
+                  ranges: list[tuple[int, int]] | None = None, on_range=None, rows=None) -> Intra:
     """Launch stage 1 for chunk range after range (`ranges`, default all chunks), calling `on_range(n0, n1)`
     after each. Buffer dtypes, dot precision and the score launch's form come from `plan` (chunk.Plan);
-    `store_mkk` keeps the raw Mkk for the backward."""
+    `store_mkk` keeps the raw Mkk for the backward. With `rows` (int32 [T'] on the device, varlen.VarlenLayout's
+    `tok`), the inputs are one flattened row [1, total_T, ...] read in place, position t of the T'-long
+    layout being token rows[t] (-1: a gap)."""
     B, T, H, K = q.shape
+    if rows is not None:
+        T = rows.numel()
     HV, V = v.shape[2], v.shape[3]
     BT = chunk_size
     NT = cdiv(T, BT)
@@ -560,15 +599,15 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, plan, store_m
     for n0, n1 in ranges or [(0, NT)]:
         n = n1 - n0
         _kda_fwd_gamma_kernel[(n, B * HV, cdiv(K, BKg))](
-            q, k, g, beta, gc, qg, kd, eg, w, scale, T, NT, n0, H=H, HV=HV, K=K, BT=BT, BK=BKg,
-            num_warps=GAMMA_WARPS, num_stages=1)
+            q, k, g, beta, rows, gc, qg, kd, eg, w, scale, T, NT, n0, H=H, HV=HV, K=K, BT=BT, BK=BKg,
+            GATHER=rows is not None, num_warps=GAMMA_WARPS, num_stages=1)
         _kda_fwd_scores_kernel[(n * (NC * (NC + 1) // 2 if plan.per_pair else NC), B * HV)](
-            q, k, gc, beta, aqk, tm, mkk_arg, scale, T, NT, n0, H=H, HV=HV, K=K, BT=BT, BC=BC,
+            q, k, gc, beta, rows, aqk, tm, mkk_arg, scale, T, NT, n0, H=H, HV=HV, K=K, BT=BT, BC=BC,
             BK=min(BK, SCORES_BK), PREC=plan.prec, STORE_MKK=store_mkk, PER_PAIR=plan.per_pair,
-            num_warps=SCORES_WARPS, num_stages=plan.score_stages)
+            GATHER=rows is not None, num_warps=SCORES_WARPS, num_stages=plan.score_stages)
         _kda_fwd_tail_kernel[(n, B * HV)](
-            v, beta, w, u, tm, T, NT, n0, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=min(BK, TAIL_BK), BV=BV,
-            PREC=plan.prec, num_warps=TAIL_WARPS, num_stages=1)
+            v, beta, rows, w, u, tm, T, NT, n0, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=min(BK, TAIL_BK), BV=BV,
+            PREC=plan.prec, GATHER=rows is not None, num_warps=TAIL_WARPS, num_stages=1)
         if on_range is not None:
             on_range(n0, n1)
     return it
@@ -576,7 +615,8 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, plan, store_m
 
 def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_state, precision: str,
                   o_dtype: torch.dtype | None = None, output_final_state: bool = False,
-                  ranges: list[tuple[int, int]] | None = None, on_range=None, seqs=None, n_run: int | None = None):
+                  ranges: list[tuple[int, int]] | None = None, on_range=None, seqs=None, n_run: int | None = None,
+                  rows=None, n_tokens: int | None = None):
     """Launch stage 2, one launch per chunk range (`ranges`, default all chunks; `on_range(n0, n1)` is called
     before each), each starting from the previous one's end state. With `o_dtype` the scan forms O; without
     it (the backward's re-scan) it stores the chunk start states S_n and pseudo-values Vn instead.
@@ -584,13 +624,15 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
     Vn [B*HV,NT*BT,V] fp32 or None). With `seqs` (int32 [N, 3], B = 1, varlen.VarlenLayout) the chunks hold N
     sequences, scanned in parallel: initial_state and the final state are [N, HV, K, V], `ranges` must be None;
     its first `n_run` rows (default all) are the sequences with chunks (the rest are empty: they only store
-    their start state, so they get programs only with `output_final_state`)."""
+    their start state, so they get programs only with `output_final_state`). With `rows` (as `kda_fwd_intra`'s)
+    O is [1, n_tokens, HV, V], each position stored to its token row (gaps dropped)."""
     K, V = it.w.shape[-1], it.u.shape[-1]
     BT = chunk_size
     NT = cdiv(T, BT)
     dev = it.w.device
     store_o = o_dtype is not None
-    o = torch.empty(B, T, HV, V, device=dev, dtype=o_dtype) if store_o else None
+    o_len = T if rows is None else n_tokens
+    o = torch.empty(B, o_len, HV, V, device=dev, dtype=o_dtype) if store_o else None
     n_seq = 1 if seqs is None else len(seqs)
     ht = torch.empty(B * n_seq, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     pieces = seq_launches(n_seq if output_final_state or n_run is None else n_run)
@@ -609,10 +651,11 @@ def kda_fwd_state(it: Intra, B: int, T: int, HV: int, chunk_size: int, initial_s
         for p0, n_p in pieces:
             # the autotuner key counts the table's rows (fixed for a batch shape), not the launched (data-dependent)
             _kda_fwd_state_kernel[lambda meta, n_p=n_p: (cdiv(V, meta["BV"]), B * HV, n_p)](
-                it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, s_in, s_out, h, vn, seqs, p0, T, NT,
+                it.qg, it.kd, it.eg, it.w, it.u, it.aqk, o, s_in, s_out, h, vn, seqs, rows, p0, T, NT,
                 next_pow2(B * HV * n_seq), n0, n1, n1 - n0, 0, HV=HV, K=K, V=V, BT=BT, BK=max(16, next_pow2(K)),
                 USE_H0=s_in is not None, STORE_HT=s_out is not None, STORE_O=store_o, STORE_H=not store_o,
-                INTERPRET=interpreting(it.w), PREC=precision, KD_T=store_o, VARLEN=seqs is not None)
+                INTERPRET=interpreting(it.w), PREC=precision, KD_T=store_o, VARLEN=seqs is not None,
+                GATHER=rows is not None)
         if carry and dev.type == "cuda" and torch.cuda.current_stream(dev) not in streams:
             streams.append(torch.cuda.current_stream(dev))
         s_in = s_out

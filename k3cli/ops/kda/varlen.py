@@ -16,6 +16,7 @@ class VarlenLayout(NamedTuple):
     """Sequences of one flattened row moved so that each starts on a chunk: a chunk never spans two, the
     intra-chunk kernels need no change, and only the state scans restart per sequence."""
     src: Tensor    # [T'] original token of each laid-out position; total_T (a zero row) in the gaps
+    tok: Tensor    # int32 [T'] the same with -1 in the gaps: the forward kernels read their inputs through it
     dst: Tensor    # [total_T] laid-out position of each original token
     ctab: Tensor   # int32 [T' / C] on the CPU: sequence << 2 | (last chunk of it) << 1 | (first chunk of it)
     seqs: Tensor   # int32 [N, 3] on the device: (sequence, first chunk, end chunk), longest first
@@ -62,7 +63,8 @@ def _make_layout(cu: Tensor, C: int, device: torch.device) -> VarlenLayout:
     # the last programs the GPU schedules are the short ones
     order = torch.sort(chunks, descending=True, stable=True).indices
     seqs = torch.stack([order, first_chunk[order], (first_chunk + chunks)[order]], 1).to(torch.int32)
-    return VarlenLayout(to_device(src, device), to_device(dst, device), ctab.to(torch.int32),
+    tok = torch.where(src < total, src, -1).to(torch.int32)
+    return VarlenLayout(to_device(src, device), to_device(tok, device), to_device(dst, device), ctab.to(torch.int32),
                         to_device(seqs, device), len(lens), int((chunks > 0).sum()))
 
 
