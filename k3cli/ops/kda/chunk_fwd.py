@@ -10,7 +10,9 @@ Stage 1, for each chunk range [n0, n1) (one range unless `chunk.plan` cuts the s
      β K e^Γ) and U.
 Stage 2, `_kda_fwd_state_kernel`, one program per (value block, batch*value-head), sequential over
 chunks: Vn = U - W S, O = scale (Q e^Γ) S + Aqk Vn, S <- e^γ S + (K e^(γ-Γ))^T Vn.
-Intermediates live in a [B*HV, NT*BT, ...] layout padded to whole chunks (padded rows are zeros).
+Intermediates live in a [B*HV, NT*BT, ...] layout padded to whole chunks (padded rows are zeros). With packed
+sequences (GATHER, README.md §9) the same kernels run on the chunk-aligned layout but read the inputs and
+store O at the token rows its map names, so the forward copies nothing.
 """
 from __future__ import annotations
 
