@@ -23,6 +23,7 @@ from k3cli.ops.kda.chunk_fwd import (
     _load_chunk_qkg,
     _scan_start,
     _subchunk_rows,
+    _token_rows,
     _varlen_bounds,
     interpreting,
     pick_configs,
@@ -278,7 +279,9 @@ def _kda_bwd_kside_kernel(q, k, g, beta, mkk, h, dh, do, vn, dy, dqk, dkk, dqs, 
     b_dakk = -tl.where(o_t[:, None] > o_t[None, :], b_dakk, 0.)
     p_tt = ((i_b * HV + i_hv) * NT * BT + i_n * BT + o_t).to(tl.int64)[:, None] * BT + o_t[None, :]
     b_dbeta += tl.sum(b_dakk * tl.load(mkk + p_tt, mask=(o_t[:, None] >= 0) & (i_k == 0), other=0.), 1)
-    b_q, b_k, b_G = _load_chunk_qkg(q, k, g, None, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK, False)
+    # rows formed afresh (not `tok`): reusing it cost 48 B more spill here (sm_90, K = 128)
+    r_c, m_c = _token_rows(None, i_b, 0, i_n * BT + o_t, T, False)
+    b_q, b_k, b_G = _load_chunk_qkg(q, k, g, r_c, m_c, i_h, i_hv, i_k, H, HV, K, BK)
     b_gam = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), 0)
     b_eg = tl.exp(b_G)
     b_kg = b_k * b_eg

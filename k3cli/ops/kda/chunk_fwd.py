@@ -175,42 +175,39 @@ def _token_rows(rows, i_b, t0, o_t, T, GATHER: tl.constexpr):
 
 
 @triton.jit
-def _head_rows(x, rows, i_b, i_h, o_t, o_k, T, H: tl.constexpr, K: tl.constexpr, GATHER: tl.constexpr):
-    """Token rows o_t, columns o_k of head i_h of sequence i_b of a [B, T, H, K] tensor (`_token_rows`),
-    fp32, zeros past T, in gaps and past K."""
-    r, m_t = _token_rows(rows, i_b, 0, o_t, T, GATHER)
+def _head_rows(x, r, m_t, i_h, o_k, H: tl.constexpr, K: tl.constexpr):
+    """Token rows r (real where m_t, `_token_rows`), columns o_k of head i_h of a [B, T, H, K] tensor, fp32,
+    zeros in the other rows and past K."""
     m = m_t[:, None] & (o_k < K)[None, :]
     row = r * (H * K) + i_h * K
     return tl.load(x + row[:, None] + o_k[None, :], mask=m, other=0.).to(tl.float32)
 
 
 @triton.jit
-def _load_rows_qkg(q, k, g, rows, i_b, i_h, i_hv, o_t, i_k, T, H: tl.constexpr, HV: tl.constexpr,
-                   K: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr):
-    """Token rows o_t of sequence i_b (`_token_rows`), key columns [i_k*BK, (i_k+1)*BK): q, k fp32 (head i_h)
-    and g fp32 (head i_hv); zeros past T, in gaps and past K."""
+def _load_rows_qkg(q, k, g, r, m_t, i_h, i_hv, i_k, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                   BK: tl.constexpr):
+    """Token rows r (real where m_t), key columns [i_k*BK, (i_k+1)*BK): q, k fp32 (head i_h) and g fp32
+    (head i_hv); zeros in the other rows and past K."""
     o_k = i_k * BK + tl.arange(0, BK)
-    return (_head_rows(q, rows, i_b, i_h, o_t, o_k, T, H, K, GATHER),
-            _head_rows(k, rows, i_b, i_h, o_t, o_k, T, H, K, GATHER),
-            _head_rows(g, rows, i_b, i_hv, o_t, o_k, T, HV, K, GATHER))
+    return (_head_rows(q, r, m_t, i_h, o_k, H, K), _head_rows(k, r, m_t, i_h, o_k, H, K),
+            _head_rows(g, r, m_t, i_hv, o_k, HV, K))
 
 
 @triton.jit
-def _load_chunk_qkg(q, k, g, rows, i_b, i_h, i_hv, i_n, i_k, T, H: tl.constexpr, HV: tl.constexpr,
-                    K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr):
-    """q, k [BT, BK] fp32 of head i_h and Γ = chunk-local cumsum of g [BT, BK] fp32 of head i_hv,
-    key columns [i_k*BK, (i_k+1)*BK)."""
-    b_q, b_k, b_g = _load_rows_qkg(q, k, g, rows, i_b, i_h, i_hv, i_n * BT + tl.arange(0, BT), i_k, T, H, HV, K,
-                                   BK, GATHER)
+def _load_chunk_qkg(q, k, g, r, m_t, i_h, i_hv, i_k, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                    BK: tl.constexpr):
+    """A chunk's token rows r (real where m_t): q, k [BT, BK] fp32 of head i_h and Γ = chunk-local cumsum of
+    g [BT, BK] fp32 of head i_hv, key columns [i_k*BK, (i_k+1)*BK)."""
+    b_q, b_k, b_g = _load_rows_qkg(q, k, g, r, m_t, i_h, i_hv, i_k, H, HV, K, BK)
     return b_q, b_k, tl.cumsum(b_g, 0)
 
 
 @triton.jit
 def _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, c, i_k, T, H: tl.constexpr, HV: tl.constexpr,
                    K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
-    """Rows of sub-chunk c of chunk i_n (`_load_rows_qkg` of [BC, BK]): q, k, g, no cumsum."""
-    return _load_rows_qkg(q, k, g, None, i_b, i_h, i_hv, i_n * BT + c * BC + tl.arange(0, BC), i_k, T, H, HV, K,
-                          BK, False)
+    """Rows of sub-chunk c of chunk i_n of sequence i_b (`_load_rows_qkg` of [BC, BK]): q, k, g, no cumsum."""
+    r, m_t = _token_rows(None, i_b, 0, i_n * BT + c * BC + tl.arange(0, BC), T, False)
+    return _load_rows_qkg(q, k, g, r, m_t, i_h, i_hv, i_k, H, HV, K, BK)
 
 
 @triton.jit
@@ -241,7 +238,8 @@ def _kda_fwd_gamma_kernel(q, k, g, beta, rows, gc, qg, kd, eg, w, scale, T, NT, 
     o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
-    b_q, b_k, b_G = _load_chunk_qkg(q, k, g, rows, i_b, i_h, i_hv, i_n, i_k, T, H, HV, K, BT, BK, GATHER)
+    r_t, m_t = _token_rows(rows, i_b, 0, i_n * BT + o_t, T, GATHER)
+    b_q, b_k, b_G = _load_chunk_qkg(q, k, g, r_t, m_t, i_h, i_hv, i_k, H, HV, K, BK)
     base = i_bh.to(tl.int64) * NT * BT + i_n * BT
     p_rk = (base + o_t)[:, None] * K + o_k[None, :]
     b_gam = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.), 0)
@@ -249,6 +247,7 @@ def _kda_fwd_gamma_kernel(q, k, g, beta, rows, gc, qg, kd, eg, w, scale, T, NT, 
     tl.store(qg + p_rk, (b_q * tl.exp(b_G) * scale).to(qg.dtype.element_ty), mask=m_k[None, :])
     tl.store(kd + p_rk, (b_k * tl.exp(b_gam[None, :] - b_G)).to(kd.dtype.element_ty), mask=m_k[None, :])
     tl.store(eg + (i_bh * NT + i_n).to(tl.int64) * K + o_k, tl.exp(b_gam), mask=m_k)
+    # formed again rather than kept live across the stores: keeping it cost 104 B of spill (sm_90, K = 128)
     r_t, m_t = _token_rows(rows, i_b, i_n * BT, o_t, T, GATHER)
     b_beta = tl.load(beta + r_t * HV + i_hv, mask=m_t, other=0.)
     b_x = b_k * tl.exp(b_G) * b_beta.to(tl.float32)[:, None]
@@ -291,6 +290,7 @@ def _score_pair(q_h, k_h, gc_n, rows, a, c, t_a, t_c, T, H: tl.constexpr, K: tl.
     b_sq = tl.zeros([BC, BC], dtype=tl.float32)
     b_sk = tl.zeros([BC, BC], dtype=tl.float32)
     if GATHER:
+        # sub-chunk a's rows read here again, not passed in: passing them spilled differently (ptxas, sm_90)
         o_c = tl.arange(0, BC)
         r_a, m_a = _token_rows(rows, 0, t_a, o_c, T, True)
         r_c, m_c = _token_rows(rows, 0, t_c, o_c, T, True)
