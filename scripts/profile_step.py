@@ -9,6 +9,7 @@ the largest kernels. A step whose device-busy time is far below its wall time is
 
     .venv/bin/python scripts/profile_step.py --preset k3-toy --batch 512 --compile --attnres off block
     .venv/bin/python scripts/profile_step.py --preset k3-0.5b --batch 8 --seq-len 4096 --compile --trace /tmp/t.json
+    .venv/bin/python scripts/profile_step.py --preset k3-0.5b --batch 16 --seq-len 4096 --compile --attnres off --matmuls 30
 
 `--device cpu` runs fp32 without device figures (a smoke test of the script).
 """
@@ -39,6 +40,7 @@ COMPONENTS = [
 
 
 ANNOTATION = re.compile(r"^(Optimizer\.|ProfilerStep#)")
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
 
 def kernel_events(events) -> list:
@@ -56,7 +58,8 @@ def component(name: str) -> str:
 
 
 def run(preset: str, attnres: str, batch: int, seq: int, device: torch.device, compiled: bool,
-        mode: str, steps: int, warmup: int, top: int, trace: str | None, impl: str = "auto") -> None:
+        mode: str, steps: int, warmup: int, top: int, trace: str | None, impl: str = "auto",
+        matmuls: int = 0) -> None:
     cfg = load_config(preset, attnres=attnres)
     cfg.train.compile_mode = mode
     cuda = device.type == "cuda"
@@ -71,7 +74,7 @@ def run(preset: str, attnres: str, batch: int, seq: int, device: torch.device, c
     print(f"\n== {preset} attnres={attnres}{form} B{batch} T{seq} {'compiled' if compiled else 'eager'}: "
           f"warm-up {warmup} steps {time.perf_counter() - t0:.1f} s", flush=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=matmuls > 0) as prof:
         wall = sum(timed_step(v, ids, device, autocast) for _ in range(steps)) / steps
     if trace:
         prof.export_chrome_trace(trace.replace(".json", f"-{attnres}.json"))
@@ -80,6 +83,8 @@ def run(preset: str, attnres: str, batch: int, seq: int, device: torch.device, c
     busy = sum(e.self_device_time_total for e in kernels) / steps / 1e3
     launches = sum(e.count for e in kernels) / steps
     print(f"step {wall * 1e3:.2f} ms wall, {launches:.0f} kernels/step, device busy {busy:.2f} ms/step")
+    if matmuls:
+        print_matmuls(prof, steps, matmuls, cuda)
     if not cuda:
         print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
         return
@@ -95,6 +100,17 @@ def run(preset: str, attnres: str, batch: int, seq: int, device: torch.device, c
         print(f"{e.key[:90]:<90} {e.count // steps:6d} {e.self_device_time_total / steps / 1e3:9.3f}")
 
 
+def print_matmuls(prof, steps: int, top: int, cuda: bool) -> None:
+    """The `top` matrix-product ops by time per step, one row per (op, input shapes): which projection costs
+    what (device time on CUDA, CPU time otherwise)."""
+    rows = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in MATMUL_OPS]
+    ms = (lambda e: e.device_time_total / steps / 1e3) if cuda else (lambda e: e.cpu_time_total / steps / 1e3)
+    print(f"matrix-product ops: {sum(ms(e) for e in rows):.2f} ms/step")
+    print(f"{'op':<12} {'input shapes':<80} {'calls':>6} {'ms/step':>9}")
+    for e in sorted(rows, key=lambda e: -ms(e))[:top]:
+        print(f"{e.key:<12} {str(e.input_shapes)[:80]:<80} {e.count // steps:6d} {ms(e):9.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="k3-toy")
@@ -108,13 +124,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=30, help="largest kernels listed")
+    ap.add_argument("--matmuls", type=int, default=0, help="also list the N largest matrix products by input shape")
     ap.add_argument("--trace", help="write a Chrome trace per overlay (NAME-<overlay>.json)")
     ap.add_argument("--device", default="cuda", help="cuda (bf16 autocast) | cpu (fp32: a smoke test of the script)")
     args = ap.parse_args()
     device = resolve_device(args.device)
     for attnres in args.attnres:
         run(args.preset, attnres, args.batch, args.seq_len, device, args.compile, args.mode, args.steps,
-            args.warmup, args.top, args.trace, args.impl)
+            args.warmup, args.top, args.trace, args.impl, args.matmuls)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3cli.layers.linear import fused_linear
 from k3cli.layers.norm import RMSNorm, l2norm
 from k3cli.layers.segments import Segments
 
@@ -148,8 +149,10 @@ class KDAAttention(nn.Module):
             v, cache.conv_v = _short_conv_step(v, self.v_conv.weight, cache.conv_v)
         q, k = q.view(B, T, H, K), k.view(B, T, H, K)                              # (B, T, H, K)
         v = v.view(B, T, HV, V)                                                    # (B, T, HV, V)
-        g_raw = self.f_b(self.f_a(x)).view(B, T, HV, K)                            # (B, T, HV, K)
-        beta = torch.sigmoid(self.b_proj(x))                                       # (B, T, HV)
+        # the narrow projections of x (gate, β, output gate) as one matmul (layers/linear.py)
+        small = fused_linear(x, self.f_a, self.b_proj, *((self.g_a,) if self.output_gate else ()))
+        g_raw = self.f_b(small[0]).view(B, T, HV, K)                               # (B, T, HV, K)
+        beta = torch.sigmoid(small[1])                                             # (B, T, HV)
         fused = None if cache is None or cache.state is None else self._triton_op(q, "fused_recurrent_kda")
         if fused is not None:
             # decode on the Triton backend: L2 norm, gate, recurrence and read in one launch
@@ -161,7 +164,7 @@ class KDAAttention(nn.Module):
                           segments)                                                # (B, T, HV, V)
         o = self.o_norm(o)
         if self.output_gate:
-            o = o * torch.sigmoid(self.g_b(self.g_a(x))).view(B, T, HV, V)
+            o = o * torch.sigmoid(self.g_b(small[2])).view(B, T, HV, V)
         return self.o_proj(o.reshape(B, T, HV * V))
 
     def _kda(self, q, k, v, g_raw, beta, cache: KDACache | None = None, segments: Segments | None = None) -> torch.Tensor:

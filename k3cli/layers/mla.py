@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3cli.layers.linear import fused_linear
 from k3cli.layers.norm import RMSNorm
 from k3cli.layers.segments import Segments
 
@@ -85,8 +86,9 @@ class GatedMLA(nn.Module):
         H = self.num_heads
         if segments is not None and cache is not None:
             raise ValueError("GatedMLA: segments (packed documents) and a decode cache do not combine")
-        q = self.q_up(self.q_norm(self.q_down(x))).view(B, T, H, self.qk_head_dim)   # (B, T, H, d_q)
-        c = self.kv_norm(self.kv_down(x))                                            # (B, T, r)
+        q_lat, c, gate = fused_linear(x, self.q_down, self.kv_down, self.g_proj)     # one matmul reads x
+        q = self.q_up(self.q_norm(q_lat)).view(B, T, H, self.qk_head_dim)           # (B, T, H, d_q)
+        c = self.kv_norm(c)                                                          # (B, T, r)
         use_absorb = self.absorb if absorb is None else absorb
         past = 0
         if cache is not None:
@@ -98,7 +100,7 @@ class GatedMLA(nn.Module):
         o = self._absorbed(q, c, past, doc) if use_absorb else self._decompressed(q, c, doc)  # (B, H, T, d_v)
         o = o.transpose(1, 2).reshape(B, T, H * self.v_head_dim)                     # (B, T, H·d_v)
         # the gate reads the layer input x and sits before W_o, so W_UV cannot fold into W_o
-        return self.o_proj(torch.sigmoid(self.g_proj(x)) * o)
+        return self.o_proj(torch.sigmoid(gate) * o)
 
     def _absorbed(self, q: torch.Tensor, c: torch.Tensor, past: int = 0, doc: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, T, H, d_q], c [B, past + T, r] -> õ [B, H, T, d_v]; attention runs in the latent

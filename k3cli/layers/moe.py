@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3cli.layers.ffn import SiTUExpert, situ_glu
+from k3cli.layers.linear import fused_linear, summed_linear
 from k3cli.layers.norm import RMSNorm
 
 DISPATCH_MODES = ("tiled", "loop", "dense")
@@ -125,7 +126,8 @@ class LatentMoE(nn.Module):
         if self.training and not _recomputing():
             with torch.no_grad():   # scatter_add, not bincount: its output size would depend on the data
                 self.load_counts.scatter_add_(0, ids_TK.flatten(), torch.ones_like(ids_TK.flatten()))
-        z_TL = self.down_proj(x_TD)
+        # x's projections (the latent, each shared expert's gate and up) as one matmul (layers/linear.py)
+        z_TL, *gate_up = fused_linear(x_TD, self.down_proj, *(p for e in self.shared for p in (e.gate_proj, e.up_proj)))
         mode = dispatch or self.dispatch
         if dispatch is None and mode == "tiled" and x_TD.shape[0] <= self.num_experts:
             mode = "dense"
@@ -137,9 +139,9 @@ class LatentMoE(nn.Module):
             u_TL = self._dense(z_TL, ids_TK, w_TK)
         else:
             raise ValueError(f"unknown MoE dispatch '{mode}'; valid: {', '.join(DISPATCH_MODES)}")
-        y_TD = self.up_proj(self.u_norm(u_TL))
-        for expert in self.shared:
-            y_TD = y_TD + expert(x_TD)
+        # W_↑ on the routed sum and each shared expert's down-projection, summed inside one matmul
+        h_shared = [situ_glu(g, u) for g, u in zip(gate_up[0::2], gate_up[1::2])]
+        y_TD = summed_linear([self.u_norm(u_TL), *h_shared], [self.up_proj, *(e.down_proj for e in self.shared)])
         return y_TD.view(shape)
 
     def _experts(self, z_ECL: torch.Tensor) -> torch.Tensor:
