@@ -19,7 +19,7 @@ from k3cli.layers.ffn import SiTUExpert, situ_glu
 from k3cli.layers.linear import fused_linear, summed_linear
 from k3cli.layers.norm import RMSNorm
 
-DISPATCH_MODES = ("tiled", "loop", "dense")
+DISPATCH_MODES = ("grouped", "tiled", "loop", "dense")
 
 
 def _recomputing() -> bool:
@@ -69,6 +69,14 @@ def gather_rows(x_XL: torch.Tensor, fwd_N: torch.Tensor, bwd_XK: torch.Tensor) -
     return _GatherRows.apply(x_XL, fwd_N, bwd_XK)
 
 
+def grouped_mm_runs(x: torch.Tensor, *widths: int) -> bool:
+    """Whether torch's grouped matmul takes rows of x [.., widths] here: bf16 (on CUDA its fast path;
+    other CUDA dtypes fall back to a loop that reads the group sizes back to the host), or fp32 on the
+    CPU outside torch.compile (whose shape function accepts bf16 only); rows of a multiple of 16 bytes."""
+    fp32_cpu = x.dtype == torch.float32 and not x.is_cuda and not torch.compiler.is_compiling()
+    return (x.dtype == torch.bfloat16 or fp32_cpu) and all(w * x.element_size() % 16 == 0 for w in widths)
+
+
 def max_over_mean(counts: torch.Tensor) -> torch.Tensor:
     """Expert-load imbalance over the last dim, max load / mean load (0 where no tokens were routed);
     batched, so several layers' counts [L, E] cost one read-back."""
@@ -83,7 +91,7 @@ class LatentMoE(nn.Module):
     """
 
     def __init__(self, hidden_size: int, num_routed_experts: int, top_k: int, num_shared_experts: int,
-                 d_ff: int, latent_dim: int, dispatch: str = "tiled", bias_update_rate: float = 1e-3,
+                 d_ff: int, latent_dim: int, dispatch: str = "grouped", bias_update_rate: float = 1e-3,
                  norm_eps: float = 1e-6, init_std: float = 0.02):
         super().__init__()
         if dispatch not in DISPATCH_MODES:
@@ -117,8 +125,10 @@ class LatentMoE(nn.Module):
     def forward(self, x: torch.Tensor, dispatch: str | None = None) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]. `dispatch` overrides the configured mode.
 
-        With the configured tiled form and at most num_experts tokens (decode steps), the dense form
-        runs instead: same values up to summation order, and fewer ops for a handful of tokens.
+        With the configured grouped or tiled form and at most num_experts tokens (decode steps), the dense
+        form runs instead: same values up to summation order, and fewer ops for a handful of tokens. The
+        grouped form runs the tiled one where torch's grouped matmul does not run (`grouped_mm_runs`:
+        fp64, fp32 on CUDA or under torch.compile, unaligned widths).
         """
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
@@ -129,9 +139,13 @@ class LatentMoE(nn.Module):
         # x's projections (the latent, each shared expert's gate and up) as one matmul (layers/linear.py)
         z_TL, *gate_up = fused_linear(x_TD, self.down_proj, *(p for e in self.shared for p in (e.gate_proj, e.up_proj)))
         mode = dispatch or self.dispatch
-        if dispatch is None and mode == "tiled" and x_TD.shape[0] <= self.num_experts:
+        if dispatch is None and mode in ("grouped", "tiled") and x_TD.shape[0] <= self.num_experts:
             mode = "dense"
-        if mode == "tiled":
+        if mode == "grouped" and not grouped_mm_runs(z_TL, z_TL.shape[1], self.w_gate.shape[2]):
+            mode = "tiled"
+        if mode == "grouped":
+            u_TL = self._grouped(z_TL, ids_TK, w_TK)
+        elif mode == "tiled":
             u_TL = self._tiled(z_TL, ids_TK, w_TK)
         elif mode == "loop":
             u_TL = self._loop(z_TL, ids_TK, w_TK)
@@ -148,6 +162,27 @@ class LatentMoE(nn.Module):
         """All routed experts at once, each on its own rows: [E, N, L] -> [E, N, L]."""
         h_ECF = situ_glu(torch.bmm(z_ECL, self.w_gate), torch.bmm(z_ECL, self.w_up))
         return torch.bmm(h_ECF, self.w_down)
+
+    def _grouped(self, z_TL, ids_TK, w_TK):
+        """Sort token-slots by expert and run each expert on its own rows, one grouped matmul per weight
+        (torch._grouped_mm, group ends from the counts): no padding rows and no per-tile weight copies,
+        and every shape depends only on T and K, so nothing is read back to the host. Deterministic: both
+        row gathers are permutations whose gradients are gathers too (`gather_rows`)."""
+        T, L = z_TL.shape
+        S, dev, dt = T * self.top_k, z_TL.device, z_TL.dtype
+        ids_S = ids_TK.flatten()
+        order_S = torch.argsort(ids_S, stable=True)                                  # sorted row -> slot
+        row_S = torch.empty_like(order_S).scatter_(0, order_S, torch.arange(S, device=dev))  # slot -> sorted row
+        counts_E = torch.zeros(self.num_experts, dtype=torch.long, device=dev).scatter_add_(
+            0, ids_S, torch.ones_like(ids_S))
+        ends_E = torch.cumsum(counts_E, 0).to(torch.int32)                           # expert e's rows end here
+        # slot s = t·K + k belongs to token t
+        z_SL = gather_rows(z_TL, order_S // self.top_k, row_S.view(T, self.top_k))  # (S, L), expert order
+        h_SF = situ_glu(torch._grouped_mm(z_SL, self.w_gate.to(dt), offs=ends_E),
+                        torch._grouped_mm(z_SL, self.w_up.to(dt), offs=ends_E))
+        out_SL = torch._grouped_mm(h_SF, self.w_down.to(dt), offs=ends_E)
+        out_SL = gather_rows(out_SL, row_S, order_S[:, None])                       # (S, L), slot order
+        return (out_SL.view(T, self.top_k, L) * w_TK.to(dt)[..., None]).sum(1)     # (T, L)
 
     def _tiled(self, z_TL, ids_TK, w_TK):
         """Sort token-slots by expert, pad each group to whole tiles of R rows, run every tile with its

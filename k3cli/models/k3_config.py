@@ -65,9 +65,9 @@ class MoEConfig:
     d_ff: int = 96  # expert hidden width (shared and routed)
     latent_dim: int = 0  # ℓ; 0 = hidden_size // 2
     bias_update_rate: float = 1e-3  # γ of the auxiliary-loss-free balancing
-    dispatch: str = "tiled"  # tiled | loop | dense
+    dispatch: str = "grouped"  # grouped | tiled | loop | dense
 
-    CHOICES: ClassVar[dict] = {"dispatch": ("tiled", "loop", "dense")}
+    CHOICES: ClassVar[dict] = {"dispatch": ("grouped", "tiled", "loop", "dense")}
 
     def validate(self, p: str) -> None:
         _check(self.num_routed_experts >= 1, f"{p}.num_routed_experts", "must be >= 1")

@@ -1,4 +1,6 @@
-"""LatentMoE: tiled == loop == dense (values, grads), routing, balancing, SiTU (docs/math.md §4, §7.5)."""
+"""LatentMoE: grouped == tiled == loop == dense (values, grads), routing, balancing, SiTU (docs/math.md §4, §7.5)."""
+import copy
+
 import pytest
 import torch
 
@@ -24,7 +26,8 @@ def run(m, x, dispatch):
     m.zero_grad()
     x = x.detach().clone().requires_grad_(True)
     y = m(x, dispatch=dispatch)
-    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype).to(y.device))
+    # drawn in fp64 for every dtype, so that fp32 runs see the fp64 runs' dy
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(y))
     grads = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in m.named_parameters()}
     return y.detach(), {"x": x.grad, **grads}
 
@@ -55,6 +58,74 @@ def test_dispatch_modes_agree(B, T, E, k, forced):
         assert_close(f"y {mode}", y, y_ref, TOL["y"])
         for name in g_ref:
             assert_close(f"d{name} {mode}", g[name], g_ref[name], TOL["grad"])
+
+
+# grouped runs in fp32 (torch's grouped matmul has no fp64): max |a − b| / max(1, max |b|) against the fp64
+# dense form, a few fp32 roundings of sums over at most 16 terms
+GROUPED_TOL = 2e-6
+
+
+@pytest.mark.parametrize("B,T,E,k,forced", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_grouped_matches_dense(B, T, E, k, forced):
+    m = make(E=E, k=k)
+    if forced is not None:
+        m.router_bias[forced] = 100.0
+    x = torch.randn(B, T, 16, dtype=torch.float64)
+    y_ref, g_ref = run(m, x, "dense")
+    m32 = copy.deepcopy(m).float()
+    y, g = run(m32, x.float(), "grouped")
+    assert y.dtype == torch.float32
+    assert_close("y grouped", y.double(), y_ref, GROUPED_TOL)
+    for name in g_ref:
+        assert_close(f"d{name} grouped", g[name].double(), g_ref[name], GROUPED_TOL)
+
+
+def test_grouped_spans_uneven_groups():
+    """257 tokens over 16 experts (empty, single-row and long groups), then every first choice on one expert."""
+    m = make(E=16, k=2)
+    x = torch.randn(1, 257, 16, dtype=torch.float64)
+    for forced in (None, 15):
+        if forced is not None:
+            m.router_bias[forced] = 100.0
+        y_ref, g_ref = run(m, x, "loop")
+        y, g = run(copy.deepcopy(m).float(), x.float(), "grouped")
+        assert_close(f"y grouped {forced}", y.double(), y_ref, GROUPED_TOL)
+        for name in g_ref:
+            assert_close(f"d{name} grouped {forced}", g[name].double(), g_ref[name], GROUPED_TOL)
+
+
+def test_grouped_is_deterministic():
+    m = make(E=8, k=2).float()
+    x = torch.randn(3, 11, 16)
+    a, ga = run(m, x, "grouped")
+    b, gb = run(m, x, "grouped")
+    assert torch.equal(a, b) and all(torch.equal(ga[n], gb[n]) for n in ga)
+
+
+@pytest.mark.parametrize("dtype,d_ff", [(torch.float64, 12), (torch.float32, 5)], ids=["fp64", "fp32-unaligned"])
+def test_grouped_runs_the_tiled_form_where_grouped_matmul_does_not(dtype, d_ff):
+    """fp64 (no grouped matmul in torch) and rows of 5 fp32 values (20 bytes, not a multiple of 16)."""
+    from k3cli.layers.moe import grouped_mm_runs
+
+    m = make(E=6, k=2, d_ff=d_ff).to(dtype)
+    x = torch.randn(2, 9, 16, dtype=dtype)
+    assert not grouped_mm_runs(x, 8, d_ff)
+    a, ga = run(m, x, "grouped")
+    b, gb = run(m, x, "tiled")
+    assert torch.equal(a, b) and all(torch.equal(ga[n], gb[n]) for n in ga)
+
+
+def test_grouped_mm_runs_rule():
+    from k3cli.layers.moe import grouped_mm_runs
+
+    assert grouped_mm_runs(torch.zeros(1, 8), 8, 12)                       # fp32 on the CPU, 32 and 48 bytes
+    assert grouped_mm_runs(torch.zeros(1, 8, dtype=torch.bfloat16), 8, 96)
+    assert not grouped_mm_runs(torch.zeros(1, 8, dtype=torch.bfloat16), 8, 12)   # 24 bytes
+    assert not grouped_mm_runs(torch.zeros(1, 8, dtype=torch.float16), 8, 16)
+    assert not grouped_mm_runs(torch.zeros(1, 8, dtype=torch.float64), 8, 16)
+    seen = []
+    torch.compile(lambda x: seen.append(grouped_mm_runs(x, 8, 12)) or x, backend="eager")(torch.zeros(1, 8))
+    assert seen == [False]   # fp32 under torch.compile: tiled
 
 
 def test_tiled_is_deterministic():
@@ -162,8 +233,8 @@ def test_eval_mode_does_not_count_load():
 
 
 def test_unknown_dispatch_is_a_clear_error():
-    with pytest.raises(ValueError, match="unknown MoE dispatch 'grouped'.*tiled"):
-        make(dispatch="grouped")
+    with pytest.raises(ValueError, match="unknown MoE dispatch 'padded'.*grouped, tiled"):
+        make(dispatch="padded")
 
 
 def test_parameter_shapes():

@@ -13,14 +13,15 @@ charges, the test converts the analytic term to the reference's form, exactly:
   analytic count keeps the T(T + 1)/2 causal pairs.
 - AttnRes: the scores are matrix-vector products (counted), the weighted sums are elementwise
   multiply-adds (not counted): the counter sees half of the analytic term.
-- Routed experts: the dispatch computes padded rows (whole tiles per expert, zero rows included), a
-  number that depends on the routing; it is measured from the MoE modules' counts minus their exactly
-  known router, latent and shared-expert products and the one-hot products that pick each tile's weights, and must lie between the analytic top-k rows and
-  the dense reference's every-expert-on-every-token.
+- Routed experts: measured from the MoE modules' counts minus their exactly known router, latent and
+  shared-expert products. The grouped dispatch (the default) computes exactly the analytic top-k rows;
+  the tiled one computes padded rows (whole tiles per expert, zero rows included), a number that depends
+  on the routing and must lie between the analytic rows and the dense reference's every expert on every
+  token, plus the one-hot products that pick each tile's weights.
 - Not counted by either side: norms, activations, gates, softmax, exp, the loss.
 
 Counter gaps filled through `custom_mapping`: CPU SDPA (`_scaled_dot_product_flash_attention_for_cpu`
-and its backward), `mv`, `linalg_solve_triangular`; and `convolution_backward`, which torch's
+and its backward), `mv`, `linalg_solve_triangular`, `_grouped_mm`; and `convolution_backward`, which torch's
 formula charges as a dense conv (25× too much for the depthwise short convs here).
 
 Forward + backward: the counter over loss.backward() is 3× its forward up to the backward's own
@@ -35,7 +36,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from k3cli.config import load_config
-from k3cli.layers.moe import tile_rows
+from k3cli.layers.moe import grouped_mm_runs, tile_rows
 from k3cli.layers.norm import RMSNorm
 from k3cli.layout import param_counts
 from k3cli.models import flops as fl
@@ -50,7 +51,8 @@ RATIO_TOL = 1e-9
 FB_MARGIN = 0.02
 CASES = [("kda-toy", "off", ()), ("k3-toy", "off", ()), ("k3-toy", "full", ()), ("k3-toy", "block", ()),
          # r = 12 makes the absorbed width 2r differ from d_q + d_v = 16
-         ("k3-toy", "off", ("model.mla.absorb=true", "model.mla.kv_lora_rank=12"))]
+         ("k3-toy", "off", ("model.mla.absorb=true", "model.mla.kv_lora_rank=12")),
+         ("k3-toy", "off", ("model.moe.dispatch=tiled",))]
 
 
 @pytest.fixture(autouse=True)
@@ -75,7 +77,14 @@ def _conv_bwd_flop(grad_out, x, w, *args, out_shape=None, **kw):
     return 2 * math.prod(grad_out) * math.prod(w[1:]) * (int(mask[0]) + int(mask[1]))
 
 
+def _grouped_mm_flop(a, b, *args, out_shape=None, **kw) -> int:
+    """Each row of a [M, K] meets one group's [K, N] (2D x 3D), or each of the M positions of a [K, M] x
+    b [M, N] lands in one group's [K, N] output (2D x 2D, the weight gradient): 2·M·K·N either way."""
+    return 2 * a[0] * a[1] * b[-1]
+
+
 CUSTOM = {
+    aten._grouped_mm: _grouped_mm_flop,
     aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, out_shape=None, **kw:
         sdpa_flop_count(q, k, v),
     aten._scaled_dot_product_flash_attention_for_cpu_backward: lambda go, q, k, v, *a, out_shape=None, **kw:
@@ -110,10 +119,17 @@ def _count(model, ids, backward=False):
     return fc
 
 
+def _tiled(cfg) -> bool:
+    """Whether the model's MoE layers run the tiled dispatch here (fp32 on the CPU, eager)."""
+    m = cfg.moe
+    return m.dispatch == "tiled" or (m.dispatch == "grouped" and not grouped_mm_runs(
+        torch.zeros(1), cfg.moe_latent_dim, m.d_ff))
+
+
 def _onehot_gather_flops(cfg) -> int:
     """Forward FLOPs of the tiled dispatch's one-hot expert-weight products: 3 weights of P tiles x E experts x
     (latent x d_ff) per MoE layer (k3cli/layers/moe.py, gather_experts)."""
-    if "moe" not in [f for _, f in cfg.layer_specs()]:
+    if "moe" not in [f for _, f in cfg.layer_specs()] or not _tiled(cfg):
         return 0
     m = cfg.moe
     S = B * T * m.top_k
@@ -155,7 +171,9 @@ def test_analytic_matches_counter(preset, mode, extra):
           f"like-with-like {expected / counted:.9f}, routed rows computed/used "
           f"{routed / routed_exact if routed_exact else float('nan'):.3f}")
     assert abs(expected / counted - 1) <= RATIO_TOL
-    if routed_exact:
+    if routed_exact and not _tiled(cfg):
+        assert routed == routed_exact   # one row per token-slot, no padding
+    elif routed_exact:
         # padding only adds rows, and never past running every expert on every token
         m = cfg.moe
         assert routed_exact <= routed <= routed_exact * m.num_routed_experts / m.top_k
@@ -174,6 +192,9 @@ def test_forward_backward_is_three_forwards(preset, mode, extra):
     onehot = _onehot_gather_flops(cfg)
     mm_fwd, mm_both = (c.get_flop_counts()["Global"][aten.mm] for c in (fwd, both))
     assert (mm_both - 2 * onehot) / (mm_fwd - onehot) == 3.0
+    grouped_fwd, grouped_both = (c.get_flop_counts()["Global"].get(aten._grouped_mm, 0) for c in (fwd, both))
+    has_moe = "moe" in [f for _, f in cfg.layer_specs()]
+    assert grouped_both == 3 * grouped_fwd and (grouped_fwd > 0) == (has_moe and not _tiled(cfg))
 
 
 def test_matmul_params_match_the_model():
