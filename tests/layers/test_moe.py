@@ -43,6 +43,11 @@ CASES = [
 ]
 
 
+# grouped runs in fp32 (torch's grouped matmul has no fp64): max |a − b| / max(1, max |b|) against the fp64
+# dense form, a few fp32 roundings of sums over at most 16 terms
+GROUPED_TOL = 2e-6
+
+
 @pytest.mark.parametrize("B,T,E,k,forced", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_dispatch_modes_agree(B, T, E, k, forced):
     m = make(E=E, k=k)
@@ -53,31 +58,13 @@ def test_dispatch_modes_agree(B, T, E, k, forced):
     if forced is not None:
         assert (ids[:, 0] == forced).all()
     y_ref, g_ref = run(m, x, "dense")
-    for mode in ("tiled", "loop"):
-        y, g = run(m, x, mode)
-        assert_close(f"y {mode}", y, y_ref, TOL["y"])
+    for mode, dtype, tol in (("tiled", torch.float64, TOL["y"]), ("loop", torch.float64, TOL["y"]),
+                             ("grouped", torch.float32, GROUPED_TOL)):
+        y, g = run(copy.deepcopy(m).to(dtype), x.to(dtype), mode)
+        assert y.dtype == dtype
+        assert_close(f"y {mode}", y.double(), y_ref, tol)
         for name in g_ref:
-            assert_close(f"d{name} {mode}", g[name], g_ref[name], TOL["grad"])
-
-
-# grouped runs in fp32 (torch's grouped matmul has no fp64): max |a − b| / max(1, max |b|) against the fp64
-# dense form, a few fp32 roundings of sums over at most 16 terms
-GROUPED_TOL = 2e-6
-
-
-@pytest.mark.parametrize("B,T,E,k,forced", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_grouped_matches_dense(B, T, E, k, forced):
-    m = make(E=E, k=k)
-    if forced is not None:
-        m.router_bias[forced] = 100.0
-    x = torch.randn(B, T, 16, dtype=torch.float64)
-    y_ref, g_ref = run(m, x, "dense")
-    m32 = copy.deepcopy(m).float()
-    y, g = run(m32, x.float(), "grouped")
-    assert y.dtype == torch.float32
-    assert_close("y grouped", y.double(), y_ref, GROUPED_TOL)
-    for name in g_ref:
-        assert_close(f"d{name} grouped", g[name].double(), g_ref[name], GROUPED_TOL)
+            assert_close(f"d{name} {mode}", g[name].double(), g_ref[name], tol)
 
 
 def test_grouped_spans_uneven_groups():
