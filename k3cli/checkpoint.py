@@ -139,6 +139,13 @@ def write_failure(e: BaseException) -> str | None:
     return os.strerror(int(code.group(1))) if code else None
 
 
+def raise_interrupt(e: BaseException) -> None:
+    """Re-raise the KeyboardInterrupt behind e: a second Ctrl-C inside torch.save's write to a file object
+    surfaces as its zip writer's RuntimeError on close ("unexpected pos"), with the interrupt as context."""
+    if isinstance(e.__context__, KeyboardInterrupt):
+        raise e.__context__ from None
+
+
 def _rng_state() -> dict:
     # numpy's key array is stored as a tensor so that state.pt loads with weights_only=True
     # (no pickled objects: a checkpoint from someone else cannot run code when loaded)
@@ -194,6 +201,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model: nn.Module, opt
         os.rename(tmp, final)
         _fsync_dir(parent)
     except (OSError, RuntimeError, SafetensorError) as e:
+        raise_interrupt(e)
         why = write_failure(e)
         if why is None:
             raise

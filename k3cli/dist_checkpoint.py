@@ -60,6 +60,7 @@ from k3cli.checkpoint import (
     is_complete,
     list_checkpoints,
     load_checkpoint,
+    raise_interrupt,
     remove_leftovers,
     state_error,
     tensor_bytes,
@@ -270,6 +271,7 @@ def save_dcp(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer=
         except CheckpointError as e:
             error = str(e)
         except (OSError, RuntimeError) as e:
+            raise_interrupt(e)
             why = write_failure(e)
             if why is None:
                 raise

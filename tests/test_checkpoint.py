@@ -134,6 +134,37 @@ def test_interrupted_or_corrupt_save_is_ignored(tmp_path, monkeypatch, failure):
             load_checkpoint(tmp_path / "checkpoints" / "step_00000020", Tiny())
 
 
+class _InterruptedFile:
+    """A file whose third write stores part of its bytes and then gets a Ctrl-C, as a SIGINT that lands
+    inside torch.save's write of a file object does."""
+
+    def __init__(self, f):
+        self._f, self._writes = f, 0
+
+    def write(self, data):
+        self._writes += 1
+        if self._writes == 3:
+            self._f.write(bytes(data)[:10])
+            raise KeyboardInterrupt
+        return self._f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+def test_ctrl_c_inside_torch_save_is_an_interrupt(tmp_path, monkeypatch):
+    """torch.save's zip writer raises a RuntimeError over the interrupt when it closes: the save re-raises
+    the interrupt (the CLI's exit 130), not the writer's error, and leaves no checkpoint of that step."""
+    model, opt, sched, loader = setup()
+    good = save_checkpoint(tmp_path, 10, model, opt, sched, loader.state_dict())
+    real_save = torch.save
+    monkeypatch.setattr("k3cli.checkpoint.torch.save", lambda obj, f: real_save(obj, _InterruptedFile(f)))
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 20, model, opt, sched, loader.state_dict())
+    assert not (tmp_path / "checkpoints" / "step_00000020").exists()
+    assert find_latest_checkpoint(tmp_path) == good
+
+
 def test_no_checkpoint_and_no_overwrite(tmp_path):
     assert find_latest_checkpoint(tmp_path) is None and list_checkpoints(tmp_path) == []
     model = setup()[0]
