@@ -3,7 +3,8 @@
 `TINY_MODEL` shrinks any preset to a model that trains in well under a second per step on a CPU;
 `TINY_TRAIN` is a matching short run. Both are `--set` overrides (`load_config(..., overrides=...)`).
 `assert_close(name, actual, expected, tol, metric)` is the tests' one closeness check; the metrics
-beside it (scaled max, relative RMS, max abs) are what the tolerance tables are stated in.
+it re-exports from k3cli/ops/errors.py (scaled max, relative RMS, max abs) are what the tolerance
+tables are stated in.
 `kda_inputs` and `run_with_grads` give the KDA op tests their inputs and outputs-plus-gradients.
 """
 from __future__ import annotations
@@ -13,6 +14,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from k3cli.ops.errors import max_abs_error, relative_rms_error, scaled_max_error
+
+__all__ = ["TINY_MODEL", "TINY_TRAIN", "WORDS", "assert_close", "kda_inputs", "max_abs_error", "relative_rms_error",
+           "run_with_grads", "scaled_max_error", "write_corpus"]
 
 TINY_MODEL = [
     "model.vocab_size=300", "model.hidden_size=32", "model.num_hidden_layers=2",
@@ -39,27 +45,6 @@ def write_corpus(root: Path, n_docs: int = 40, words_per_doc: int = 120, seed: i
         idx = torch.randint(len(WORDS), (words_per_doc,), generator=g).tolist()
         (d / f"doc{i:02d}.txt").write_text(" ".join(WORDS[j] for j in idx) + "\n")
     return d
-
-
-def scaled_max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual − expected| / max(max |expected|, 1): relative for large values, absolute near 0."""
-    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1.0)).item()
-
-
-def relative_rms_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """RMS(actual − expected) / RMS(expected) over all elements, in fp64.
-
-    Where expected is zero up to fp64 rounding (RMS ≤ 1e-12, e.g. a gradient the math says vanishes)
-    there is no relative error: the absolute RMS of the difference is returned instead.
-    """
-    actual, expected = actual.double(), expected.double()
-    err, ref = (actual - expected).pow(2).mean().sqrt().item(), expected.pow(2).mean().sqrt().item()
-    return err if ref <= 1e-12 else err / ref
-
-
-def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual − expected| over all elements."""
-    return (actual - expected).abs().max().item()
 
 
 def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,7 +20,9 @@ from k3cli.layers.mla import GatedMLA
 from k3cli.layers.moe import LatentMoE
 from k3cli.layers.norm import RMSNorm
 from k3cli.layers.segments import Segments
-from k3cli.models.k3_config import ModelConfig
+
+if TYPE_CHECKING:   # annotations only: layers import nothing from models at run time
+    from k3cli.models.k3_config import ModelConfig
 
 ATTN_KINDS = ("kda", "mla")
 FFN_KINDS = ("swiglu", "moe")

@@ -12,7 +12,7 @@ import torch
 from k3cli.ops.attnres.block import attnres_merge, attnres_phase1
 from k3cli.ops.attnres.fused import fused_attnres
 from k3cli.ops.attnres.naive import naive_attnres, naive_attnres_merge, naive_attnres_phase1
-from k3cli.testing import max_abs_error, relative_rms_error
+from k3cli.ops.errors import max_abs_error, relative_rms_error
 
 # The one tolerance table of AttnRes, for verify_attnres and the tests (tests/ops, tests/layers).
 # TOL: relative RMS error against the fp64 reference, per output, for fp32 inputs; half inputs scale
@@ -20,7 +20,7 @@ from k3cli.testing import max_abs_error, relative_rms_error
 TOL = {"h": 2e-6, "y": 2e-6, "m": 2e-6, "l": 2e-6, "o": 2e-6,
        "dsrc": 5e-6, "dpartial": 5e-6, "dquery": 2e-5, "dgain": 2e-5, "dnorm": 2e-5}
 HALF_SCALE = {torch.float32: 1.0, torch.float64: 1.0, torch.float16: 500.0, torch.bfloat16: 4000.0}
-# MIXER_TOL: scaled max error (k3cli.testing.scaled_max_error) of whole mixes. "fp64": two torch forms
+# MIXER_TOL: scaled max error (k3cli.ops.errors.scaled_max_error) of whole mixes. "fp64": two torch forms
 # of the same math in fp64 (rounding only); "fused": the mixer on the Triton kernels against the torch
 # mixer, both fp32, through a stack of up to 31 sublayers (the error compounds with depth).
 MIXER_TOL = {"fp64": 1e-12, "fused": 1e-4}
@@ -33,7 +33,7 @@ def tolerance(name: str, dtype: torch.dtype = torch.float32) -> float:
 
 
 def error_row(name: str, x: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> tuple:
-    """(name, rel_rms, max_abs, tol, passed), rel_rms = k3cli.testing.relative_rms_error (the absolute
+    """(name, rel_rms, max_abs, tol, passed), rel_rms = k3cli.ops.errors.relative_rms_error (the absolute
     RMS where the reference is zero up to fp64 rounding); NaN never passes."""
     rel = relative_rms_error(x, ref)
     tol = tolerance(name, dtype)
