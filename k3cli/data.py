@@ -45,7 +45,7 @@ EOT = "<|endoftext|>"
 EOT_ID = 0
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 TXT_PIECE_BYTES = 8192  # a lone .txt corpus is cut at blank lines into pieces of about this size
-# Whole-stdlib BPE training took 6 s here on 2 cores, an 8 MiB sample 1.7 s (vocab 4096); above
+# Whole-stdlib BPE training takes ~6 s on a 2-core CPU, an 8 MiB sample 1.7 s (vocab 4096); above
 # this size train on a sample (first 8 MiB of train documents in hash order) to keep startup short.
 TOKENIZER_FULL_MAX_BYTES = 20 * 2**20
 TOKENIZER_SAMPLE_BYTES = 8 * 2**20
