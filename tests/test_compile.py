@@ -11,8 +11,10 @@ import math
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from k3cli.checkpoint import find_latest_checkpoint
+from k3cli.cli import app
 from k3cli.compile import compile_model
 from k3cli.config import load_config
 from k3cli.models.causal_lm import CausalLM
@@ -143,3 +145,14 @@ def test_compiled_training_then_evaluation_on_cuda_with_documents():
     eager = evaluate_loss(model, val, dev, torch.bfloat16, document_mask=True)
     assert compiled == pytest.approx(eager, rel=1e-2) and model.training
     assert math.isfinite(step())
+
+
+def test_bench_train_compile_flag_times_the_compiled_step_beside_eager():
+    r = CliRunner().invoke(app, ["bench-train", "--preset", "kda-toy", "--compile", "--steps", "1", "--warmup", "1",
+                                 "--json", *[a for s in TINY_MODEL + ["train.seq_len=32", "train.micro_batch_size=2",
+                                                                      "train.device=cpu"] for a in ("--set", s)]])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    by = {row["variant"]: row for row in res["rows"]}
+    assert {"eager", "compiled"} <= by.keys() and by["compiled"]["compiled"] and not by["eager"]["compiled"]
+    assert res["ratios"]["compiled_vs_eager"] == pytest.approx(by["eager"]["step_ms"] / by["compiled"]["step_ms"])

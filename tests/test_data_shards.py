@@ -156,6 +156,21 @@ def tiny_train(data, out, *extra):
     return runner.invoke(app, ["train", "--preset", "kda-toy", "--data", str(data), "--out", str(out), *sets, *extra])
 
 
+def test_prepare_with_a_given_tokenizer_and_a_byte_cap(corpus, tmp_path):
+    prep, again = tmp_path / "prep", tmp_path / "again"
+    prepare = ["data", "prepare", "--data", str(corpus)]
+    assert runner.invoke(app, [*prepare, "--out", str(prep), "--vocab-size", "300"]).exit_code == 0
+    given = prep / "tokenizer.json"
+    err = one_error_line(runner.invoke(app, [*prepare, "--out", str(again), "--tokenizer", str(given),
+                                             "--vocab-size", "300"]))
+    assert "--tokenizer and --vocab-size exclude each other" in err and not again.exists()
+    r = runner.invoke(app, [*prepare, "--out", str(again), "--tokenizer", str(given), "--max-bytes", "3000"])
+    assert r.exit_code == 0, r.output
+    assert (again / "tokenizer.json").read_text() == given.read_text()   # used as given, not trained
+    full, capped = (json.loads((d / MANIFEST).read_text())["source"] for d in (prep, again))
+    assert capped["bytes"] <= 3000 < full["bytes"] and capped["documents"] < full["documents"]
+
+
 def test_train_on_prepared_dir_and_its_refusals(corpus, tmp_path):
     prep = tmp_path / "prep"
     assert runner.invoke(app, ["data", "prepare", "--data", str(corpus), "--out", str(prep), "--vocab-size", "300",

@@ -355,3 +355,35 @@ def test_uncompiled_runs_the_modules_own_forwards_and_restores_the_compiled_ones
     wrapper = object()   # a parallel wrapper (DDP) is returned as it is
     with uncompiled(wrapper, model) as f:
         assert f is wrapper
+
+
+def test_time_limit_stops_with_a_checkpoint_and_the_resume_finishes(corpus, tmp_path):
+    run = tmp_path / "run"
+    r = train(tiny_cfg(corpus, "train.time_limit_s=1e-6"), run, log=lambda m: None)   # out of time after step 1
+    assert r.step == 1 and find_latest_checkpoint(run).name == "step_00000001"
+    assert "val_loss" in metrics(run)[0]   # the stop evaluates before its checkpoint
+    r = train(tiny_cfg(corpus), run, resume=True, log=lambda m: None)   # time_limit_s may change on resume
+    assert r.step == 6 and [m["step"] for m in metrics(run)] == list(range(1, 7))
+
+
+def test_adamw_betas_and_the_lr_floor_come_from_the_config(corpus, tmp_path):
+    cfg = tiny_cfg(corpus, "train.beta1=0.8", "train.beta2=0.9", "train.min_lr_ratio=0.5")
+    train(cfg, tmp_path / "run", log=lambda m: None)
+    tc = cfg.train
+    state = torch.load(find_latest_checkpoint(tmp_path / "run") / "state.pt", weights_only=True)
+    assert {tuple(g["betas"]) for g in state["optimizer"]["param_groups"]} == {(0.8, 0.9)}
+    # each step logs the rate the scheduler sets for the next one
+    lrs = [m["lr"] for m in metrics(tmp_path / "run")]
+    assert lrs == pytest.approx([tc.lr * lr_lambda(s, tc.warmup_steps, tc.steps, 0.5) for s in range(1, tc.steps + 1)])
+    assert lrs[-1] == pytest.approx(0.5 * tc.lr)
+
+
+def test_grad_clip_zero_is_off(corpus, tmp_path):
+    def weights(clip):
+        run = tmp_path / f"clip-{clip}"
+        train(tiny_cfg(corpus, f"train.grad_clip={clip}", "train.steps=2"), run, log=lambda m: None)
+        return load_file(find_latest_checkpoint(run) / "model.safetensors")
+
+    off, huge, tiny = weights(0), weights(1e9), weights(1e-6)
+    assert all(torch.equal(off[k], huge[k]) for k in off)       # a clip that never binds is no clip
+    assert any(not torch.equal(off[k], tiny[k]) for k in off)   # and one that binds changes the update
