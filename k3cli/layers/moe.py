@@ -69,12 +69,25 @@ def gather_rows(x_XL: torch.Tensor, fwd_N: torch.Tensor, bwd_XK: torch.Tensor) -
     return _GatherRows.apply(x_XL, fwd_N, bwd_XK)
 
 
+@torch.compiler.assume_constant_result
+def grouped_mm_kernel_on(device: torch.device) -> bool:
+    """Whether torch's grouped matmul has its kernel on this CUDA device (compute capability 9.x or 10.x);
+    on other GPUs it loops over the groups and reads their sizes back to the host at every call."""
+    return torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
 def grouped_mm_runs(x: torch.Tensor, *widths: int) -> bool:
-    """Whether torch's grouped matmul takes rows of x [.., widths] here: bf16 (on CUDA its fast path;
-    other CUDA dtypes fall back to a loop that reads the group sizes back to the host), or fp32 on the
-    CPU outside torch.compile (whose shape function accepts bf16 only); rows of a multiple of 16 bytes."""
-    fp32_cpu = x.dtype == torch.float32 and not x.is_cuda and not torch.compiler.is_compiling()
-    return (x.dtype == torch.bfloat16 or fp32_cpu) and all(w * x.element_size() % 16 == 0 for w in widths)
+    """Whether torch's grouped matmul takes rows of x [.., widths] here without a host sync: bf16 on a CUDA
+    device with its kernel (other CUDA dtypes and devices fall back to a loop that reads the group sizes
+    back to the host), bf16 or fp32 on the CPU (fp32 outside torch.compile, whose shape function accepts
+    bf16 only), nothing elsewhere; rows of a multiple of 16 bytes."""
+    if not all(w * x.element_size() % 16 == 0 for w in widths):
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and grouped_mm_kernel_on(x.device)
+    if x.device.type == "cpu":
+        return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and not torch.compiler.is_compiling())
+    return False
 
 
 def max_over_mean(counts: torch.Tensor) -> torch.Tensor:
@@ -128,7 +141,7 @@ class LatentMoE(nn.Module):
         With the configured grouped or tiled form and at most num_experts tokens (decode steps), the dense
         form runs instead: same values up to summation order, and fewer ops for a handful of tokens. The
         grouped form runs the tiled one where torch's grouped matmul does not run (`grouped_mm_runs`:
-        fp64, fp32 on CUDA or under torch.compile, unaligned widths).
+        fp64, fp32 on CUDA or under torch.compile, GPUs without its kernel, unaligned widths).
         """
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])

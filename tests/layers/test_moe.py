@@ -113,6 +113,25 @@ def test_grouped_mm_runs_rule():
     seen = []
     torch.compile(lambda x: seen.append(grouped_mm_runs(x, 8, 12)) or x, backend="eager")(torch.zeros(1, 8))
     assert seen == [False]   # fp32 under torch.compile: tiled
+    assert not grouped_mm_runs(torch.zeros(1, 8, device="meta"), 8, 12)   # neither CPU nor CUDA
+
+
+@pytest.mark.parametrize("capability,fast", [((9, 0), True), ((10, 0), True), ((8, 0), False), ((12, 0), False)])
+def test_grouped_mm_runs_on_cuda_only_where_torch_has_its_kernel(monkeypatch, capability, fast):
+    """Elsewhere torch's grouped matmul loops over the groups and reads their sizes to the host: a sync
+    per MoE layer, so the tiled form runs. The rule holds under torch.compile too (a constant there)."""
+    from types import SimpleNamespace
+
+    from k3cli.layers.moe import grouped_mm_kernel_on, grouped_mm_runs
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    bf16 = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16, element_size=lambda: 2)
+    fp32 = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.float32, element_size=lambda: 4)
+    assert grouped_mm_runs(bf16, 8, 96) == fast and not grouped_mm_runs(fp32, 8, 96)
+    torch._dynamo.reset()   # the constant is not guarded: a graph compiled for another capability would be reused
+    compiled = torch.compile(lambda x: x + 1 if grouped_mm_kernel_on(torch.device("cuda", 0)) else x - 1,
+                             backend="eager", fullgraph=True)
+    assert compiled(torch.zeros(2)).tolist() == ([1.0, 1.0] if fast else [-1.0, -1.0])
 
 
 def test_tiled_is_deterministic():
