@@ -143,7 +143,7 @@ def data_prepare(
     try:
         tok = load_tokenizer(tokenizer) if tokenizer is not None else None
         res = prepare_shards(data, out, tok, vocab_size=vocab_size or 4096, workers=workers, val_fraction=val_fraction,
-                             text_field=text_field, max_bytes=max_bytes, shard_tokens=shard_tokens, say=_log,
+                             text_field=text_field, max_bytes=max_bytes, shard_tokens=shard_tokens, say=_log, replace=False,
                              on_start=bar.start if bar else None, on_progress=bar.update if bar else None)
     except (DataError, OSError) as e:
         fail(str(e))
@@ -430,9 +430,9 @@ def train(
         check_parallel(cfg, nproc or world)
     except ValueError as e:
         fail(str(e))
-    if run_dir is not None and not resume and (run_dir / "checkpoints").is_dir() \
-            and any((run_dir / "checkpoints").iterdir()):
-        fail(f"{run_dir} already holds checkpoints; pass --resume auto to continue it, or choose another --out")
+    if run_dir is not None and not resume and world == 1:   # ranks under torchrun see rank 0's new files
+        if why := _taken_out(run_dir):
+            fail(why)
     if run_dir is None and world == 1:
         run_dir = _new_run_dir(Path(preset).stem, cfg.model.attnres.mode)
     if nproc is not None:
@@ -541,6 +541,20 @@ def _join_ranks(cfg, run_dir: Optional[Path], preset: str) -> Path:
     if run_dir is None and info.is_main:
         run_dir = _new_run_dir(preset, cfg.model.attnres.mode)
     return Path(broadcast_object(str(run_dir) if run_dir is not None else None))
+
+
+def _taken_out(run_dir: Path) -> str | None:
+    """Why a new run cannot start in `run_dir` (it would write over what is there), or None."""
+    if run_dir.exists() and not run_dir.is_dir():
+        return f"--out {run_dir} is a file; choose a folder"
+    if not run_dir.is_dir() or not any(run_dir.iterdir()):
+        return None
+    ckpts = run_dir / "checkpoints"
+    if ckpts.is_dir() and any(ckpts.iterdir()):
+        return f"{run_dir} already holds checkpoints; pass --resume auto to continue it, or choose another --out"
+    if (run_dir / "config.yaml").is_file():
+        return f"{run_dir} holds a run with no checkpoint yet; pass --resume auto to continue it, or choose another --out"
+    return f"{run_dir} is not empty and holds no k3 run; choose a new or empty folder for --out (nothing was changed)"
 
 
 def _train_args(preset, config, sets, attnres, data, steps, run_dir, resume, until, device, seed, time_limit,

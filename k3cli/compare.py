@@ -8,6 +8,12 @@ from pathlib import Path
 from k3cli.config import ConfigError, flatten, read_yaml
 
 
+def _is_record(row) -> bool:
+    number = (int, float)
+    return (isinstance(row, dict) and isinstance(row.get("step"), int) and isinstance(row.get("loss"), number)
+            and all(isinstance(row[k], number) for k in ("val_loss", "tokens_per_s", "time_s") if k in row))
+
+
 def run_summary(run_dir: Path) -> dict:
     """Final/best metrics of one run directory, read from its metrics.jsonl and config.yaml."""
     cfg_path, metrics_path = run_dir / "config.yaml", run_dir / "metrics.jsonl"
@@ -15,11 +21,18 @@ def run_summary(run_dir: Path) -> dict:
         raise ConfigError(f"not a k3 run directory (no config.yaml): {run_dir}")
     rows = []
     if metrics_path.is_file():
-        for line in metrics_path.read_text().splitlines():
+        try:
+            lines = metrics_path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read {metrics_path}: {e}") from None
+        for i, line in enumerate(lines, 1):
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:  # a line cut by a crash mid-write
                 continue
+            if not _is_record(row):
+                raise ConfigError(f"{metrics_path}, line {i}: not a k3 metrics record (a step and a loss, numbers)")
+            rows.append(row)
     vals = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
     tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
     config = flatten(read_yaml(cfg_path))

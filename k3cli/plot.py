@@ -22,6 +22,19 @@ def _pyplot():
     return plt
 
 
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _check_target(path: Path) -> None:
+    """A plot replaces an earlier plot (a PNG file) and nothing else: not a folder, not a checkpoint."""
+    if path.is_dir():
+        raise ValueError(f"plot target {path} is a folder; give a .png file path")
+    if path.exists():
+        with open(path, "rb") as f:
+            if f.read(len(PNG_MAGIC)) != PNG_MAGIC:
+                raise ValueError(f"plot target {path} exists and is not a PNG; choose another path (nothing was changed)")
+
+
 def _on_grid(curve: list[dict], grid: list[float], key: str = "tokens") -> list[float]:
     xs, ys = [p[key] for p in curve], [p["val_loss"] for p in curve]
     return [interp(x, xs, ys) for x in grid]
@@ -110,6 +123,7 @@ def plot_loss(groups: dict[str, list[list[dict]]], baseline: str | None, path: P
         fig.suptitle(title)
     fig.tight_layout()
     path = Path(path)
+    _check_target(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     fig.savefig(tmp, dpi=110, format="png")

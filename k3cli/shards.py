@@ -462,13 +462,14 @@ def prepare_shards(source: str, out: str | os.PathLike, tokenizer: Tokenizer | N
                    shard_tokens: int = SHARD_TOKENS, say: Callable[[str], None] | None = None,
                    on_start: Callable[[int, int], None] | None = None,
                    on_progress: Callable[[int, int, int], None] | None = None,
-                   scan: Scan | None = None, wait: bool = False) -> PrepareResult:
+                   scan: Scan | None = None, wait: bool = False, replace: bool = True) -> PrepareResult:
     """Tokenize `source` into `out` (see the module docstring). With `tokenizer` it is used as is,
     else a byte-level BPE of `vocab_size` is trained on the scan's sample. An `out` that already
     holds this source prepared with this tokenizer (or tokenizer settings) is reused as it is.
     `on_start(documents, bytes)` once the scan is done; `on_progress(documents, tokens, bytes)` as
     chunks are written (cumulative). `scan`: the source's `scan_source` when the caller has it. `wait`: if
-    another process holds `out`, wait for it (then reuse its result) instead of refusing."""
+    another process holds `out`, wait for it (then reuse its result) instead of refusing. `replace=False`:
+    refuse an `out` that holds a finished prepare of another source or tokenizer instead of replacing it."""
     say = say or (lambda msg: None)
     root = Path(out).expanduser()
     if root.exists() and not root.is_dir():
@@ -489,13 +490,13 @@ def prepare_shards(source: str, out: str | os.PathLike, tokenizer: Tokenizer | N
             say(f"another process is preparing {root}; waiting for it")
             fcntl.flock(lock, fcntl.LOCK_EX)
         return _prepare_locked(source, root, tokenizer, vocab_size, workers, val_fraction, text_field, max_bytes,
-                               min_frequency, shard_tokens, say, on_start, on_progress, scan)
+                               min_frequency, shard_tokens, say, on_start, on_progress, scan, replace)
     finally:
         lock.close()
 
 
 def _prepare_locked(source, root, tokenizer, vocab_size, workers, val_fraction, text_field, max_bytes,
-                    min_frequency, shard_tokens, say, on_start, on_progress, scan) -> PrepareResult:
+                    min_frequency, shard_tokens, say, on_start, on_progress, scan, replace=True) -> PrepareResult:
     t0 = time.perf_counter()
     if shard_tokens < 1:
         raise DataError(f"shard size must be >= 1 token, got {shard_tokens}")
@@ -509,6 +510,9 @@ def _prepare_locked(source, root, tokenizer, vocab_size, workers, val_fraction, 
     if old is not None:
         say(f"{root} already holds this source with this tokenizer; reusing it")
         return PrepareResult(root, old, True, time.perf_counter() - t0, scan_s)
+    if not replace and (root / MANIFEST).exists():
+        raise DataError(f"{root} holds a finished prepare of another source or tokenizer; choose another --out, "
+                        "or delete the folder to prepare it again (nothing was changed)")
     _clear(root)
     if tokenizer is None:
         sample_bytes = sum(d.nbytes for d in scan.sample)

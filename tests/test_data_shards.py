@@ -3,6 +3,7 @@ against one-process tokenization, reuse, a SIGKILLed prepare, the loader over sh
 the refusals of `k3 train --data DIR` / `k3 data info`. Tiny corpora written to tmp_path."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -186,7 +187,9 @@ def test_train_on_prepared_dir_and_its_refusals(corpus, tmp_path):
     # missing folder
     assert "does not exist" in one_error_line(runner.invoke(app, ["data", "info", str(tmp_path / "nope")]))
     one_error_line(tiny_train(tmp_path / "nope", tmp_path / "run2"))
-    # the folder prepared again with another tokenizer: the run's own tokenizer no longer matches
+    # the folder prepared again with another tokenizer (deleted first: prepare does not replace a finished
+    # folder): the run's own tokenizer no longer matches
+    shutil.rmtree(prep)
     assert runner.invoke(app, ["data", "prepare", "--data", str(corpus), "--out", str(prep), "--vocab-size", "320",
                                "--val-fraction", "0.2", "--shard-tokens", "400"]).exit_code == 0
     err = one_error_line(tiny_train(prep, run, "--resume", "auto", "--steps", "4"))
