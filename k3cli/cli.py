@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+import typer.rich_utils
 from rich.console import Console
 from rich.markup import escape
 
@@ -56,6 +57,20 @@ def fail(msg: str, code: int = 2) -> None:
     # the message is plain text: no Rich markup ("[B, T, HV]") or emoji codes ("hf:x:") in it
     err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True, emoji=False)
     raise typer.Exit(code)
+
+
+def _usage_error(e) -> None:
+    """Typer's usage errors (an unknown option, a value out of range) as the one `error:` line of every
+    other k3 error, with the command's --help named, instead of a usage line and a framed panel."""
+    if type(e).__name__ == "NoArgsIsHelpError":   # the help text is the answer; it is printed already
+        return
+    ctx = getattr(e, "ctx", None)
+    hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+    msg = " ".join(line.strip() for line in e.format_message().splitlines() if line.strip())
+    err_console.print(f"[bold red]error:[/] {escape(msg + hint)}", highlight=False, soft_wrap=True, emoji=False)
+
+
+typer.rich_utils.rich_format_error = _usage_error   # Typer calls it for every usage error it reports
 
 
 def resolve(preset: str, config: Optional[str], sets: Optional[list[str]], attnres: Optional[AttnResMode],
@@ -349,6 +364,10 @@ def bench_train_cmd(
                           attnres_configs=overlays)
     except ValueError as e:
         fail(str(e))
+    except Exception as e:
+        if not _out_of_memory(e):
+            raise
+        fail(_memory_advice(e).replace("train.micro_batch_size", "--batch").replace("train.seq_len", "--seq-len"))
     if as_json:
         sys.stdout.write(json.dumps(res, indent=2) + "\n")
     else:
@@ -467,6 +486,8 @@ def train(
     except OSError as e:   # a file the run writes (metrics, config, caches) on a full or read-only disk
         _fail_rank(str(e), 2)
     except Exception as e:
+        if _out_of_memory(e):
+            _fail_rank(_memory_advice(e), 2)
         if world == 1:
             raise
         # a failed collective, a bug: one line naming this rank; torchrun stops the others
@@ -517,6 +538,17 @@ def _torchrun_world() -> tuple[int, int]:
 def _first_line(e: BaseException) -> str:
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return (lines[0] if lines else type(e).__name__)[:300]
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """torch's CUDA allocator (torch.OutOfMemoryError) or its CPU allocator running out."""
+    return (isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError"
+            or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e)))
+
+
+def _memory_advice(e: BaseException) -> str:
+    return (f"out of memory ({_first_line(e)[:160]}); lower train.micro_batch_size (train.global_batch_size "
+            "stays: more micro-batches per step) or train.seq_len, or set train.activation_checkpointing=block")
 
 
 def _fail_rank(msg: str, code: int, every_rank: bool = False) -> None:
@@ -662,6 +694,8 @@ def export_cmd(
     try:
         if run is not None and ckpt is not None:
             run_dir, ckpt_dir = Path(run), Path(ckpt)
+            if ckpt_dir.resolve().parent != (run_dir / "checkpoints").resolve():
+                raise ConfigError(f"--ckpt {ckpt} is not a checkpoint of --run {run} (one of {run}/checkpoints/)")
         else:
             run_dir, ckpt_dir = locate(run, ckpt)
         marker = export_checkpoint(run_dir, ckpt_dir, out)
@@ -680,7 +714,7 @@ def generate_cmd(
     temperature: Annotated[float, typer.Option(help="Softmax temperature; 0 = greedy.")] = 0.8,
     top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens; 0 = off.")] = 0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling: smallest set with this probability; 1 = off.")] = 1.0,
-    seed: Annotated[int, typer.Option(help="Sampling seed (same seed, same text).")] = 0,
+    seed: Annotated[int, typer.Option(min=0, max=2**63 - 1, help="Sampling seed (same seed, same text).")] = 0,
     stream: Annotated[bool, typer.Option("--stream/--no-stream", help="Print tokens as they come.")] = True,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
 ):

@@ -87,6 +87,7 @@ class TrainConfig:
         _check(self.grad_clip >= 0, f"{p}.grad_clip", "must be >= 0 (0 = off)")
         _check(self.time_limit_s >= 0, f"{p}.time_limit_s", "must be >= 0")
         _check(self.peak_tflops >= 0, f"{p}.peak_tflops", "must be >= 0 (0 = from the device table)")
+        _check(0 <= self.seed < 2**63, f"{p}.seed", "must lie in [0, 2^63)")
 
 
 @dataclass
@@ -161,6 +162,24 @@ def resolve_preset(name: str, kind: str = "model") -> Path:
     return cand
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:   # the keys as written: merge keys (<<) may be overridden
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key = self.construct_object(key_node)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key '{key}' (the first would be ignored)", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _UniqueKeyLoader.construct_mapping)
+
+
 def read_yaml(path: Path) -> dict:
     try:
         text = Path(path).read_text()
@@ -169,7 +188,7 @@ def read_yaml(path: Path) -> dict:
     except UnicodeDecodeError:
         raise ConfigError(f"cannot read config file {path}: not UTF-8 text") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)   # safe_load's loader, duplicate keys refused
     except (RecursionError, ValueError) as e:  # nesting past the stack; an int past Python's digit limit
         raise ConfigError(f"malformed YAML in {path}: {_why(e)}") from None
     except yaml.YAMLError as e:

@@ -482,6 +482,17 @@ def document_starts(ids: torch.Tensor) -> torch.Tensor:
     return starts
 
 
+def check_token_ids(ids: torch.Tensor, vocab_size: int) -> None:
+    """DataError when a batch holds a token id past the model's vocabulary: shards damaged in place (their
+    sizes still right) or written by another tokenizer; the embedding would fail with an index error,
+    on CUDA as a device-side assert."""
+    top = int(ids.max()) if ids.numel() else 0
+    if top >= vocab_size:
+        raise DataError(f"token id {top} in the data is outside the model's vocabulary ({vocab_size}): the "
+                        "prepared shards are damaged or from another tokenizer (check them with "
+                        "`k3 data info DIR --verify`)")
+
+
 def val_batches(tokens: np.ndarray, seq_len: int, n: int, batch_size: int) -> list[torch.Tensor]:
     """Up to n batches `[B, T]` of consecutive windows from the start of `tokens [N]`, no shuffle
     (the last may hold fewer rows). A stream shorter than T gives one batch [1, N]."""

@@ -149,14 +149,57 @@ def read_manifest(path: str | os.PathLike) -> dict:
         raise _bad(root / MANIFEST, f"not a {FORMAT} manifest")
     if m.get("version") != VERSION:
         raise _bad(root / MANIFEST, f"format version {m.get('version')}, this k3 reads {VERSION}")
-    try:
-        for split in SPLITS:
-            for s in m["splits"][split]["shards"]:
-                str(s["file"]), int(s["tokens"]), int(s["bytes"]), int(s["documents"])
-        m["tokenizer"]["sha256"], int(m["tokenizer"]["vocab_size"]), np.dtype(m["dtype"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise _bad(root / MANIFEST, f"malformed ({type(e).__name__}: {e})") from None
+    if (problem := _manifest_problem(m)) is not None:
+        raise _bad(root / MANIFEST, f"malformed ({problem})")
     return m
+
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+# every manifest field a reader uses, with its kind (a type, or a check: counts are non-negative ints)
+_FIELDS = {"": {"dtype": str, "eot_id": _count},
+           "source.": {"spec": str, "fingerprint": str, "documents": _count, "bytes": _count, "val_fraction": _number},
+           "tokenizer.": {"sha256": str, "vocab_size": _count}}
+_SPLIT_FIELDS = {"documents": _count, "tokens": _count, "text_bytes": _count, "shards": list}
+_SHARD_FIELDS = {"file": str, "documents": _count, "tokens": _count, "text_bytes": _count, "bytes": _count,
+                 "sha256": str}
+
+
+def _fields_problem(node, fields: dict, where: str) -> str | None:
+    for name, kind in fields.items():
+        ok = isinstance(node, dict) and name in node and (
+            isinstance(node[name], kind) if isinstance(kind, type) else kind(node[name]))
+        if not ok:
+            return f"{where}{name} is missing or not a {kind.__name__.lstrip('_')}"
+    return None
+
+
+def _manifest_problem(m: dict) -> str | None:
+    """What in a manifest is missing or of the wrong kind, or None."""
+    sections = [(m if not where else m.get(where[:-1]), fields, where) for where, fields in _FIELDS.items()]
+    splits = m.get("splits") if isinstance(m.get("splits"), dict) else {}
+    sections += [(splits.get(split), _SPLIT_FIELDS, f"splits.{split}.") for split in SPLITS]
+    for node, fields, where in sections:
+        if problem := _fields_problem(node, fields, where):
+            return problem
+    for split in SPLITS:
+        for i, shard in enumerate(splits[split]["shards"]):
+            if problem := _fields_problem(shard, _SHARD_FIELDS, f"splits.{split}.shards[{i}]."):
+                return problem
+    try:
+        np.dtype(m["dtype"])
+    except TypeError:
+        return f"dtype {m['dtype']!r} is not a numpy dtype"
+    prepared = m.get("prepared", {})
+    if not isinstance(prepared, dict) or not _number(prepared.get("seconds", 0)):
+        return "prepared.seconds is not a number"
+    return None
 
 
 def open_prepared(path: str | os.PathLike, verify: bool = False) -> Prepared:

@@ -29,7 +29,14 @@ from k3cli import parallel as par
 from k3cli.checkpoint import CheckpointError, list_checkpoints, remove_leftovers, save_checkpoint
 from k3cli.compile import uncompiled
 from k3cli.config import RunConfig, config_to_dict, dump_config, flatten, load_config
-from k3cli.data import document_starts, load_tokenizer, prepare_data, save_tokenizer, write_text_atomic
+from k3cli.data import (
+    check_token_ids,
+    document_starts,
+    load_tokenizer,
+    prepare_data,
+    save_tokenizer,
+    write_text_atomic,
+)
 from k3cli.dist_checkpoint import SharedCheckpointError, find_latest, prune, resume_checkpoint, save_dcp
 from k3cli.layers.moe import max_over_mean
 from k3cli.layers.segments import Segments
@@ -94,11 +101,20 @@ class StopSignals:
 
 
 def resolve_device(name: str) -> torch.device:
+    """auto | cpu | cuda | cuda:N as a device this machine has; ValueError otherwise."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda requested but torch sees no CUDA device")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index):
+        raise ValueError(f"unknown device '{name}'; use auto, cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name} requested but torch sees no CUDA device")
+    if device.index is not None and device.type == "cuda" and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 def flush_denormals(device: torch.device) -> None:
@@ -327,6 +343,8 @@ def _train(cfg: RunConfig, run_dir: Path, info: par.DistInfo, mode: str, accum: 
     loader = data.train_loader(tc.micro_batch_size * world, seed=tc.seed, rows_per_step=tc.global_batch_size,
                                rank=rank, world_size=world)
     val = data.val_batches(cfg.eval.batches, cfg.eval.batch_size)
+    for batch in val:
+        check_token_ids(batch, cfg.model.vocab_size)
 
     step, loss_val, val_loss, time_before = 0, float("nan"), None, 0.0
     if resume:
@@ -378,6 +396,7 @@ def _train(cfg: RunConfig, run_dir: Path, info: par.DistInfo, mode: str, accum: 
         for i in range(accum):
             t_data = time.perf_counter()
             ids = next(loader)   # this rank's rows of the global micro-batch
+            check_token_ids(ids, cfg.model.vocab_size)
             segments = document_segments(ids, device, cfg.data.document_mask)
             ids = to_device(ids, device)
             speed.data_s += time.perf_counter() - t_data
@@ -547,5 +566,10 @@ def require_wandb(mode: str):
 
 def _wandb_init(mode: str, cfg: RunConfig, run_dir: Path):
     wandb = require_wandb(mode)
-    return None if wandb is None else wandb.init(project="k3", dir=str(run_dir), mode=mode,
-                                                  config=config_to_dict(cfg))
+    if wandb is None:
+        return None
+    try:
+        return wandb.init(project="k3", dir=str(run_dir), mode=mode, config=config_to_dict(cfg))
+    except Exception as e:   # wandb's own errors (no API key, no network) are plain Exceptions
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ValueError(f"--wandb {mode}: wandb could not start the run ({first[:200]})") from None

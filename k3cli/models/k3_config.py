@@ -20,6 +20,10 @@ def _check(cond: bool, key: str, msg: str) -> None:
         raise ConfigError(f"{key}: {msg}")
 
 
+# far above any model this toolkit trains (the largest vocabularies are ~256k, widths ~16k, depths ~130);
+# past them a typo would fail as an allocation error or a killed process instead of one line
+MAX_VOCAB, MAX_WIDTH, MAX_LAYERS = 2**22, 2**16, 1024
+
 @dataclass
 class KDALayerConfig:
     num_heads: int = 8  # H: query/key heads
@@ -120,9 +124,12 @@ class ModelConfig:
         raise NotImplementedError
 
     def validate(self, p: str = "model") -> None:
-        _check(self.vocab_size >= 2, f"{p}.vocab_size", "must be >= 2")
+        _check(2 <= self.vocab_size <= MAX_VOCAB, f"{p}.vocab_size", f"must lie in [2, {MAX_VOCAB:,}]")
         for name in ("hidden_size", "num_hidden_layers", "intermediate_size"):
             _check(getattr(self, name) >= 1, f"{p}.{name}", "must be >= 1")
+        _check(self.hidden_size <= MAX_WIDTH, f"{p}.hidden_size", f"must be <= {MAX_WIDTH:,}")
+        _check(self.intermediate_size <= 4 * MAX_WIDTH, f"{p}.intermediate_size", f"must be <= {4 * MAX_WIDTH:,}")
+        _check(self.num_hidden_layers <= MAX_LAYERS, f"{p}.num_hidden_layers", f"must be <= {MAX_LAYERS:,}")
         _check(self.norm_eps >= 0, f"{p}.norm_eps", "must be >= 0")
         _check(self.initializer_range > 0, f"{p}.initializer_range", "must be > 0")
         self.kda.validate(f"{p}.kda")
