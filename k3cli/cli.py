@@ -367,7 +367,8 @@ def bench_train_cmd(
     except Exception as e:
         if not _out_of_memory(e):
             raise
-        fail(_memory_advice(e).replace("train.micro_batch_size", "--batch").replace("train.seq_len", "--seq-len"))
+        fail(f"out of memory ({_first_line(e)[:160]}); lower --batch or --seq-len, or set "
+             "train.activation_checkpointing=block")
     if as_json:
         sys.stdout.write(json.dumps(res, indent=2) + "\n")
     else:
@@ -449,9 +450,9 @@ def train(
         check_parallel(cfg, nproc or world)
     except ValueError as e:
         fail(str(e))
-    if run_dir is not None and not resume and world == 1:   # ranks under torchrun see rank 0's new files
-        if why := _taken_out(run_dir):
-            fail(why)
+    # under torchrun each rank checks before joining the process group, so before rank 0 writes anything
+    if run_dir is not None and not resume and (why := _taken_out(run_dir)):
+        _fail_rank(why, 2, every_rank=True)
     if run_dir is None and world == 1:
         run_dir = _new_run_dir(Path(preset).stem, cfg.model.attnres.mode)
     if nproc is not None:
@@ -465,6 +466,7 @@ def train(
     progress = TrainProgress(console) if console.is_terminal and rank == 0 else None  # plain lines in logs
     from k3cli.parallel import PeerFailed
 
+    created = not run_dir.exists()
     try:
         result = run_training(cfg, run_dir, resume=bool(resume), log=make_logger(progress), progress=progress,
                               wandb_mode=wandb.value, stop_at=until)
@@ -495,9 +497,9 @@ def train(
     finally:
         if progress is not None:
             progress.stop()
-        if rank == 0 and run_dir.is_dir() and not any(run_dir.iterdir()):
+        if rank == 0 and created and run_dir.is_dir() and not any(run_dir.iterdir()):
             with contextlib.suppress(OSError):   # a read-only folder stays
-                run_dir.rmdir()  # failed before writing anything: leave no empty run behind
+                run_dir.rmdir()  # failed before writing anything: leave no empty run behind (an empty --out the user made stays)
     if world > 1:
         from k3cli.parallel import destroy
 

@@ -177,8 +177,6 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _UniqueKeyLoader.construct_mapping)
-
 
 def read_yaml(path: Path) -> dict:
     try:
@@ -307,9 +305,11 @@ def _parse_set(expr: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"--set: malformed key '{key}' in '{expr}'")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except (yaml.YAMLError, RecursionError, ValueError):
-        raise ConfigError(f"--set {key}: cannot parse value {_short(raw)} as YAML") from None
+        value = yaml.load(raw, Loader=_UniqueKeyLoader) if raw.strip() else ""
+    except (yaml.YAMLError, RecursionError, ValueError) as e:
+        problem = getattr(e, "problem", None)
+        raise ConfigError(f"--set {key}: cannot parse value {_short(raw)} as YAML"
+                          + (f" ({problem})" if problem else "")) from None
     # YAML 1.1 reads 1e-3 as a string; accept numeric-looking strings as floats
     if isinstance(value, str):
         try:

@@ -482,15 +482,17 @@ def document_starts(ids: torch.Tensor) -> torch.Tensor:
     return starts
 
 
-def check_token_ids(ids: torch.Tensor, vocab_size: int) -> None:
+def check_token_ids(ids: torch.Tensor, vocab_size: int, every_rank: bool = False) -> None:
     """DataError when a batch holds a token id past the model's vocabulary: shards damaged in place (their
     sizes still right) or written by another tokenizer; the embedding would fail with an index error,
-    on CUDA as a device-side assert."""
+    on CUDA as a device-side assert. `every_rank`: all ranks check the same batch (one of them reports)."""
     top = int(ids.max()) if ids.numel() else 0
     if top >= vocab_size:
-        raise DataError(f"token id {top} in the data is outside the model's vocabulary ({vocab_size}): the "
-                        "prepared shards are damaged or from another tokenizer (check them with "
-                        "`k3 data info DIR --verify`)")
+        e = DataError(f"token id {top} in the data is outside the model's vocabulary ({vocab_size}): the "
+                      "prepared shards are damaged or from another tokenizer (check them with "
+                      "`k3 data info DIR --verify`)")
+        e.on_every_rank = every_rank
+        raise e
 
 
 def val_batches(tokens: np.ndarray, seq_len: int, n: int, batch_size: int) -> list[torch.Tensor]:

@@ -475,6 +475,20 @@ def _clear(root: Path) -> None:
             p.unlink()
 
 
+def _other_prepare(root: Path, scan: Scan, tok_sha: str | None, tok_key: str | None) -> str | None:
+    """What a finished prepare in `root` holds when it is not this source with this tokenizer, or None."""
+    try:
+        m = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
+        fingerprint, tok = m["source"]["fingerprint"], m["tokenizer"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None   # no manifest, or one too damaged to say whose it is
+    if fingerprint != scan.fingerprint:
+        return f"a prepare of another source ({m['source'].get('spec', '?')}), or of this one before it changed"
+    if (tok.get("sha256") != tok_sha) if tok_sha is not None else (tok.get("trained_key") != tok_key):
+        return "a prepare of this source with another tokenizer"
+    return None
+
+
 def _reusable(root: Path, scan: Scan, tok_sha: str | None, tok_key: str | None) -> dict | None:
     try:
         p = open_prepared(root)
@@ -549,14 +563,15 @@ def _prepare_locked(source, root, tokenizer, vocab_size, workers, val_fraction, 
         say(f"{scan.documents:,} documents ({scan.nbytes / 2**20:.1f} MiB), fingerprint {scan.fingerprint}")
     scan_s = time.perf_counter() - t0
     tok_key = None if tokenizer is not None else tokenizer_key(scan, vocab_size, min_frequency)
-    old = _reusable(root, scan, tokenizer_sha256(tokenizer) if tokenizer is not None else None, tok_key)
+    tok_sha = tokenizer_sha256(tokenizer) if tokenizer is not None else None
+    old = _reusable(root, scan, tok_sha, tok_key)
     if old is not None:
         say(f"{root} already holds this source with this tokenizer; reusing it")
         return PrepareResult(root, old, True, time.perf_counter() - t0, scan_s)
-    if not replace and (root / MANIFEST).exists():
-        raise DataError(f"{root} holds a finished prepare of another source or tokenizer; choose another --out, "
-                        "or delete the folder to prepare it again (nothing was changed)")
-    _clear(root)
+    if not replace and (other := _other_prepare(root, scan, tok_sha, tok_key)):
+        raise DataError(f"{root} holds {other}; choose another --out, or delete the folder to prepare it again "
+                        "(nothing was changed)")
+    _clear(root)   # nothing, an interrupted prepare, or this source's prepare damaged since
     if tokenizer is None:
         sample_bytes = sum(d.nbytes for d in scan.sample)
         say(f"training byte-level BPE (vocab {vocab_size}) on {len(scan.sample):,} train documents "

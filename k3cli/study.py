@@ -106,7 +106,8 @@ def prepare_study(out: Path, design: dict) -> None:
     """Write the design into `out`, or check that the study already there has the same one."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; choose a folder")
-    if out.is_dir() and not (out / STUDY_FILE).is_file() and any(out.iterdir()):
+    # configs/ alone: a start of this command stopped before its study.json
+    if out.is_dir() and not (out / STUDY_FILE).is_file() and any(p.name != "configs" for p in out.iterdir()):
         raise ConfigError(f"{out} is not empty and holds no k3 study; choose a new or empty folder for --out "
                           "(nothing was changed)")
     if (out / STUDY_FILE).is_file():

@@ -343,8 +343,8 @@ def _train(cfg: RunConfig, run_dir: Path, info: par.DistInfo, mode: str, accum: 
     loader = data.train_loader(tc.micro_batch_size * world, seed=tc.seed, rows_per_step=tc.global_batch_size,
                                rank=rank, world_size=world)
     val = data.val_batches(cfg.eval.batches, cfg.eval.batch_size)
-    for batch in val:
-        check_token_ids(batch, cfg.model.vocab_size)
+    for batch in val:   # the same batches on every rank
+        check_token_ids(batch, cfg.model.vocab_size, every_rank=True)
 
     step, loss_val, val_loss, time_before = 0, float("nan"), None, 0.0
     if resume:

@@ -501,3 +501,21 @@ def _fail_on(this_rank: bool, at: int) -> None:
 
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]))
+
+
+@pytest.mark.slow
+def test_ranks_started_by_torchrun_refuse_an_out_that_holds_a_run(corpus, tmp_path):
+    """Each rank checks --out before it joins the process group: none starts over a run without --resume."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("a run of someone's\n")
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1", "--master-addr=127.0.0.1",
+           f"--master-port={_free_port()}", "-m", "k3cli", "train", "--preset", "k3-toy", "--out", str(run)] \
+        + tiny_sets(corpus)
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "holds a run with no checkpoint yet; pass --resume auto" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before

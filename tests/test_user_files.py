@@ -63,6 +63,11 @@ def test_a_new_run_may_use_an_empty_existing_folder(corpus, tmp_path):
     r = train(tmp_path / "empty", corpus, "--set", "train.steps=2")
     assert r.exit_code == 0, r.output
     assert (tmp_path / "empty" / "config.yaml").is_file()
+    (tmp_path / "mine").mkdir()   # a run that fails before writing anything leaves the user's empty folder
+    one_error_line(train(tmp_path / "mine", tmp_path / "no-such-corpus"))
+    assert (tmp_path / "mine").is_dir()
+    one_error_line(train(tmp_path / "new", tmp_path / "no-such-corpus"))
+    assert not (tmp_path / "new").exists()   # and removes the one it made
 
 
 def test_prepare_refuses_a_folder_that_holds_another_prepare(corpus, tmp_path):
@@ -70,14 +75,20 @@ def test_prepare_refuses_a_folder_that_holds_another_prepare(corpus, tmp_path):
     prepare = ["data", "prepare", "--data", str(corpus), "--out", str(prep)]
     assert runner.invoke(app, [*prepare, "--vocab-size", "300"]).exit_code == 0
     before = snapshot(prep)
-    assert "holds a finished prepare of another source or tokenizer" in one_error_line(
+    assert "holds a prepare of this source with another tokenizer" in one_error_line(
         runner.invoke(app, [*prepare, "--vocab-size", "320"]))
     other = write_corpus(tmp_path / "other", n_docs=12, seed=1)
-    assert "holds a finished prepare" in one_error_line(
+    assert "holds a prepare of another source" in one_error_line(
         runner.invoke(app, ["data", "prepare", "--data", str(other), "--out", str(prep), "--vocab-size", "300"]))
     assert snapshot(prep) == before
     r = runner.invoke(app, [*prepare, "--vocab-size", "300"])   # the same source and tokenizer: reused
     assert r.exit_code == 0 and "reused" in r.stdout and snapshot(prep) == before
+    shard = prep / "train-00000.npy"
+    shard.write_bytes(shard.read_bytes()[:-10])   # damaged since: this source's own prepare is rebuilt
+    r = runner.invoke(app, [*prepare, "--vocab-size", "300"])
+    assert r.exit_code == 0 and "reused" not in r.stdout
+    shards = lambda files: {k: v for k, v in files.items() if k.name != "manifest.json"}   # noqa: E731
+    assert shards(snapshot(prep)) == shards(before)   # the same tokens again (the manifest's timings differ)
 
 
 def fake_run(folder, losses):
@@ -115,6 +126,18 @@ def test_compare_names_a_metrics_line_it_cannot_read(tmp_path, line):
     assert "metrics.jsonl, line 2: not a k3 metrics record" in err
     (run / "metrics.jsonl").write_bytes(b"\xc9\xff\n")
     assert "cannot read" in one_error_line(runner.invoke(app, ["compare", str(run)]))
+
+
+def test_a_study_stopped_before_its_design_file_continues(corpus, tmp_path, monkeypatch):
+    from k3cli import study
+
+    out = tmp_path / "study"
+    (out / "configs").mkdir(parents=True)
+    (out / "configs" / "off-s0.yaml").write_text("half written")
+    design = {"preset": "kda-toy", "config": None, "sets": [], "modes": ["off"], "seeds": 1, "steps": 2,
+              "runs": [{"name": "off-s0", "config": "train: {steps: 2}\n"}]}
+    study.prepare_study(out, design)   # configs/ alone is this command's own start: no refusal
+    assert (out / "configs" / "off-s0.yaml").read_text() == "train: {steps: 2}\n" and (out / study.STUDY_FILE).is_file()
 
 
 @pytest.mark.parametrize("holds", ["user files", "a file"])

@@ -71,9 +71,10 @@ def gather_rows(x_XL: torch.Tensor, fwd_N: torch.Tensor, bwd_XK: torch.Tensor) -
 
 @torch.compiler.assume_constant_result
 def grouped_mm_kernel_on(device: torch.device) -> bool:
-    """Whether torch's grouped matmul has its kernel on this CUDA device (compute capability 9.x or 10.x);
-    on other GPUs it loops over the groups and reads their sizes back to the host at every call."""
-    return torch.cuda.get_device_capability(device)[0] in (9, 10)
+    """Whether torch's grouped matmul has its kernel on this CUDA device (NVIDIA compute capability 9.x or
+    10.x); on other GPUs it loops over the groups and reads their sizes back to the host at every call.
+    ROCm reports its own chips' versions here, and its path was not checked: tiled there."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
 def grouped_mm_runs(x: torch.Tensor, *widths: int) -> bool:
