@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from k3cli.ops.errors import max_abs_error, relative_rms_error, scaled_max_error
 
-__all__ = ["TINY_MODEL", "TINY_TRAIN", "WORDS", "assert_close", "kda_inputs", "max_abs_error", "relative_rms_error",
+__all__ = ["TINY_MODEL", "TINY_TRAIN", "WORDS", "assert_close", "kda_inputs", "max_abs_error", "one_error_line", "relative_rms_error",
            "run_with_grads", "scaled_max_error", "write_corpus"]
 
 TINY_MODEL = [
@@ -56,6 +56,17 @@ def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: f
     err = metric(actual, expected)
     what = getattr(metric, "__name__", "error").replace("_", " ")
     assert err <= tol, f"{name}: {what} {err:.3g} > {tol:.3g}"
+
+
+def one_error_line(result, code: int = 2) -> str:
+    """The one `error:` line a failed CLI call (a typer.testing Result) ends with, after checking its exit
+    code and that no traceback was printed."""
+    assert result.exit_code == code, (result.exit_code, result.output, result.exception)
+    assert "Traceback" not in result.output
+    lines = result.stderr.strip().splitlines()
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], result.stderr
+    return errors[0]
 
 
 def kda_inputs(B, T, H, G, K, V, dtype=torch.float32, device="cpu", seed=0, h0=True, gate_scale=5.0):

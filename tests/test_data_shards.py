@@ -19,7 +19,7 @@ from k3cli.config import DataConfig
 from k3cli.data import EOT_ID, PackedLoader, load_documents, pack_documents, prepare_data, split_documents
 from k3cli.parallel import shard_batch
 from k3cli.shards import MANIFEST, SLOW_ENV, TokenStream, open_prepared, prepare_shards
-from k3cli.testing import TINY_MODEL, TINY_TRAIN, write_corpus
+from k3cli.testing import TINY_MODEL, TINY_TRAIN, one_error_line, write_corpus
 
 runner = CliRunner()
 
@@ -29,14 +29,6 @@ def corpus(tmp_path, monkeypatch):
     monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path / "cache"))
     return write_corpus(tmp_path, n_docs=30)
 
-
-def one_error_line(r, code=2):
-    assert r.exit_code == code, (r.exit_code, r.output, r.exception)
-    assert "Traceback" not in r.output
-    lines = r.stderr.strip().splitlines()
-    errors = [line for line in lines if line.startswith("error:")]
-    assert len(errors) == 1 and lines[-1] == errors[0], r.stderr
-    return errors[0]
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -7,18 +7,10 @@ from typer.testing import CliRunner
 
 from k3cli.cli import app
 from k3cli.config import dump_config, load_config
-from k3cli.testing import TINY_MODEL, TINY_TRAIN, write_corpus
+from k3cli.testing import TINY_MODEL, TINY_TRAIN, one_error_line, write_corpus
 
 runner = CliRunner()
 
-
-def one_error_line(r, code=2) -> str:
-    assert r.exit_code == code, (r.exit_code, r.output, r.exception)
-    assert "Traceback" not in r.output
-    lines = r.stderr.strip().splitlines()
-    errors = [line for line in lines if line.startswith("error:")]
-    assert len(errors) == 1 and lines[-1] == errors[0], r.stderr
-    return errors[0]
 
 
 def snapshot(folder):
