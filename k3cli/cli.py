@@ -691,7 +691,7 @@ def export_cmd(
     and a checksummed EXPORT marker; `k3 eval` and `k3 generate` read it with --run OUT or --ckpt OUT
     on one device. Weights only: training does not resume from it."""
     from k3cli.evaluate import locate
-    from k3cli.export import export_checkpoint
+    from k3cli.export import export_checkpoint, is_export
 
     try:
         if run is not None and ckpt is not None:
@@ -700,6 +700,8 @@ def export_cmd(
                 raise ConfigError(f"--ckpt {ckpt} is not a checkpoint of --run {run} (one of {run}/checkpoints/)")
         else:
             run_dir, ckpt_dir = locate(run, ckpt)
+        if is_export(ckpt_dir):
+            raise ConfigError(f"{ckpt_dir} is an export already (weights, config and tokenizer); copy the folder instead")
         marker = export_checkpoint(run_dir, ckpt_dir, out)
     except (ConfigError, ValueError, FileNotFoundError) as e:  # CheckpointError is a ValueError
         fail(str(e))

@@ -98,6 +98,7 @@ def _import_datasets():
         raise DataError("reading .jsonl/.parquet/hf: sources needs the `datasets` package "
                         "(pip install datasets)") from None
     datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)   # it logs a parse failure before raising it: ours is the one line
     return datasets
 
 
@@ -369,7 +370,7 @@ def write_text_atomic(path: Path, text: str) -> None:
 def load_tokenizer(run_dir: str | os.PathLike) -> Tokenizer:
     """The tokenizer of a run directory (or a tokenizer .json file)."""
     path = Path(run_dir)
-    path = path if path.suffix == ".json" else path / "tokenizer.json"
+    path = path if path.suffix == ".json" or path.is_file() else path / "tokenizer.json"
     if not path.is_file():
         raise DataError(f"no tokenizer at {path}")
     try:

@@ -104,6 +104,8 @@ def test_export_refuses_a_checkpoint_of_another_run(runs, tmp_path):
     own = runs / "kda-toy" / "checkpoints" / "step_00000002"
     r = runner.invoke(app, ["export", "--run", str(runs / "kda-toy"), "--ckpt", str(own), "--out", str(tmp_path / "ok")])
     assert r.exit_code == 0, r.output
+    err = one_error_line(runner.invoke(app, ["export", "--run", str(tmp_path / "ok"), "--out", str(tmp_path / "again")]))
+    assert "is an export already" in err and not (tmp_path / "again").exists()
 
 
 def test_wandb_that_cannot_start_is_one_line(runs, tmp_path, monkeypatch):
@@ -136,3 +138,26 @@ def test_running_out_of_memory_is_one_line_with_advice(monkeypatch):
 def test_usage_errors_are_one_line_naming_the_help(args, needle):
     err = one_error_line(runner.invoke(app, args))
     assert needle in err and "--help)" in err
+
+
+@pytest.mark.parametrize("name,text", [("bad.jsonl", '{"text": "hello"}\n{bad json\n'), ("fake.parquet", "not parquet")])
+def test_unreadable_table_is_one_line_with_no_library_log(tmp_path, monkeypatch, name, text):
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / name).write_text(text)
+    r = runner.invoke(app, ["data", "prepare", "--data", str(tmp_path / name), "--out", str(tmp_path / "out")])
+    err = one_error_line(r)
+    assert "cannot read " in err and f"{name}: " in err
+    assert [line for line in r.stderr.splitlines() if line.strip()][-2:-1] == [f"scanning {tmp_path / name}"]
+
+
+def test_a_tokenizer_file_of_any_name_is_read_as_that_file(runs, tmp_path):
+    given = tmp_path / "tok.bin"
+    given.write_bytes((runs / "kda-toy" / "tokenizer.json").read_bytes())
+    r = runner.invoke(app, ["data", "prepare", "--data", str(runs / "corpus"), "--out", str(tmp_path / "p"),
+                            "--tokenizer", str(given)])
+    assert r.exit_code == 0, r.output
+    (tmp_path / "junk.jsonl").write_text('{"a": 1}\n')
+    err = one_error_line(runner.invoke(app, ["data", "prepare", "--data", str(runs / "corpus"), "--out",
+                                             str(tmp_path / "q"), "--tokenizer", str(tmp_path / "junk.jsonl")]))
+    assert f"cannot read tokenizer {tmp_path / 'junk.jsonl'}" in err
