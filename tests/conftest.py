@@ -3,6 +3,8 @@
 - `gpu`: needs a CUDA device (the bf16 / full-size tier, run on the GPU machine);
 - `triton`: runs a Triton kernel, so it needs CUDA or the interpreter (`TRITON_INTERPRET=1`,
   which must be set before Python starts; `make test` does).
+
+and the Hugging Face libraries' offline mode for the whole suite.
 """
 import os
 
@@ -10,6 +12,10 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+# The suite never reaches the network. huggingface_hub reads these once, at its first import, so they are
+# set before any test imports datasets (a test that does so online left the hub test waiting 23 s).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 TRITON_RUNS = HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"
 
 

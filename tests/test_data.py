@@ -1,7 +1,6 @@
 """Data pipeline: sources and their errors, hash split, BPE round trip and cache, packing, the
 checkpointable loader and fixed validation batches. Small corpora written to tmp_path, except one
 test on the real standard-library source (capped)."""
-import contextlib
 import importlib.util
 import json
 import os
@@ -250,8 +249,6 @@ def test_hub_fails_fast(monkeypatch, mode):
         monkeypatch.delenv("HF_HUB_OFFLINE")
         monkeypatch.delenv("HF_DATASETS_OFFLINE")
         monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: refused at once
-    with contextlib.suppress(ImportError):   # a first import of datasets takes seconds on a cold, busy machine
-        import datasets  # noqa: F401
     t0 = time.perf_counter()
     with pytest.raises(DataError, match="hf:no-such/dataset-k3") as e:
         load_documents("hf:no-such/dataset-k3")
