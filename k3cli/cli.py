@@ -367,8 +367,7 @@ def bench_train_cmd(
     except Exception as e:
         if not _out_of_memory(e):
             raise
-        fail(f"out of memory ({_first_line(e)[:160]}); lower --batch or --seq-len, or set "
-             "train.activation_checkpointing=block")
+        fail(_memory_advice(e, "--batch or --seq-len"))
     if as_json:
         sys.stdout.write(json.dumps(res, indent=2) + "\n")
     else:
@@ -548,9 +547,9 @@ def _out_of_memory(e: BaseException) -> bool:
             or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e)))
 
 
-def _memory_advice(e: BaseException) -> str:
-    return (f"out of memory ({_first_line(e)[:160]}); lower train.micro_batch_size (train.global_batch_size "
-            "stays: more micro-batches per step) or train.seq_len, or set train.activation_checkpointing=block")
+def _memory_advice(e: BaseException, lower: str = "train.micro_batch_size (train.global_batch_size stays: more "
+                   "micro-batches per step) or train.seq_len") -> str:
+    return f"out of memory ({_first_line(e)[:160]}); lower {lower}, or set train.activation_checkpointing=block"
 
 
 def _fail_rank(msg: str, code: int, every_rank: bool = False) -> None:

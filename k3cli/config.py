@@ -177,7 +177,6 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-
 def read_yaml(path: Path) -> dict:
     try:
         text = Path(path).read_text()

@@ -102,7 +102,7 @@ def _import_datasets():
     return datasets
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
@@ -124,7 +124,7 @@ def _rows(ds, where: str, text_field: str) -> Iterator[tuple[str, str]]:
     except DataError:
         raise
     except Exception as e:  # malformed JSON / parquet, a dropped connection: many exception types
-        raise DataError(f"cannot read {where}: {_first_line(e)}") from None
+        raise DataError(f"cannot read {where}: {first_line(e)}") from None
 
 
 def _table_docs(path: Path, name: str, text_field: str) -> Iterator[tuple[str, str]]:
@@ -134,7 +134,7 @@ def _table_docs(path: Path, name: str, text_field: str) -> Iterator[tuple[str, s
         # streaming reads the local file directly: no network, no Arrow copy in the HF cache
         ds = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True)
     except Exception as e:
-        raise DataError(f"cannot read {path}: {_first_line(e)}") from None
+        raise DataError(f"cannot read {path}: {first_line(e)}") from None
     yield from _rows(ds, name, text_field)
 
 
@@ -226,7 +226,7 @@ def _hub_docs(spec: str, text_field: str) -> Iterator[tuple[str, str]]:
         ds = datasets.load_dataset(name, config or None, split="train", streaming=not offline)
     except Exception as e:
         mode = " (offline mode: only data sets already in the local HF cache)" if offline else ""
-        raise DataError(f"data.source hf:{spec}: cannot load{mode}: {_first_line(e)}") from None
+        raise DataError(f"data.source hf:{spec}: cannot load{mode}: {first_line(e)}") from None
     yield from _rows(ds, f"hf:{spec}", text_field)
 
 

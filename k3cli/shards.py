@@ -475,33 +475,31 @@ def _clear(root: Path) -> None:
             p.unlink()
 
 
-def _other_prepare(root: Path, scan: Scan, tok_sha: str | None, tok_key: str | None) -> str | None:
-    """What a finished prepare in `root` holds when it is not this source with this tokenizer, or None."""
-    try:
-        m = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
-        fingerprint, tok = m["source"]["fingerprint"], m["tokenizer"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None   # no manifest, or one too damaged to say whose it is
-    if fingerprint != scan.fingerprint:
+def _other(m: dict, scan: Scan, tok_sha: str | None, tok_key: str | None) -> str | None:
+    """What manifest `m` holds when it is not this source with this tokenizer (a given one's SHA-256, or a
+    trained one's settings), or None."""
+    if m["source"]["fingerprint"] != scan.fingerprint:
         return f"a prepare of another source ({m['source'].get('spec', '?')}), or of this one before it changed"
+    tok = m["tokenizer"]
     if (tok.get("sha256") != tok_sha) if tok_sha is not None else (tok.get("trained_key") != tok_key):
         return "a prepare of this source with another tokenizer"
     return None
 
 
+def _other_prepare(root: Path, scan: Scan, tok_sha: str | None, tok_key: str | None) -> str | None:
+    """`_other` of the finished prepare in `root`; None without a manifest or with one too damaged to say."""
+    try:
+        return _other(json.loads((root / MANIFEST).read_text(encoding="utf-8")), scan, tok_sha, tok_key)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def _reusable(root: Path, scan: Scan, tok_sha: str | None, tok_key: str | None) -> dict | None:
     try:
-        p = open_prepared(root)
+        m = open_prepared(root).manifest
     except DataError:
         return None
-    m = p.manifest
-    if m["source"]["fingerprint"] != scan.fingerprint:
-        return None
-    if tok_sha is not None and m["tokenizer"]["sha256"] != tok_sha:
-        return None
-    if tok_sha is None and m["tokenizer"].get("trained_key") != tok_key:
-        return None
-    return m
+    return m if _other(m, scan, tok_sha, tok_key) is None else None
 
 
 @dataclass

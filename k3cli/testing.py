@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from k3cli.ops.errors import max_abs_error, relative_rms_error, scaled_max_error
 
-__all__ = ["TINY_MODEL", "TINY_TRAIN", "WORDS", "assert_close", "kda_inputs", "max_abs_error", "one_error_line", "relative_rms_error",
-           "run_with_grads", "scaled_max_error", "write_corpus"]
+__all__ = ["TINY_MODEL", "TINY_TRAIN", "WORDS", "assert_close", "kda_inputs", "max_abs_error", "one_error_line",
+           "relative_rms_error", "run_with_grads", "scaled_max_error", "write_corpus"]
 
 TINY_MODEL = [
     "model.vocab_size=300", "model.hidden_size=32", "model.num_hidden_layers=2",

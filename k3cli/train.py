@@ -32,6 +32,7 @@ from k3cli.config import RunConfig, config_to_dict, dump_config, flatten, load_c
 from k3cli.data import (
     check_token_ids,
     document_starts,
+    first_line,
     load_tokenizer,
     prepare_data,
     save_tokenizer,
@@ -571,5 +572,4 @@ def _wandb_init(mode: str, cfg: RunConfig, run_dir: Path):
     try:
         return wandb.init(project="k3", dir=str(run_dir), mode=mode, config=config_to_dict(cfg))
     except Exception as e:   # wandb's own errors (no API key, no network) are plain Exceptions
-        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise ValueError(f"--wandb {mode}: wandb could not start the run ({first[:200]})") from None
+        raise ValueError(f"--wandb {mode}: wandb could not start the run ({first_line(e).strip()[:200]})") from None

@@ -24,6 +24,7 @@ def _check(cond: bool, key: str, msg: str) -> None:
 # past them a typo would fail as an allocation error or a killed process instead of one line
 MAX_VOCAB, MAX_WIDTH, MAX_LAYERS = 2**22, 2**16, 1024
 
+
 @dataclass
 class KDALayerConfig:
     num_heads: int = 8  # H: query/key heads
