@@ -35,7 +35,7 @@ test-slow: setup
 test-gpu: setup
 	$(PY) -m pytest -q
 
-# k3-toy on a 400-step schedule (the preset's is 1000 steps; it is also the GPU benchmark): ~6 min on an idle 2-core CPU
+# k3-toy on a 400-step schedule (the preset's is 1000 steps; it is also the GPU benchmark): ~4 min on an idle 2-core CPU
 train: setup
 	$(K3) train --preset k3-toy --attnres block --steps 400
 
