@@ -106,8 +106,42 @@ def first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-def _rows(ds, where: str, text_field: str) -> Iterator[tuple[str, str]]:
-    """(name, text) of each row of a `datasets` table; reading errors become one-line DataErrors."""
+def _jsonl_line(path: Path, row: int) -> int:
+    """The line number (1-based, as editors count) of 0-based `row` of a .jsonl file: its row-th non-blank line."""
+    n = 0
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                if row == 0:
+                    return n
+                row -= 1
+    return n
+
+
+def _bad_jsonl_line(path: Path, text_field: str) -> str | None:
+    """"line N: why" for the first line of a .jsonl file that is no JSON object with text in `text_field`
+    (the reader's own messages count rows from 0 within a block, or name no row), or None."""
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line.rstrip(b"\r\n").decode("utf-8"))
+            except UnicodeDecodeError as e:
+                return f"line {n}: not UTF-8 (byte {e.start + 1}; JSON is UTF-8)"
+            except json.JSONDecodeError as e:
+                return f"line {n}: not valid JSON ({e.msg}, column {e.colno})"
+            if not isinstance(obj, dict):
+                return f"line {n}: a JSON {type(obj).__name__}, expected an object"
+            text = obj.get(text_field)
+            if text is not None and not isinstance(text, str):
+                return f"line {n}: '{text_field}' is {type(text).__name__}, expected text"
+    return None
+
+
+def _rows(ds, where: str, text_field: str, jsonl: Path | None = None) -> Iterator[tuple[str, str]]:
+    """(name, text) of each row of a `datasets` table; reading errors become one-line DataErrors. `jsonl`:
+    the table's .jsonl file, whose errors are placed by line number."""
     columns = ds.column_names  # None when a streamed source has not declared its features
     if columns is not None and text_field not in columns:
         raise DataError(f"{where} has no column '{text_field}' (columns: {', '.join(columns)}); "
@@ -119,12 +153,14 @@ def _rows(ds, where: str, text_field: str) -> Iterator[tuple[str, str]]:
                                 f"set data.text_field")
             text = row[text_field]
             if text is not None and not isinstance(text, str):
-                raise DataError(f"{where} row {i}: '{text_field}' is {type(text).__name__}, expected text")
+                at = f"line {_jsonl_line(jsonl, i)}" if jsonl else f"row {i}"
+                raise DataError(f"{where} {at}: '{text_field}' is {type(text).__name__}, expected text")
             yield f"{where}#{i}", text or ""
     except DataError:
         raise
     except Exception as e:  # malformed JSON / parquet, a dropped connection: many exception types
-        raise DataError(f"cannot read {where}: {first_line(e)}") from None
+        bad = _bad_jsonl_line(jsonl, text_field) if jsonl else None
+        raise DataError(f"cannot read {where}: {bad or first_line(e)}") from None
 
 
 def _table_docs(path: Path, name: str, text_field: str) -> Iterator[tuple[str, str]]:
@@ -134,8 +170,9 @@ def _table_docs(path: Path, name: str, text_field: str) -> Iterator[tuple[str, s
         # streaming reads the local file directly: no network, no Arrow copy in the HF cache
         ds = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True)
     except Exception as e:
-        raise DataError(f"cannot read {path}: {first_line(e)}") from None
-    yield from _rows(ds, name, text_field)
+        bad = _bad_jsonl_line(path, text_field) if builder == "json" else None
+        raise DataError(f"cannot read {path}: {bad or first_line(e)}") from None
+    yield from _rows(ds, name, text_field, path if builder == "json" else None)
 
 
 def _regular(path: Path) -> Path:

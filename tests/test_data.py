@@ -236,7 +236,7 @@ def test_source_errors_are_one_clear_line(tmp_path, kind):
         target, match = tmp_path / "y.jsonl", "cannot read"
         target.write_text('{"text": "hi"\nnot json at all\n')
     elif kind == "non-text":
-        target, match = tmp_path / "z.jsonl", "row 1: 'text' is int"
+        target, match = tmp_path / "z.jsonl", "line 2: 'text' is int"
         target.write_text('{"text": "hi"}\n{"text": 3}\n')
     with pytest.raises(DataError, match=match) as e:
         load_documents(str(target))

@@ -97,7 +97,22 @@ def test_invalid_utf8_in_a_single_txt_file_is_replaced(tmp_path):
 
 def test_invalid_utf8_in_jsonl_is_one_error_naming_the_file(tmp_path):
     src = folder(tmp_path, {"rows.jsonl": b'{"text": "caf\xe9"}\n'}, with_corpus=True)
-    assert_one_error(train(tmp_path, src), "cannot read rows.jsonl", "utf-8")
+    assert_one_error(train(tmp_path, src), "cannot read rows.jsonl", "line 1: not UTF-8")
+
+
+@pytest.mark.parametrize("content,where", [
+    (b'{"text": "a b"}\n{"text": "c"}\n{"text": 3}\n', "line 3: 'text' is int"),
+    (b'{"text": "a"}\n{"text": "b", "x": 1}\n{"text": "c", "x": 2}\n{"text": "d"\n', "line 4: not valid JSON"),
+    (b'{"text": "a"}\n[1, 2]\n', "line 2: a JSON list"),
+    (b'{"text": "a"}\n\n{"text": 3}\n', "line 3: 'text' is int"),   # blank lines count as lines
+    (b'{"text": "a"}\n{"text": "b"}\n{"text": "caf\xe9"}\n', "line 3: not UTF-8"),
+])
+def test_a_bad_jsonl_line_is_named_by_its_line_number(tmp_path, content, where):
+    """Lines counted from 1, as an editor shows them (the reader's own messages count rows from 0)."""
+    pytest.importorskip("datasets")
+    (tmp_path / "rows.jsonl").write_bytes(content)
+    r = runner.invoke(app, ["data", "prepare", "--data", str(tmp_path / "rows.jsonl"), "--out", str(tmp_path / "out")])
+    assert_one_error(r, "rows.jsonl", where)
 
 
 # ---- one enormous line --------------------------------------------------------------------------
