@@ -688,7 +688,8 @@ def export_cmd(
 
     OUT gets model.safetensors (full tensors, plain names), the run's config.yaml and tokenizer.json
     and a checksummed EXPORT marker; `k3 eval` and `k3 generate` read it with --run OUT or --ckpt OUT
-    on one device. Weights only: training does not resume from it."""
+    on one device. Weights only: training does not resume from it. Every tensor's name, shape and
+    dtype is checked against the model config.yaml builds first; a mismatch writes nothing."""
     from k3cli.evaluate import locate
     from k3cli.export import export_checkpoint, is_export
 

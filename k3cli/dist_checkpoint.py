@@ -27,6 +27,7 @@ import pickle
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import safetensors.torch
@@ -456,15 +457,19 @@ def load_dcp_model_into(path: str | os.PathLike, model: nn.Module, verify: bool 
     return {"step": state["step"], "loader": state["loader"], "extra": state["extra"], "path": path}
 
 
-def export_consolidated(path: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bool = False) -> Path:
+def export_consolidated(path: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bool = False,
+                        check: Callable[[dict[str, torch.Tensor]], None] | None = None) -> Path:
     """Write the weights of checkpoint `path` (DCP or single-process) as one `out_dir/model.safetensors`
     (full tensors, plain names; metadata: step, source format), atomically. No process group needed.
-    Refuses to replace an existing file unless `overwrite`. Returns the file."""
+    Refuses to replace an existing file unless `overwrite`. `check`: called with the loaded weights
+    before anything is written (it raises to write nothing). Returns the file."""
     path, out_dir = Path(path), Path(out_dir)
     out = out_dir / MODEL_FILE
     if out.exists() and not overwrite:
         raise CheckpointError(f"{out} already exists; refusing to overwrite it")
     sd = load_full_model_state(path)
+    if check is not None:
+        check(sd)
     step = json.loads((path / MARKER).read_text()).get("step")
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / f".{MODEL_FILE}.tmp-{os.getpid()}"

@@ -6,7 +6,10 @@ OUT/ holds
   tokenizer.json     the run's tokenizer
   EXPORT             JSON {step, source, files: {name: {bytes, sha256}}}, written last
 
-It is built in a temp folder beside OUT and renamed into place, so OUT is either complete or absent.
+Before anything is written, every tensor's name, shape and dtype is checked against the model that
+config.yaml builds (on the meta device: no memory), so an export whose config does not fit its weights
+is never written. It is built in a temp folder beside OUT and renamed into place, so OUT is either
+complete or absent.
 `k3 eval` and `k3 generate` read it with `--run OUT` or `--ckpt OUT`, on one device, without a
 process group; no optimiser state is kept, so it does not resume training.
 """
@@ -22,9 +25,11 @@ import torch
 from torch import nn
 
 from k3cli.checkpoint import MODEL_FILE, CheckpointError, _fsync_dir, _fsync_file, _sha256
+from k3cli.config import load_config
 from k3cli.dist_checkpoint import export_consolidated
+from k3cli.models.causal_lm import CausalLM
 
-__all__ = ["EXPORT_MARKER", "is_export", "export_checkpoint", "load_export_into"]
+__all__ = ["EXPORT_MARKER", "is_export", "export_checkpoint", "check_fits", "load_export_into"]
 
 EXPORT_MARKER = "EXPORT"
 RUN_FILES = ("config.yaml", "tokenizer.json")
@@ -44,11 +49,15 @@ def export_checkpoint(run_dir: str | os.PathLike, ckpt: str | os.PathLike, out: 
     for name in RUN_FILES:
         if not (run_dir / name).is_file():
             raise CheckpointError(f"{run_dir} has no {name}; not a k3 run directory")
+    config = run_dir / "config.yaml"
+    with torch.device("meta"):
+        expected = CausalLM(load_config(str(config)).model).state_dict()
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     if tmp.exists():  # left by an earlier crashed export of this same process id: ours by name
         shutil.rmtree(tmp)
     try:
-        export_consolidated(ckpt, tmp)          # verifies the checkpoint's checksums first
+        # verifies the checkpoint's checksums, then its tensors against the config, before writing
+        export_consolidated(ckpt, tmp, check=lambda sd: check_fits(sd, expected, f"{ckpt} does not fit {config}"))
         for name in RUN_FILES:
             shutil.copyfile(run_dir / name, tmp / name)
         files = {}
@@ -70,6 +79,22 @@ def export_checkpoint(run_dir: str | os.PathLike, ckpt: str | os.PathLike, out: 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return marker
+
+
+def check_fits(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+    """CheckpointError (one line, starting with `what`) unless `state` has exactly the tensor names,
+    shapes and dtypes of `expected` (a model's state dict, on the meta device or not)."""
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    odd = [f"{len(names)} tensor(s) {where} ({', '.join(names[:3])}{', …' if len(names) > 3 else ''})"
+           for names, where in ((missing, "of the config's model are not in the checkpoint"),
+                                (unexpected, "of the checkpoint are not in the config's model")) if names]
+    if odd:
+        raise CheckpointError(f"{what}: {'; '.join(odd)}; nothing was written")
+    for name, want in expected.items():
+        got = state[name]
+        if got.shape != want.shape or got.dtype != want.dtype:
+            raise CheckpointError(f"{what}: {name} is {tuple(got.shape)} {got.dtype} in the checkpoint, "
+                                  f"{tuple(want.shape)} {want.dtype} in the config's model; nothing was written")
 
 
 def _marker(path: Path, verify: bool) -> dict:
