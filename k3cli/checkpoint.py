@@ -37,7 +37,7 @@ from torch import nn
 
 __all__ = ["CheckpointError", "save_checkpoint", "find_latest_checkpoint", "load_checkpoint",
            "prune_checkpoints", "list_checkpoints", "is_complete", "tensor_bytes", "check_free_space",
-           "write_failure", "remove_leftovers", "delete_checkpoint"]
+           "write_failure", "remove_leftovers", "delete_checkpoint", "why_incomplete"]
 
 MODEL_FILE, STATE_FILE, MARKER = "model.safetensors", "state.pt", "COMPLETE"
 TEMP_TAG, DELETING_TAG = ".tmp-", ".deleting-"
@@ -238,25 +238,37 @@ def is_complete(path: str | os.PathLike, verify: bool = True) -> bool:
     this format's two files, or a sharded checkpoint (`k3cli.dist_checkpoint`, format "dcp") with
     its DCP metadata and state.pt among them. A save's temp folder (`.tmp-` in its name) never is."""
     path = Path(path)
-    return TEMP_TAG not in path.name and _files_match(path, verify)
+    return TEMP_TAG not in path.name and _mismatch(path, verify) is None
 
 
-def _files_match(path: Path, verify: bool) -> bool:
+def why_incomplete(path: str | os.PathLike, verify: bool = True) -> str | None:
+    """Why `path` fails `is_complete` (a missing marker, a file missing or of another size or SHA-256
+    than COMPLETE records), in a few words; None when it is complete."""
+    path = Path(path)
+    return "a save's temp folder" if TEMP_TAG in path.name else _mismatch(path, verify)
+
+
+def _mismatch(path: Path, verify: bool) -> str | None:
     marker = _marker(path)
     if marker is None:
-        return False
+        return f"no readable {MARKER} marker"
+    names = set(marker["files"])
     if marker.get("format") == "dcp":
-        if not {".metadata", STATE_FILE} <= set(marker["files"]):
-            return False
-    elif set(marker["files"]) != {MODEL_FILE, STATE_FILE}:
-        return False
+        if not {".metadata", STATE_FILE} <= names:
+            return f"{MARKER} does not list .metadata and {STATE_FILE}"
+    elif names != {MODEL_FILE, STATE_FILE}:
+        return f"{MARKER} lists {', '.join(sorted(names)) or 'no files'}, not {MODEL_FILE} and {STATE_FILE}"
     for name, meta in marker["files"].items():
         f = path / name
-        if not isinstance(meta, dict) or not f.is_file() or f.stat().st_size != meta.get("bytes"):
-            return False
+        if not isinstance(meta, dict):
+            return f"{MARKER} has no size and checksum for {name}"
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != meta.get("bytes"):
+            return f"{name} has {f.stat().st_size} bytes, {MARKER} records {meta.get('bytes')}"
         if verify and _sha256(f) != meta.get("sha256"):
-            return False
-    return True
+            return f"{name} does not match the SHA-256 {MARKER} records"
+    return None
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -350,7 +362,7 @@ def remove_leftovers(run_dir: str | os.PathLike) -> dict[Path, str]:
         m = _LEFTOVER.match(path.name)
         if not m or not path.is_dir() or _saving_elsewhere(int(m.group(2))):
             continue
-        if m.group(1) == "tmp" and _files_match(path, verify=True):
+        if m.group(1) == "tmp" and _mismatch(path, verify=True) is None:
             final = path.with_name(path.name.split(".")[0])
             if not final.exists():
                 with contextlib.suppress(OSError):   # a read-only folder keeps it as it is

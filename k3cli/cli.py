@@ -657,19 +657,29 @@ def _launch_torchrun(nproc: int, args: list[str], run_dir: Path) -> None:
 
 @app.command("eval")
 def eval_cmd(
-    run: Annotated[Optional[str], typer.Option(help="Run directory (uses its newest complete checkpoint).")] = None,
+    run: Annotated[Optional[str], typer.Option(
+        help="Run directory (uses its newest checkpoint that verifies), or a `k3 export` folder.")] = None,
     ckpt: Annotated[Optional[str], typer.Option(help="A checkpoint directory (runs/X/checkpoints/step_N).")] = None,
-    batches: Annotated[Optional[int], typer.Option(min=1, help="Validation batches (default: eval.batches).")] = None,
+    data: Annotated[Optional[str], typer.Option(
+        help="Evaluate on this source's validation split instead of the run's data: any source `k3 train` takes "
+             "(stdlib, a .txt/.jsonl/.parquet file or folder, hf:NAME, a `k3 data prepare` folder made with the "
+             "run's tokenizer), tokenized with the run's tokenizer.json.")] = None,
+    batches: Annotated[Optional[int], typer.Option(
+        min=1, help="Validation batches (default: eval.batches); fewer when the split holds fewer, with a warning.")] = None,
     batch_size: Annotated[Optional[int], typer.Option(min=1, help="Sequences per batch (default: eval.batch_size).")] = None,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON to stdout.")] = False,
 ):
-    """Validation loss, perplexity, bits per byte and tokens/s of a trained run."""
+    """Validation loss, perplexity, bits per byte and tokens/s of a trained run.
+
+    --run uses the newest checkpoint that verifies and names a newer one that fails (an error when
+    none verifies). The JSON records the data evaluated and the batches used."""
     from k3cli.evaluate import evaluate_run
     from k3cli.report import print_eval
 
     try:
-        res = evaluate_run(run, ckpt, batches, batch_size, device, log=lambda m: err_console.print(m, highlight=False))
+        res = evaluate_run(run, ckpt, batches, batch_size, device, data,
+                           log=lambda m: err_console.print(m, highlight=False))
     except (ConfigError, ValueError, FileNotFoundError) as e:  # DataError, CheckpointError are ValueErrors
         fail(str(e))
     if as_json:
@@ -699,7 +709,7 @@ def export_cmd(
             if ckpt_dir.resolve().parent != (run_dir / "checkpoints").resolve():
                 raise ConfigError(f"--ckpt {ckpt} is not a checkpoint of --run {run} (one of {run}/checkpoints/)")
         else:
-            run_dir, ckpt_dir = locate(run, ckpt)
+            run_dir, ckpt_dir = locate(run, ckpt, warn=_log)
         if is_export(ckpt_dir):
             raise ConfigError(f"{ckpt_dir} is an export already (weights, config and tokenizer); copy the folder instead")
         marker = export_checkpoint(run_dir, ckpt_dir, out)

@@ -1,6 +1,9 @@
 """`k3 export` and `k3 eval` check what they read: export refuses weights that do not fit the run's config
-(nothing written)."""
+(nothing written), `eval --run` names a checkpoint that fails verification, `eval --data` evaluates any
+source `train` takes with the run's tokenizer (a moved data folder, a prepared folder, other text), and
+eval warns when the validation split holds fewer batches than asked."""
 import json
+import math
 import os
 import shutil
 
@@ -11,7 +14,7 @@ from typer.testing import CliRunner
 from k3cli.checkpoint import MARKER, MODEL_FILE, _sha256
 from k3cli.cli import app
 from k3cli.config import dump_config, load_config
-from k3cli.testing import TINY_MODEL, TINY_TRAIN, one_error_line, write_corpus
+from k3cli.testing import TINY_MODEL, TINY_TRAIN, WORDS, one_error_line, write_corpus
 
 runner = CliRunner()
 
@@ -49,6 +52,12 @@ def reseal(ckpt):
     (ckpt / MARKER).write_text(json.dumps(marker))
 
 
+def eval_json(*args):
+    r = runner.invoke(app, ["eval", *args, "--json", "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout), r.stderr
+
+
 # ---- export checks the weights against the config ----------------------------------------------------
 
 def set_config(run, *overrides):
@@ -81,3 +90,102 @@ def test_export_refuses_weights_that_do_not_fit_the_config(run, tmp_path, damage
     assert os.listdir(out.parent) == (["model"] if out_exists else [])   # no temp folder left beside it
     assert not out.exists() or not any(out.iterdir())
     assert snapshot(run) == before
+
+
+# ---- eval --run names a checkpoint that fails verification ---------------------------------------------
+
+def flip(ckpt):
+    f = ckpt / MODEL_FILE
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 1
+    f.write_bytes(bytes(data))
+
+
+def truncate(ckpt):
+    f = ckpt / MODEL_FILE
+    f.write_bytes(f.read_bytes()[:100])
+
+
+@pytest.mark.parametrize("damage,why", [
+    (flip, "model.safetensors does not match the SHA-256 COMPLETE records"),
+    (truncate, "model.safetensors has 100 bytes, COMPLETE records"),
+    (lambda ckpt: (ckpt / MARKER).unlink(), "no readable COMPLETE marker"),
+], ids=["flipped", "truncated", "no-marker"])
+def test_eval_run_names_the_checkpoint_that_fails_verification(run, damage, why):
+    for ckpt in (run / "checkpoints").iterdir():
+        damage(ckpt)
+    err = one_error_line(runner.invoke(app, ["eval", "--run", str(run), "--device", "cpu"]))
+    newest = run / "checkpoints" / "step_00000006"
+    assert f"no checkpoint of run {run} verifies: the newest, {newest}, fails ({why}" in err, err
+    assert "no complete checkpoint yet" not in err
+
+
+def test_eval_and_export_say_when_they_skip_a_newest_checkpoint_that_fails(run, tmp_path):
+    flip(run / "checkpoints" / "step_00000006")
+    res, stderr = eval_json("--run", str(run))
+    assert res["step"] == 4 and res["checkpoint"].endswith("step_00000004")
+    assert "warning: " in stderr and "step_00000006 fails verification (model.safetensors does not match" in stderr
+    assert "using step_00000004" in stderr
+    r = runner.invoke(app, ["export", "--run", str(run), "--out", str(tmp_path / "export")])
+    assert r.exit_code == 0, r.output
+    assert "step_00000006 fails verification" in r.stderr and "(step 4)" in r.stdout
+    assert eval_json("--run", str(tmp_path / "export"))[0]["val_loss"] == pytest.approx(res["val_loss"], abs=1e-6)
+
+
+# ---- eval --data ---------------------------------------------------------------------------------------
+
+def test_eval_data_reads_a_moved_data_folder(run, trained, tmp_path):
+    corpus = shutil.copytree(trained[1], tmp_path / "corpus")
+    set_config(run, f"data.source={corpus}")
+    before, _ = eval_json("--run", str(run))
+    assert before["data"] == str(corpus)
+    moved = corpus.rename(tmp_path / "moved")
+    err = one_error_line(runner.invoke(app, ["eval", "--run", str(run), "--device", "cpu"]))
+    assert f"the run's data {corpus} does not exist" in err and "--data SRC" in err
+    after, _ = eval_json("--run", str(run), "--data", str(moved))
+    assert after["data"] == str(moved) and after["tokens"] == before["tokens"]
+    assert after["val_loss"] == pytest.approx(before["val_loss"], abs=1e-6)
+
+
+def test_eval_data_reads_a_folder_prepared_with_the_runs_tokenizer(run, trained, tmp_path):
+    corpus = trained[1]
+    own = tmp_path / "prepared"
+    r = runner.invoke(app, ["data", "prepare", "--data", str(corpus), "--out", str(own),
+                            "--tokenizer", str(run / "tokenizer.json")])
+    assert r.exit_code == 0, r.output
+    res, _ = eval_json("--run", str(run), "--data", str(own))
+    raw, _ = eval_json("--run", str(run), "--data", str(corpus))
+    assert res["data"] == str(own) and res["tokens"] == raw["tokens"]   # the same validation documents
+    assert res["val_loss"] == pytest.approx(raw["val_loss"], abs=1e-6)
+
+    other = tmp_path / "other-tokenizer"
+    r = runner.invoke(app, ["data", "prepare", "--data", str(corpus), "--out", str(other), "--vocab-size", "280"])
+    assert r.exit_code == 0, r.output
+    before = snapshot(other)
+    err = one_error_line(runner.invoke(app, ["eval", "--run", str(run), "--data", str(other), "--device", "cpu"]))
+    assert f"{other} was tokenized by another tokenizer" in err
+    assert snapshot(other) == before
+
+
+def test_eval_data_reads_other_text(run, tmp_path):
+    text = tmp_path / "other.txt"
+    paras = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(60)) for i in range(200)]
+    text.write_text("\n\n".join(paras) + "\n")
+    res, stderr = eval_json("--run", str(run), "--data", str(text))
+    assert res["data"] == str(text) and math.isfinite(res["val_loss"]) and res["tokens"] > 0
+    assert f"reading {text}" in stderr
+    err = one_error_line(runner.invoke(app, ["eval", "--run", str(run), "--data", str(tmp_path / "nope.txt")]))
+    assert "does not exist" in err
+
+
+# ---- eval says when the data holds fewer batches than asked ----------------------------------------------
+
+def test_eval_warns_when_the_split_holds_fewer_batches_than_asked(run):
+    res, stderr = eval_json("--run", str(run), "--batches", "1000", "--batch-size", "2")
+    assert res["batches_asked"] == 1000 and 0 < res["batches"] < 1000 and res["batch_size"] == 2
+    assert res["tokens"] <= res["batches"] * 2 * 32
+    warning = [line for line in stderr.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and f"{res['batches']} batch(es) of 2, fewer than the 1000 asked" in warning[0]
+    one, stderr = eval_json("--run", str(run), "--batches", "1", "--batch-size", "2")
+    assert one["batches"] == one["batches_asked"] == 1 and one["tokens"] == 2 * 32
+    assert "warning:" not in stderr
