@@ -147,7 +147,7 @@ def data_prepare(
     Re-running with the same source and tokenizer reuses OUT as it is; an interrupted prepare leaves no
     manifest (train refuses the folder) and the next run starts it clean."""
     from k3cli.data import DataError, load_tokenizer
-    from k3cli.report import PrepareProgress
+    from k3cli.report import PrepareLog, PrepareProgress
     from k3cli.shards import disk_bytes, prepare_shards
 
     if not 0 < val_fraction < 1:
@@ -155,11 +155,12 @@ def data_prepare(
     if tokenizer is not None and vocab_size is not None:
         fail("--tokenizer and --vocab-size exclude each other (a given tokenizer has its own vocabulary)")
     bar = PrepareProgress(console) if console.is_terminal else None
+    progress = bar or PrepareLog(_log)   # off a terminal (logs, Slurm): a line now and then
     try:
         tok = load_tokenizer(tokenizer) if tokenizer is not None else None
         res = prepare_shards(data, out, tok, vocab_size=vocab_size or 4096, workers=workers, val_fraction=val_fraction,
                              text_field=text_field, max_bytes=max_bytes, shard_tokens=shard_tokens, say=_log, replace=False,
-                             on_start=bar.start if bar else None, on_progress=bar.update if bar else None)
+                             on_start=progress.start, on_progress=progress.update)
     except (DataError, OSError) as e:
         fail(str(e))
     finally:
@@ -177,7 +178,8 @@ def data_prepare(
 def data_info(
     path: Annotated[Path, typer.Argument(help="A prepared data directory.")],
     verify: Annotated[bool, typer.Option("--verify", help="Also check every shard's SHA-256.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON to stdout.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the manifest as JSON to stdout, with 'verified': "
+                                                         "{shards, sha256_match} under --verify (else null).")] = False,
 ):
     """The manifest of a prepared directory: tokens, documents, shards, tokenizer, disk size."""
     from k3cli.data import DataError
@@ -188,10 +190,14 @@ def data_info(
         p = open_prepared(path, verify=verify)
     except (DataError, OSError) as e:
         fail(str(e))
+    shards = sum(len(p.manifest["splits"][s]["shards"]) for s in ("train", "val"))
+    checked = {"shards": shards, "sha256_match": True} if verify else None
     if as_json:
-        sys.stdout.write(json.dumps(p.manifest, indent=2) + "\n")
+        sys.stdout.write(json.dumps({**p.manifest, "verified": checked}, indent=2) + "\n")
     else:
         print_data_info(console, path, p.manifest, disk_bytes(p.manifest))
+        if verify:
+            console.print(f"verified: {shards} shards, SHA-256 match", highlight=False)
 
 
 class Kernel(str, Enum):
@@ -216,11 +222,12 @@ def verify_equivalence(
     shapes: Annotated[str, typer.Option(help="ci (tiny; fine on CPU) | full (GPU sizes).")] = "ci",
     dtype: Annotated[DType, typer.Option(
         help="Input dtype; auto = bf16 on CUDA, fp32 on CPU (the Triton interpreter mis-handles bf16).")] = DType.auto,
-    as_json: Annotated[bool, typer.Option("--json", help="Print rows as JSON to stdout.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print rows as JSON to stdout (tol bounds rel_rms).")] = False,
 ):
     """Run each Triton kernel and its torch reference on the same inputs; compare outputs and every gradient.
 
-    Exit code 4 when any row exceeds its tolerance. Without a GPU the kernels run in the Triton
+    Exit code 4 when any row's relative RMS error exceeds its tolerance (the max abs error is shown for
+    information). Without a GPU the kernels run in the Triton
     interpreter (slow: keep --shapes ci)."""
     from k3cli.kernels import VERIFY_KERNELS, prepare_device, run_verify
     from k3cli.report import print_verify
@@ -273,13 +280,17 @@ def bench_kernel(
     shape: Annotated[Optional[list[str]], typer.Option(
         help="chunk_kda / kda_gate only: time this B,T,H,HV,K shape (K = V) instead of a shape set; "
              "repeatable, e.g. --shape 8,2048,16,16,128.")] = None,
+    wide: Annotated[bool, typer.Option(
+        "--wide", help="Every column (spreads, host times, first-call times, ...) instead of the main ones in "
+                       "100 characters.")] = False,
 ):
     """Time kernels against the torch reference (and fla) measured in the same run.
 
     Forward and forward+backward medians with spread (warm-up excluded), Mtok/s, achieved GB/s
     against a device copy measured in the same run. fla† columns are fla's published H200 figures
     (kept in the bench modules), for orientation only; the fla columns without † are fla timed in
-    this run (--against fla), the only ones to take ratios against."""
+    this run (--against fla), the only ones to take ratios against. The table shows the main columns in 100
+    characters; --wide or --json gives every one."""
     from k3cli.kernels import BENCH_KERNELS, prepare_device, run_bench
     from k3cli.report import print_bench
 
@@ -311,7 +322,7 @@ def bench_kernel(
         return
     if device == "cpu":
         console.print("[yellow]CPU: the kernels ran in the Triton interpreter; these times are not GPU figures.[/]")
-    print_bench(console, results)
+    print_bench(console, results, wide=wide)
 
 
 class Backend(str, Enum):

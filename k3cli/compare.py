@@ -34,7 +34,8 @@ def run_summary(run_dir: Path) -> dict:
                 raise ConfigError(f"{metrics_path}, line {i}: not a k3 metrics record (a step and a loss, numbers)")
             rows.append(row)
     vals = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-    tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
+    # the first logged window holds the start-up (first-step overhead, compilation): speed is read after it
+    tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r][1:]
     config = flatten(read_yaml(cfg_path))
     tokens_per_step = config.get("train.global_batch_size", 0) * config.get("train.seq_len", 0)
     return {
@@ -44,7 +45,8 @@ def run_summary(run_dir: Path) -> dict:
         "val_loss": vals[-1][1] if vals else None,
         "best_val_loss": min(v for _, v in vals) if vals else None,
         "best_val_step": min(vals, key=lambda sv: sv[1])[0] if vals else None,
-        "tokens_per_s": sorted(tps)[len(tps) // 2] if tps else None,  # median of the logged windows
+        "tokens_per_s": sorted(tps)[len(tps) // 2] if tps else None,  # median of the windows after the first
+        "timed_windows": len(tps),
         "tokens": rows[-1]["step"] * tokens_per_step if rows else 0,
         # time_s: training seconds since step 0 (None in runs written before it was recorded)
         "val_curve": [{"step": r["step"], "tokens": r["step"] * tokens_per_step, "time_s": r.get("time_s"),

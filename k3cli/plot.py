@@ -3,7 +3,8 @@
 `plot_loss(groups, baseline, path)` draws, per group of runs, validation loss against tokens (mean
 line, min–max band over the group's runs), the difference to the baseline group against tokens
 (paired run by run when the groups have as many runs, else against the baseline's mean), and, when
-every run recorded its training time, validation loss against wall-clock seconds.
+every run recorded its training time, validation loss against wall-clock seconds. A curve of one
+point (a run evaluated once) is drawn as a marker.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ def _band(rows: list[list[float]]) -> tuple[list[float], list[float], list[float
     return [sum(c) / len(c) for c in cols], [min(c) for c in cols], [max(c) for c in cols]
 
 
+def _line(ax, x: list[float], y: list[float], **kw) -> None:
+    """A curve; one point has no line to draw, so it is a marker."""
+    ax.plot(x, y, marker="o" if len(x) == 1 else None, **kw)
+
+
 def _token_unit(groups: dict) -> tuple[float, str]:
     top = max(p["tokens"] for runs in groups.values() for c in runs for p in c)
     return (1e6, "tokens (M)") if top >= 1e6 else (1e3, "tokens (k)") if top >= 1e3 else (1.0, "tokens")
@@ -69,7 +75,7 @@ def plot_loss(groups: dict[str, list[list[dict]]], baseline: str | None, path: P
         grid = [p["tokens"] for p in runs[0]]
         mean, lo, hi = _band([_on_grid(c, grid) for c in runs])
         x = [t / unit for t in grid]
-        ax.plot(x, mean, color=colors[k], label=f"{k} (n = {len(runs)})")
+        _line(ax, x, mean, color=colors[k], label=f"{k} (n = {len(runs)})")
         if len(runs) > 1:
             ax.fill_between(x, lo, hi, color=colors[k], alpha=0.2, linewidth=0)
     ax.set_xlabel(unit_label)
@@ -96,7 +102,7 @@ def plot_loss(groups: dict[str, list[list[dict]]], baseline: str | None, path: P
                 diffs = [[a - b for a, b in zip(r, base_mean)] for r in rows]
             mean, lo, hi = _band(diffs)
             x = [t / unit for t in grid]
-            ax.plot(x, mean, color=colors[k], label=f"{k} − {baseline}")
+            _line(ax, x, mean, color=colors[k], label=f"{k} − {baseline}")
             if len(diffs) > 1:
                 ax.fill_between(x, lo, hi, color=colors[k], alpha=0.2, linewidth=0)
         ax.axhline(0.0, color="black", linewidth=0.8)
@@ -110,9 +116,10 @@ def plot_loss(groups: dict[str, list[list[dict]]], baseline: str | None, path: P
         ax = axes[i]
         for k, runs in groups.items():
             start, end = max(c[0]["time_s"] for c in runs), min(c[-1]["time_s"] for c in runs)
-            grid = [start + (end - start) * j / 50 for j in range(51)]  # where every run has points
+            # where every run has points (one time: a run with one validation point)
+            grid = [start + (end - start) * j / 50 for j in range(51)] if end > start else [start]
             mean = _band([_on_grid(c, grid, key="time_s") for c in runs])[0]
-            ax.plot(grid, mean, color=colors[k], label=k)
+            _line(ax, grid, mean, color=colors[k], label=k)
         ax.set_xlabel("training time (s)")
         ax.set_ylabel("validation loss (nats/token)")
         ax.set_title("validation loss at equal wall-clock")

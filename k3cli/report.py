@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from k3cli.layout import human
@@ -48,14 +49,16 @@ def print_verify(console: Console, rows: list[tuple], title: str) -> None:
     if not console.is_terminal:
         console = Console(width=160)
     table = Table(title=title)
+    # the tolerance bounds the relative RMS error, so it stands beside it; max abs err is for information
     for col, just in (("kernel", "left"), ("output / gradient", "left"), ("rel RMS err", "right"),
-                      ("max abs err", "right"), ("tolerance", "right"), ("", "left")):
+                      ("rel RMS tol", "right"), ("", "left"), ("max abs err (info)", "right")):
         table.add_column(col, justify=just)
     for kernel, name, rel, mx, tol, ok in rows:
-        table.add_row(kernel, name, f"{rel:.2e}", f"{mx:.2e}", f"{tol:.1e}", "[green]pass[/]" if ok else "[red]FAIL[/]")
+        table.add_row(kernel, name, f"{rel:.2e}", f"{tol:.1e}", "[green]pass[/]" if ok else "[red]FAIL[/]", f"{mx:.2e}")
     console.print(table)
     n_ok = sum(1 for r in rows if r[5])
-    console.print(f"{n_ok} passed, {len(rows) - n_ok} failed")
+    console.print(f"{n_ok} passed, {len(rows) - n_ok} failed (pass: rel RMS err ≤ rel RMS tol; max abs err is "
+                  "not bounded)")
 
 
 def _fmt(v, spec: str) -> str:
@@ -67,22 +70,32 @@ def _fmt(v, spec: str) -> str:
         return str(v)
 
 
-def print_bench(console: Console, results: dict[str, list[dict]]) -> None:
-    from k3cli.kernels import BENCH_COLUMNS
+BENCH_WIDTH = 100
 
-    if not console.is_terminal:  # logs (CI, redirected output): keep every column readable
-        console = Console(width=240)
+
+def print_bench(console: Console, results: dict[str, list[dict]], wide: bool = False) -> None:
+    """One table per kernel: the main columns in BENCH_WIDTH characters (those empty in every row left out, and
+    fla's published figures where fla was timed), or with `wide` every column at whatever width that takes."""
+    from k3cli.kernels import BENCH_COLUMNS, BENCH_COLUMNS_NARROW, BENCH_INSTEAD
+
     for kernel, rows in results.items():
         if not rows:
             continue
-        cols = BENCH_COLUMNS.get(kernel) or [(k, k, "" if not isinstance(v, float) else ".4g")
-                                             for k, v in rows[0].items() if not isinstance(v, (dict, list))]
+        cols = (BENCH_COLUMNS if wide else BENCH_COLUMNS_NARROW).get(kernel) or [
+            (k, k, "" if not isinstance(v, float) else ".4g") for k, v in rows[0].items()
+            if not isinstance(v, (dict, list))]
+        if not wide:
+            filled = {k for r in rows for k, v in r.items() if v is not None}
+            cols = [c for c in cols if c[0] in filled and BENCH_INSTEAD.get(c[0]) not in filled]
         table = Table(title=kernel)
         for _, header, _ in cols:
             table.add_column(header, justify="right")
         for r in rows:
             table.add_row(*[_fmt(r.get(key), spec) for key, _, spec in cols])
-        console.print(table)
+        # wide: as wide as the table (nothing cut); else BENCH_WIDTH, or a narrower terminal's width
+        width = Measurement.get(console, console.options.update_width(10**4), table).maximum if wide else BENCH_WIDTH
+        out = console if console.is_terminal and not wide and console.width < width else Console(width=width)
+        out.print(table)
     console.print("fla† = flash-linear-attention's published H200 figures, not measured in this run; "
                   "fla without † was timed in this run.")
 
@@ -111,6 +124,8 @@ def print_compare(console: Console, data: dict) -> None:
         console.print(diff)
     else:
         console.print("configs are identical")
+    console.print("tokens/s: the median of each run's logged windows after its first (which holds the start-up); "
+                  "- where a run logged only one", highlight=False)
 
 
 def print_bench_train(console: Console, res: dict) -> None:
@@ -213,6 +228,38 @@ class PrepareProgress:
 
     def stop(self) -> None:
         self._p.stop()
+
+
+PREPARE_LOG_EVERY_S = 10.0
+
+
+class PrepareLog:
+    """`k3 data prepare`'s progress off a terminal (logs, Slurm): a line every PREPARE_LOG_EVERY_S seconds
+    of encoding, in place of the bar."""
+
+    def __init__(self, log):
+        self._log, self._every = log, PREPARE_LOG_EVERY_S
+        self._t0 = self._last = 0.0
+        self._docs = self._bytes = 0
+
+    def start(self, documents: int, nbytes: int) -> None:
+        import time
+
+        self._t0 = self._last = time.perf_counter()
+        self._docs, self._bytes = documents, nbytes
+
+    def update(self, documents: int, tokens: int, nbytes: int) -> None:
+        import time
+
+        now = time.perf_counter()
+        if now - self._last < self._every:
+            return
+        self._last = now
+        rate = nbytes / max(now - self._t0, 1e-9)
+        left = f", about {(self._bytes - nbytes) / rate:.0f} s left" if rate > 0 else ""
+        self._log(f"prepare: {documents:,}/{self._docs:,} documents, {tokens:,} tokens, "
+                  f"{nbytes / 2**20:,.1f}/{self._bytes / 2**20:,.1f} MiB ({nbytes / max(1, self._bytes):.0%}), "
+                  f"{rate / 1e6:.1f} MB/s{left}")
 
 
 def print_data_info(console: Console, path, m: dict, disk: int) -> None:

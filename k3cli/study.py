@@ -38,13 +38,30 @@ from k3cli.stats import interp, mean_std, paired_interval
 STUDY_FILE = "study.json"
 WEIGHTS_FILE = "base_weights.json"
 PROGRESS_EVERY_S = 60.0
+# below this many validation points a run's curve says too little for a verdict
+MIN_VAL_POINTS = 3
 
 
 # ---- verdicts -----------------------------------------------------------------------------------
 
-def verdict(variant: str, baseline: str, iv: dict) -> str:
-    """One sentence on a paired interval of (variant − baseline) validation loss."""
+def too_short(steps: int, val_points: int, warmup_steps: int) -> str | None:
+    """Why a run is too short for a verdict (it ends inside its warm-up, or has fewer than MIN_VAL_POINTS
+    validation points), or None."""
+    why = []
+    if steps <= warmup_steps:
+        why.append(f"ends at step {steps}, inside its {warmup_steps} warm-up steps")
+    if val_points < MIN_VAL_POINTS:
+        why.append(f"{val_points} validation point{'s' if val_points != 1 else ''}, fewer than {MIN_VAL_POINTS}")
+    return "; ".join(why) or None
+
+
+def verdict(variant: str, baseline: str, iv: dict, short: str | None = None) -> str:
+    """One sentence on a paired interval of (variant − baseline) validation loss; `short` (why the runs are
+    too short) replaces the verdict with that caveat."""
     m, n = iv["mean"], iv["n"]
+    if short:
+        return (f"{variant} against {baseline}: no verdict, the runs are too short ({short}); "
+                f"the difference was {m:+.4f} over n = {n} seed{'s' if n != 1 else ''}")
     if iv["excludes_zero"] is None:
         return f"{variant}: {m:+.3f} against {baseline} from n = {n} seed; one seed gives no confidence interval"
     if iv["excludes_zero"]:
@@ -208,19 +225,22 @@ def run_study(out: Path, design: dict, parallel: int = 1, log: Callable[[str], N
     Each run gets `threads` torch threads (default: the CPU count shared among the parallel runs),
     unless OMP_NUM_THREADS is already set."""
     steps = design["steps"]
-    todo = []
+    todo, start_step = [], {}
     for r in design["runs"]:
         at = run_state(out / "runs" / r["name"], steps)
         if at >= steps:
             log(f"{r['name']}: finished, skipped")
         else:
             todo.append(r["name"])
+            start_step[r["name"]] = at
             if at:
                 log(f"{r['name']}: will resume from step {at}")
     (out / "logs").mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(threads or max(1, (os.cpu_count() or 1) // max(1, parallel))))
     running: dict[str, tuple[subprocess.Popen, object]] = {}
+    started: dict[str, float] = {}
+    rates: list[float] = []   # steps per second of the runs finished so far, each while sharing the machine
     failed: list[str] = []
     t0 = last_report = time.time()
     try:
@@ -230,6 +250,7 @@ def run_study(out: Path, design: dict, parallel: int = 1, log: Callable[[str], N
                 f = (out / "logs" / f"{name}.log").open("a")
                 running[name] = (subprocess.Popen(train_command(out, name), stdout=f, stderr=subprocess.STDOUT,
                                                   env=env), f)
+                started[name] = time.time()
                 log(f"{name}: started (log {out / 'logs' / (name + '.log')})")
             time.sleep(0.5)
             for name, (p, f) in list(running.items()):
@@ -238,13 +259,15 @@ def run_study(out: Path, design: dict, parallel: int = 1, log: Callable[[str], N
                 f.close()
                 del running[name]
                 if p.returncode == 0:
+                    rates.append((steps - start_step[name]) / max(time.time() - started[name], 1e-9))
                     log(f"{name}: finished in {time.time() - t0:.0f} s since the study started")
                 else:
                     failed.append(name)
                     log(f"{name}: k3 train exited with code {p.returncode}; see {out / 'logs' / (name + '.log')}")
             if running and time.time() - last_report >= PROGRESS_EVERY_S:
                 last_report = time.time()
-                log("progress: " + ", ".join(f"{n} {_last_step(out / 'runs' / n)}/{steps}" for n in running))
+                log(_progress(out, steps, running, started, start_step, todo, rates, parallel,
+                              len(design["runs"]) - len(todo) - len(running) - len(failed), len(design["runs"])))
     except KeyboardInterrupt:
         for p, _ in running.values():   # each run stops at its last checkpoint; resume continues it
             p.send_signal(signal.SIGINT)
@@ -258,6 +281,34 @@ def run_study(out: Path, design: dict, parallel: int = 1, log: Callable[[str], N
     return failed
 
 
+def _duration(seconds: float) -> str:
+    seconds = round(seconds)
+    if seconds < 120:
+        return f"{seconds} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
+def _progress(out: Path, steps: int, running: dict, started: dict, start_step: dict, todo: list, rates: list,
+              parallel: int, done: int, total: int) -> str:
+    """One progress line: each running run's step and time left at its rate so far, then the study's time
+    left at the mean rate of the runs (running with steps done, or finished) times the runs at once."""
+    now, parts, known = time.time(), [], list(rates)
+    left = sum(steps - start_step[n] for n in todo)
+    for n in running:
+        at = max(_last_step(out / "runs" / n), start_step[n])
+        rate = (at - start_step[n]) / max(now - started[n], 1e-9)
+        left += steps - at
+        if rate > 0:
+            known.append(rate)
+        eta = f"about {_duration((steps - at) / rate)} left" if rate > 0 else "time left not known yet"
+        parts.append(f"{n} {at}/{steps} ({eta})")
+    overall = (f"about {_duration(left / (sum(known) / len(known) * min(parallel, len(running) + len(todo))))} left"
+               if known else "time left not known yet")
+    return f"progress: {', '.join(parts)}; study: {done}/{total} runs done, {overall}"
+
+
 # ---- the summary and the report ------------------------------------------------------------------
 
 def summarize(out: Path, design: dict, weights: dict | None = None) -> dict:
@@ -268,8 +319,11 @@ def summarize(out: Path, design: dict, weights: dict | None = None) -> dict:
     for r in design["runs"]:
         d = out / "runs" / r["name"]
         s = run_summary(d) if (d / "config.yaml").is_file() else None
+        warmup = s["config"].get("train.warmup_steps", 0) if s else 0
         runs[r["name"]] = {"mode": r["mode"], "seed": r["seed"], "steps": s["steps"] if s else 0,
                            "finished": bool(s) and s["steps"] >= steps,
+                           "too_short": too_short(s["steps"], len(s["val_curve"]), warmup) if s else None,
+                           "timed_windows": s["timed_windows"] if s else 0,
                            "val_loss": s["val_loss"] if s else None,
                            "best_val_loss": s["best_val_loss"] if s else None,
                            "tokens_per_s": s["tokens_per_s"] if s else None,
@@ -310,13 +364,16 @@ def summarize(out: Path, design: dict, weights: dict | None = None) -> dict:
     for m in modes:
         if m == baseline or len(paired_seeds) < 1:
             continue
+        short = next((f"{n}: {runs[n]['too_short']}" for s in paired_seeds for n in (run_name(baseline, s), run_name(m, s))
+                      if runs[n]["too_short"]), None)
         d_tok = [runs[run_name(m, s)]["val_loss"] - runs[run_name(baseline, s)]["val_loss"] for s in paired_seeds]
-        entry = {"seeds": paired_seeds, "equal_tokens": {"per_seed": d_tok, **paired_interval(d_tok)}}
-        entry["equal_tokens"]["verdict"] = verdict(m, baseline, entry["equal_tokens"])
+        entry = {"seeds": paired_seeds, "too_short": short,
+                 "equal_tokens": {"per_seed": d_tok, **paired_interval(d_tok)}}
+        entry["equal_tokens"]["verdict"] = verdict(m, baseline, entry["equal_tokens"], short)
         if at_time is not None:
             d_t = [a - b for a, b in zip(at_time["val_loss"][m], at_time["val_loss"][baseline])]
             entry["equal_time"] = {"per_seed": d_t, **paired_interval(d_t)}
-            entry["equal_time"]["verdict"] = verdict(m, baseline, entry["equal_time"])
+            entry["equal_time"]["verdict"] = verdict(m, baseline, entry["equal_time"], short)
         diffs[m] = entry
     digests = {n: r.get("base_digest") for n, r in runs.items()}
     identical = None
@@ -378,6 +435,15 @@ def render_report(summary: dict, plot_error: str | None) -> str:
     if unfinished:
         lines += [f"**Unfinished runs** (left out below): {', '.join(unfinished)}. Run the same `k3 study` "
                   "command again to continue them.", ""]
+    short: dict[str, list[str]] = {}   # why -> the finished runs too short for that reason
+    for n, r in summary["runs"].items():
+        if r["finished"] and r.get("too_short"):
+            short.setdefault(r["too_short"], []).append(n)
+    if short:
+        lines += [f"**Too short for a verdict**: a run needs at least {MIN_VAL_POINTS} validation points and to "
+                  "end after its learning-rate warm-up. " + " ".join(f"{', '.join(ns)}: {why}." for why, ns in short.items())
+                  + " The numbers below describe these runs; they say nothing about the variants. "
+                  "Train longer (--steps, --tokens) or evaluate more often (--set train.eval_every=N).", ""]
     lines += ["## Validation loss at equal tokens", "",
               "| variant | runs | parameters | final val loss | best val loss | tokens/s | × " + base
               + " | val loss drop over the last 20 % |", "|---|---|---|---|---|---|---|---|"]
@@ -388,7 +454,8 @@ def render_report(summary: dict, plot_error: str | None) -> str:
                      f"{_pm(v['best_val_loss'], v['best_val_loss_std'])} | {_pm(v['tokens_per_s'], None, ',.0f')} | "
                      f"{_pm(v['tokens_per_s_ratio'], None, '.3f')} | {_pm(fl and fl['drop'], None)} |"
                      if v["parameters"] is not None else f"| {m} | 0 | - | - | - | - | - | - |")
-    lines += ["", "Mean ± standard deviation over seeds.", ""]
+    lines += ["", "Mean ± standard deviation over seeds. tokens/s: the median of each run's logged windows after "
+              "its first (which holds the start-up); - where a run logged no window after its first.", ""]
     diffs = summary["differences"]
     if diffs:
         seeds = next(iter(diffs.values()))["seeds"]

@@ -3,6 +3,7 @@ against one-process tokenization, reuse, a SIGKILLed prepare, the loader over sh
 the refusals of `k3 train --data DIR` / `k3 data info`. Tiny corpora written to tmp_path."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -194,6 +195,37 @@ def test_train_on_prepared_dir_and_its_refusals(corpus, tmp_path):
     # a shard of the same size but other bytes: only the checksum finds it
     shard.write_bytes(b"\0" * (json.loads((prep / MANIFEST).read_text())["splits"]["train"]["shards"][1]["bytes"]))
     assert "SHA-256" in one_error_line(runner.invoke(app, ["data", "info", str(prep), "--verify"]))
+
+
+def test_prepare_logs_progress_off_a_terminal(corpus, tmp_path, monkeypatch):
+    """Off a terminal (logs, Slurm: CliRunner is none) a progress line every PREPARE_LOG_EVERY_S seconds."""
+    import k3cli.report
+
+    args = ["data", "prepare", "--data", str(corpus), "--vocab-size", "300", "--val-fraction", "0.2"]
+    monkeypatch.setattr(k3cli.report, "PREPARE_LOG_EVERY_S", 0.0)
+    r = runner.invoke(app, [*args, "--out", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    lines = [line for line in r.stderr.splitlines() if line.startswith("prepare: ")]
+    assert lines and re.fullmatch(r"prepare: 30/30 documents, [\d,]+ tokens, [\d.]+/[\d.]+ MiB \(100%\), "
+                                  r"[\d.]+ MB/s, about 0 s left", lines[-1]), r.stderr
+    monkeypatch.setattr(k3cli.report, "PREPARE_LOG_EVERY_S", 3600.0)   # a prepare shorter than the interval
+    r = runner.invoke(app, [*args, "--out", str(tmp_path / "b")])
+    assert r.exit_code == 0 and "prepare: " not in r.stderr, r.output
+
+
+def test_info_verify_reports_its_result(corpus, tmp_path):
+    prep = tmp_path / "prep"
+    assert runner.invoke(app, ["data", "prepare", "--data", str(corpus), "--out", str(prep), "--vocab-size", "300",
+                               "--val-fraction", "0.2", "--shard-tokens", "400"]).exit_code == 0
+    m = json.loads((prep / MANIFEST).read_text())
+    shards = len(m["splits"]["train"]["shards"]) + len(m["splits"]["val"]["shards"])
+    r = runner.invoke(app, ["data", "info", str(prep), "--verify"])
+    assert r.exit_code == 0 and f"verified: {shards} shards, SHA-256 match" in r.stdout, r.output
+    r = runner.invoke(app, ["data", "info", str(prep), "--verify", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["verified"] == {"shards": shards, "sha256_match": True}
+    r = runner.invoke(app, ["data", "info", str(prep), "--json"])
+    assert json.loads(r.stdout)["verified"] is None
+    assert "verified" not in runner.invoke(app, ["data", "info", str(prep)]).stdout
 
 
 def test_cache_prepare_waits_for_another_writer(corpus, tmp_path):

@@ -1,6 +1,7 @@
 """`k3 verify-equivalence` and `k3 bench-kernel` wiring (the kernels' own accuracy is tested in tests/ops)."""
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -36,6 +37,68 @@ def test_verify_failure_exits_4(monkeypatch):
     r = runner.invoke(app, ["verify-equivalence", "--kernel", "chunk_kda", "--dtype", "fp32"])
     assert r.exit_code == 4
     assert "1 of 2 checks exceed their tolerance" in r.stderr
+
+
+@needs_triton
+def test_verify_table_puts_each_tolerance_beside_the_error_it_bounds(monkeypatch):
+    """The tolerance bounds the relative RMS error: it stands beside that column, and the max abs error is
+    labelled as unbounded (before: the tolerance stood beside the max abs error)."""
+    import k3cli.kernels as kernels
+
+    monkeypatch.setattr(kernels, "run_verify", lambda ks, shapes, dt: [
+        ("chunk_kda", "case/o", 1.25e-3, 7.5e-1, 5e-3, True)])
+    r = runner.invoke(app, ["verify-equivalence", "--kernel", "chunk_kda", "--dtype", "fp32"])
+    assert r.exit_code == 0, r.output
+    header = next(line for line in r.stdout.splitlines() if "rel RMS err" in line)
+    cells = lambda line: [c.strip() for c in re.split("[┃│]", line)[1:-1]]
+    assert cells(header)[2:] == ["rel RMS err", "rel RMS tol", "", "max abs err (info)"]
+    row = next(line for line in r.stdout.splitlines() if "case/o" in line)
+    assert cells(row)[2:] == ["1.25e-03", "5.0e-03", "pass", "7.50e-01"]
+    assert "pass: rel RMS err ≤ rel RMS tol; max abs err is not bounded" in r.stdout
+
+
+def _gpu_rows(kernel: str, fla: bool) -> list[dict]:
+    """Rows with the widest values a GPU run gives (k3 shapes, H200 times), every column of --wide filled."""
+    from k3cli.kernels import BENCH_COLUMNS, BENCH_COLUMNS_NARROW
+
+    ints = {"B": 256, "N": 20, "T": 32768, "H": 32, "HV": 32, "K": 128, "L": 31, "D": 4096, "C": 1024, "norm_dim": 128}
+    floats = {".3f": 21.243, ".4f": 0.0123, ".1f": 123.4, ".0f": 4812.0, ".1%": 0.987, ".0%": 0.987, ".2f": 12.34,
+              ".4g": 1234.5}
+    texts = {"form": "block S=2", "documents": "True"}
+    cols = (BENCH_COLUMNS[kernel] or []) + BENCH_COLUMNS_NARROW[kernel]
+    row = {k: ints[k] if spec == "d" else texts[k] if spec == "s" else floats[spec] for k, _, spec in cols}
+    row.update({k: None for k in row if k.startswith("fla_") and "doc" not in k and "ref" not in k and not fla})
+    if kernel == "kda_gate":   # its --wide table is every key of the row
+        row.update({"kernel": "kda_gate", "dtype": "torch.bfloat16", "first_call_fwd_s": 0.731,
+                    "first_call_fwd_bwd_s": 2.214, "fwd_p20_ms": 0.41, "fwd_p80_ms": 0.42})
+    return [row, dict(row)]
+
+
+@needs_triton
+@pytest.mark.parametrize("fla", [False, True])
+def test_bench_table_fits_100_columns_and_wide_shows_every_column(monkeypatch, fla):
+    """At GPU widths (before: 22 columns cut to 'first_ca…'), with and without fla timed in the run."""
+    import k3cli.kernels as kernels
+    from k3cli.kernels import BENCH_COLUMNS, BENCH_KERNELS
+
+    results = {k: _gpu_rows(k, fla) for k in BENCH_KERNELS}
+    monkeypatch.setattr(kernels, "run_bench", lambda ks, shapes, against, custom=None: results)
+    r = runner.invoke(app, ["bench-kernel", "--shapes", "ci"])
+    assert r.exit_code == 0, r.output
+    assert max(map(len, r.stdout.splitlines())) <= 100 and "…" not in r.stdout, r.stdout
+    assert ("fla f+b" in r.stdout) == fla and ("fla† f+b" in r.stdout) != fla   # published figures only in their stead
+    assert r.stdout.count("×torch f+b") == 2 and "×compiled f+b" in r.stdout   # no header wrapped either
+    r = runner.invoke(app, ["bench-kernel", "--shapes", "ci", "--wide"])
+    assert r.exit_code == 0 and "…" not in r.stdout, r.stdout
+    headers = {h for k in BENCH_KERNELS for _, h, _ in BENCH_COLUMNS[k] or []} | {"first_call_fwd_bwd_s"}
+    assert all(h in r.stdout for h in headers), [h for h in headers if h not in r.stdout]
+
+
+@needs_triton
+def test_bench_gate_ci_table_fits_100_columns():
+    r = runner.invoke(app, ["bench-kernel", "--kernel", "kda_gate", "--shapes", "ci"])
+    assert r.exit_code == 0, r.output
+    assert "× torch f+b" in r.stdout and max(map(len, r.stdout.splitlines())) <= 100 and "…" not in r.stdout
 
 
 @needs_triton
