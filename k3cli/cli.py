@@ -350,14 +350,22 @@ def bench_train_cmd(
     compare_attnres: Annotated[bool, typer.Option("--compare-attnres", help=(
         "Time the step with each AttnRes overlay (off, full, block), eager and with --compile compiled, "
         "interleaved in this run, with each overlay's ratio to off (instead of the backend and mask variants)."))] = False,
+    loader: Annotated[bool, typer.Option("--loader", help=(
+        "Feed each step through the training loop's input pipeline (a background thread draws, checks, "
+        "cuts and pins batches of a synthetic token stream) instead of one batch kept on the device."))] = False,
+    variants: Annotated[Optional[str], typer.Option(help=(
+        "Comma-separated variants to time, of those the run plans (eager, compiled, torch-backend, "
+        "torch-compiled, document-mask or no-document-mask); e.g. compiled for a model whose eager step "
+        "does not fit in memory. Default: all."))] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON to stdout.")] = False,
 ):
-    """Time whole training steps (forward, backward, AdamW) on synthetic tokens.
+    """Time the training loop's own step (forward, backward, clipping, AdamW, MoE balancing) on synthetic tokens.
 
     Eager is the reference; --compile adds the compiled step and, on CUDA with the Triton ops, the
     torch ops are timed too (eager, and compiled with --compile), all interleaved in this one run:
     median step time with its spread, tokens/s, TFLOP/s (analytic FLOPs, docs/math.md §9), MFU and
-    peak memory."""
+    peak memory. The variants use the document mask as `k3 train` does (data.document_mask); one more
+    eager variant has it the other way, for its cost."""
     from k3cli.bench_train import bench_train
     from k3cli.report import print_bench_train
 
@@ -372,7 +380,8 @@ def bench_train_cmd(
     overlays = {m.value: resolve(preset, config, sets, m, flags) for m in AttnResMode} if compare_attnres else None
     try:
         res = bench_train(cfg, steps=steps, warmup=warmup, compile=compile, backend=backend.value, log=_log,
-                          attnres_configs=overlays)
+                          attnres_configs=overlays, loader=loader,
+                          only=[n.strip() for n in variants.split(",")] if variants else None)
     except ValueError as e:
         fail(str(e))
     except Exception as e:

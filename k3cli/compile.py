@@ -43,3 +43,47 @@ def uncompiled(forward: Callable, model: nn.Module) -> Iterator[Callable]:
     finally:
         for m, f in saved.items():
             m.forward = f
+
+
+def use_compile_cache(root) -> None:
+    """Keep Inductor's and AOTAutograd's caches under `root` (unless TORCHINDUCTOR_CACHE_DIR is set), so a
+    second run or a resume reuses the compiled step. Call before the first compilation in the process."""
+    import os
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.fspath(root))
+
+
+class CompileWatch:
+    """The console lines around the first step, which compiles the model: when it starts and how long it
+    took, with how many graphs came from the caches."""
+
+    KEYS = (("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
+            ("aot_autograd", "autograd_cache_hit"), ("aot_autograd", "autograd_cache_miss"),
+            ("aot_autograd", "autograd_cache_bypass"))
+
+    def __init__(self, enabled: bool):
+        self.enabled, self._t0, self._before = enabled, 0.0, {}
+
+    def _counts(self) -> dict:
+        from torch._dynamo.utils import counters
+
+        return {k: counters[group][k] for group, k in self.KEYS}
+
+    def starting(self) -> str | None:
+        if not self.enabled:
+            return None
+        import time
+
+        self._t0, self._before = time.time(), self._counts()
+        return "compile: compiling the training step (torch.compile, full graph) in the first step"
+
+    def finished(self) -> str | None:
+        if not self.enabled:
+            return None
+        import time
+
+        n = {k: v - self._before[k] for k, v in self._counts().items()}
+        return (f"compile: first step done in {time.time() - self._t0:.1f} s; Inductor cache "
+                f"{n['fxgraph_cache_hit']} hit / {n['fxgraph_cache_miss']} miss, AOTAutograd cache "
+                f"{n['autograd_cache_hit']} hit / {n['autograd_cache_miss']} miss"
+                + (f" / {n['autograd_cache_bypass']} bypass" if n["autograd_cache_bypass"] else ""))

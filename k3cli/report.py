@@ -190,8 +190,8 @@ class TrainProgress:
         self._p.start()
         self._task = self._p.add_task("train", total=total, completed=completed, loss="-", tps="-")
 
-    def update(self, step: int, loss: float, tokens_per_s: float | None = None) -> None:
-        fields = {"loss": f"{loss:.4f}"}
+    def update(self, step: int, loss: float | None = None, tokens_per_s: float | None = None) -> None:
+        fields = {} if loss is None else {"loss": f"{loss:.4f}"}
         if tokens_per_s is not None:
             fields["tps"] = f"{tokens_per_s:.0f}"
         self._p.update(self._task, completed=step, **fields)

@@ -1,6 +1,6 @@
 """Where a training step spends device time, by component (CUDA, bf16 autocast).
 
-The step is `k3 bench-train`'s (k3cli/bench_train.py: forward, backward, fused AdamW on synthetic
+The step is `k3 bench-train`'s (k3cli/bench_train.py: forward, backward, clipping, fused AdamW, MoE balancing on synthetic
 tokens), eager or compiled. For each AttnRes overlay: warm-up steps (compilation), then torch.profiler
 over `--steps` steps. Prints the step's wall time (the profiler lengthens it, by about a quarter for a
 compiled k3-toy step), kernels per
@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from k3cli.bench_train import Variant, build_variant, timed_step
 from k3cli.config import load_config
-from k3cli.train import resolve_device
+from k3cli.train import Batch, resolve_device
 
 # first match wins; names are CUDA kernel names as the profiler reports them
 COMPONENTS = [
@@ -63,19 +63,19 @@ def run(preset: str, attnres: str, batch: int, seq: int, device: torch.device, c
     cfg = load_config(preset, attnres=attnres)
     cfg.train.compile_mode = mode
     cuda = device.type == "cuda"
-    v = Variant("profile", "triton" if cuda else "torch", compiled, attnres_impl=impl if cuda else None)
+    v = Variant("profile", "triton" if cuda else "torch", compiled, masked=False, attnres_impl=impl if cuda else None)
     build_variant(cfg, v, device)
     ids = torch.randint(1, cfg.model.vocab_size, (batch, seq), device=device)
-    autocast = torch.bfloat16 if cuda else None
+    batch_ = Batch(ids, None)
     t0 = time.perf_counter()
     for _ in range(warmup):
-        timed_step(v, ids, device, autocast)
+        timed_step(v, batch_, device)
     form = f" ({impl})" if cuda and attnres != "off" else ""
     print(f"\n== {preset} attnres={attnres}{form} B{batch} T{seq} {'compiled' if compiled else 'eager'}: "
           f"warm-up {warmup} steps {time.perf_counter() - t0:.1f} s", flush=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities, record_shapes=matmuls > 0) as prof:
-        wall = sum(timed_step(v, ids, device, autocast) for _ in range(steps)) / steps
+        wall = sum(timed_step(v, batch_, device) for _ in range(steps)) / steps
     if trace:
         prof.export_chrome_trace(trace.replace(".json", f"-{attnres}.json"))
     events = prof.key_averages()

@@ -2,7 +2,7 @@
 
 Each variant is `OVERLAY` or `OVERLAY:IMPL` (IMPL: fused = the Triton kernels, two_phase = the torch form,
 auto = what the model picks); every one runs `k3 bench-train`'s step and interleaved rounds (`time_variants` in
-k3cli/bench_train.py: forward, backward, fused AdamW on synthetic tokens), compiled with --compile. Prints the median step, its spread, the
+k3cli/bench_train.py: forward, backward, clipping, fused AdamW, MoE balancing on synthetic tokens), compiled with --compile. Prints the median step, its spread, the
 ratio to the first variant and tokens/s. The rule `wants_kernels` (k3cli/layers/attnres.py) follows from it:
 
     .venv/bin/python scripts/time_attnres_forms.py --preset k3-toy --batch 512 --compile \\
@@ -19,7 +19,7 @@ import torch
 
 from k3cli.bench_train import Variant, time_variants
 from k3cli.config import load_config
-from k3cli.train import resolve_device
+from k3cli.train import Batch, resolve_device
 
 
 def main() -> None:
@@ -35,18 +35,17 @@ def main() -> None:
     args = ap.parse_args()
     device = resolve_device(args.device)
     cuda = device.type == "cuda"
-    autocast = torch.bfloat16 if cuda else None
     variants = []
     for spec in args.variants:
         overlay, _, impl = spec.partition(":")
         cfg = load_config(args.preset, attnres=overlay)
         if impl and cfg.model.attnres.mode == "off":
             raise SystemExit(f"{spec}: attnres={overlay} has no mixer to choose an implementation for")
-        variants.append(Variant(spec, "triton" if cuda else "torch", args.compile, attnres=overlay, cfg=cfg,
+        variants.append(Variant(spec, "triton" if cuda else "torch", args.compile, False, attnres=overlay, cfg=cfg,
                                 attnres_impl=impl or None))
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(1, variants[0].cfg.model.vocab_size, (args.batch, args.seq_len), generator=gen).to(device)
-    time_variants(variants, variants[0].cfg, ids, device, autocast, args.steps, args.warmup)
+    time_variants(variants, variants[0].cfg, {False: Batch(ids, None)}, device, args.steps, args.warmup)
     ref = statistics.median(variants[0].times)
     print(f"\n{'variant':<20} {'step ms':>9} {'min':>8} {'max':>8} {'× ref':>7} {'tokens/s':>12}")
     for v in variants:

@@ -73,19 +73,20 @@ def metrics(run_dir: Path) -> list[dict]:
 
 @contextlib.contextmanager
 def recording():
-    """Inside, every training micro-batch this process reads (its rank's rows of the loader's global
-    batch), every global loss (`all_reduce_mean` in the loop) and every router-bias update is recorded."""
+    """Inside, every training micro-batch this process trains on (its rank's rows of the loader's global
+    batch, as the loop takes them from its input pipeline: not those made ahead and never used), every
+    global loss (`all_reduce_mean` in the loop) and every router-bias update is recorded."""
     import k3cli.parallel as par
-    from k3cli.data import PackedLoader
     from k3cli.layers.moe import LatentMoE
+    from k3cli.train import Prefetcher
 
     rec = {"rows": [], "losses": [], "biases": []}
-    take, mean, update = PackedLoader.__next__, par.all_reduce_mean, LatentMoE.update_bias
+    take, mean, update = Prefetcher.next_batch, par.all_reduce_mean, LatentMoE.update_bias
 
     def next_rows(self):
-        part = take(self)
-        rec["rows"] += [tuple(r) for r in part.tolist()]
-        return part
+        batch = take(self)
+        rec["rows"] += [tuple(r) for r in batch.ids.tolist()]
+        return batch
 
     def all_reduce_mean(t):
         out = mean(t)
@@ -96,11 +97,11 @@ def recording():
         update(self)
         rec["biases"].append(self.router_bias.detach().clone())
 
-    PackedLoader.__next__, par.all_reduce_mean, LatentMoE.update_bias = next_rows, all_reduce_mean, update_bias
+    Prefetcher.next_batch, par.all_reduce_mean, LatentMoE.update_bias = next_rows, all_reduce_mean, update_bias
     try:
         yield rec
     finally:
-        PackedLoader.__next__, par.all_reduce_mean, LatentMoE.update_bias = take, mean, update
+        Prefetcher.next_batch, par.all_reduce_mean, LatentMoE.update_bias = take, mean, update
 
 
 def train_here(cfg, run_dir: Path, **kw) -> dict:

@@ -52,3 +52,19 @@ def test_the_check_sees_function_level_and_skips_annotation_imports(tmp_path):
     f.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from k3cli.train import x\n"
                  "def g():\n    import k3cli.cli\n    from k3cli.ops import y\n    from ..models import z\n")
     assert k3_imports(f) == [(5, "k3cli.cli"), (6, "k3cli.ops"), (7, "..models")]
+
+
+# modules that use training (commands and their helpers): k3cli/train may import none of them
+ABOVE_TRAIN = ("cli", "bench_train", "evaluate", "study", "compare", "report", "export", "generate", "plot")
+
+
+def test_train_package_imports_nothing_above_it_and_is_used_by_its_public_names():
+    inside = sorted((PACKAGE / "train").rglob("*.py"))
+    assert inside
+    up = [f"{f.relative_to(PACKAGE.parent)}:{line} imports {mod}" for f in inside for line, mod in k3_imports(f)
+          if mod.startswith(".") or mod.split(".")[1:2] and mod.split(".")[1] in ABOVE_TRAIN]
+    assert not up, "\n".join(up)
+    outside = [f for f in PACKAGE.rglob("*.py") if PACKAGE / "train" not in f.parents]
+    private = [f"{f.relative_to(PACKAGE.parent)}:{line} imports {mod}" for f in outside for line, mod in k3_imports(f)
+               if mod.startswith("k3cli.train.")]
+    assert not private, "\n".join(private)

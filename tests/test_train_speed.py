@@ -105,13 +105,24 @@ def test_bench_train_runs_on_cpu():
                                                        "train.device=cpu"] for a in ("--set", s)]])
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout)
-    row, masked = res["rows"]
-    assert res["device_type"] == "cpu" and res["batch"] == 2 and res["seq_len"] == 32
+    row, plain = res["rows"]   # as k3 train runs (the document mask on), then without it
+    assert res["device_type"] == "cpu" and res["batch"] == 2 and res["seq_len"] == 32 and res["document_mask"]
     assert row["variant"] == "eager" and row["min_ms"] <= row["step_ms"] <= row["max_ms"]
     assert row["tokens_per_s"] == pytest.approx(64 / (row["step_ms"] / 1e3))
     assert row["mfu"] is None and set(res["ratios"]) == {"document_mask_cost"}
-    assert masked["variant"] == "document-mask" and res["documents_per_row"] > 1
-    assert res["ratios"]["document_mask_cost"] == pytest.approx(masked["step_ms"] / row["step_ms"])
+    assert plain["variant"] == "no-document-mask" and res["documents_per_row"] > 1
+    assert res["ratios"]["document_mask_cost"] == pytest.approx(row["step_ms"] / plain["step_ms"])
+    # one variant alone, fed by the training loop's input pipeline
+    r = runner.invoke(app, ["bench-train", "--preset", "kda-toy", "--steps", "2", "--warmup", "1", "--json",
+                            "--loader", "--variants", "eager", "--set", "data.document_mask=false",
+                            *[a for s in TINY_MODEL + ["train.seq_len=32", "train.micro_batch_size=2",
+                                                       "train.device=cpu"] for a in ("--set", s)]])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    assert res["loader"] and not res["document_mask"] and [x["variant"] for x in res["rows"]] == ["eager"]
+    assert res["ratios"] == {}
+    r = runner.invoke(app, ["bench-train", "--preset", "kda-toy", "--variants", "compiled", "--device", "cpu"])
+    assert r.exit_code == 2 and "no variant 'compiled'" in r.output
     r = runner.invoke(app, ["bench-train", "--backend", "triton", "--device", "cpu"])
     assert r.exit_code == 2 and "needs a CUDA device" in r.output
 
@@ -152,14 +163,14 @@ def test_bench_train_variants():
     CPU path anyway)."""
     from k3cli.bench_train import plan_variants
 
-    def names(backend, compile):
-        return [(v.name, v.backend, v.compiled) for v in plan_variants(backend, compile)]
-    assert names("torch", False) == [("eager", "torch", False), ("document-mask", "torch", False)]
-    assert names("torch", True) == [("eager", "torch", False), ("compiled", "torch", True),
-                                    ("document-mask", "torch", False)]
-    assert names("triton", True) == [("eager", "triton", False), ("compiled", "triton", True),
-                                     ("torch-backend", "torch", False), ("torch-compiled", "torch", True),
-                                     ("document-mask", "triton", False)]
+    def names(backend, compile, masked=False):
+        return [(v.name, v.backend, v.compiled, v.masked) for v in plan_variants(backend, compile, masked)]
+    assert names("torch", False) == [("eager", "torch", False, False), ("document-mask", "torch", False, True)]
+    assert names("torch", True, True) == [("eager", "torch", False, True), ("compiled", "torch", True, True),
+                                          ("no-document-mask", "torch", False, False)]
+    assert names("triton", True) == [("eager", "triton", False, False), ("compiled", "triton", True, False),
+                                     ("torch-backend", "torch", False, False), ("torch-compiled", "torch", True, False),
+                                     ("document-mask", "triton", False, True)]
 
 
 def test_bench_train_compares_attnres_overlays_in_one_run():
@@ -186,7 +197,7 @@ def test_throughput_leaves_out_evaluation_and_checkpoints(corpus, tmp_path, monk
     import time as time_mod
     from types import SimpleNamespace
 
-    import k3cli.train as train_mod
+    import k3cli.train.loop as train_mod
     skew = [0.0]
     monkeypatch.setattr(train_mod, "time", SimpleNamespace(
         time=lambda: time_mod.time() + skew[0], perf_counter=time_mod.perf_counter, strftime=time_mod.strftime))

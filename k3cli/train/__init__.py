@@ -1,0 +1,27 @@
+"""Training: `train` runs a run directory's loop (`loop`), built from `build`; one optimiser step is
+`step.TrainStep` (also what `k3 bench-train` times), fed by `batches.Prefetcher`; `metrics` records and
+`stops` ends it; `rundir` writes, checks and restores the run directory; `validation` is its
+validation loss. Other packages import these public names only."""
+from k3cli.train.batches import Batch, Prefetcher, document_segments, host_batch
+from k3cli.train.build import (
+    build_model,
+    build_optimizer,
+    check_parallel,
+    flush_denormals,
+    lr_lambda,
+    param_groups,
+    resolve_device,
+)
+from k3cli.train.loop import TrainResult, require_wandb, train
+from k3cli.train.metrics import Throughput, peak_memory_bytes
+from k3cli.train.rundir import RESUMABLE_KEYS, check_resume_config
+from k3cli.train.step import TrainStep, moe_imbalance
+from k3cli.train.stops import StopSignals, TrainingInterrupted, TrainingStopped
+from k3cli.train.validation import evaluate_loss
+
+__all__ = [
+    "Batch", "Prefetcher", "document_segments", "host_batch", "build_model", "build_optimizer", "check_parallel",
+    "flush_denormals", "lr_lambda", "param_groups", "resolve_device", "TrainResult", "require_wandb", "train",
+    "Throughput", "peak_memory_bytes", "RESUMABLE_KEYS", "check_resume_config", "TrainStep", "moe_imbalance",
+    "StopSignals", "TrainingInterrupted", "TrainingStopped", "evaluate_loss",
+]

@@ -1,0 +1,170 @@
+"""The training loop's input pipeline and host-sync-free steps: the same batches, losses and weights as a
+synchronous loop, exact resume with rare reads, a diverging run stopped with finite checkpoints only, and
+(GPU) steady-state steps without a single device-to-host synchronisation."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+import k3cli.train.loop as loop_mod
+from k3cli.checkpoint import find_latest_checkpoint, list_checkpoints
+from k3cli.cli import app
+from k3cli.config import load_config
+from k3cli.data import DataError, PackedLoader, prepare_data
+from k3cli.testing import TINY_MODEL, TINY_TRAIN, write_corpus
+from k3cli.train import (
+    Prefetcher,
+    build_model,
+    build_optimizer,
+    document_segments,
+    evaluate_loss,
+    train,
+)
+
+runner = CliRunner()
+# reads (log, eval, checkpoint) at steps 5, 7, 10, 14, 15, 20: most steps are not read when they end
+RARE_READS = ["train.steps=20", "train.log_every=7", "train.eval_every=10", "train.ckpt_every=5", "train.keep_last=5"]
+
+
+@pytest.fixture
+def corpus(tmp_path, monkeypatch):
+    monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path / "cache"))
+    return write_corpus(tmp_path)
+
+
+def cfg_of(corpus, preset, *extra):
+    return load_config(preset, overrides=TINY_MODEL + TINY_TRAIN + [f"data.source={corpus}", *RARE_READS, *extra])
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_prefetcher_gives_the_loader_batches_and_the_consumed_position():
+    tokens = (np.arange(4000) * 7) % 50
+    feed, ref = Prefetcher(PackedLoader(tokens, 10, 4, seed=3), 50, True, torch.device("cpu"), depth=3), \
+        PackedLoader(tokens, 10, 4, seed=3)
+    try:
+        for _ in range(40):   # past an epoch (100 windows)
+            batch, ids = feed.next_batch(), next(ref)
+            assert torch.equal(batch.ids, ids)
+            assert torch.equal(batch.segments.cu_seqlens, document_segments(ids, None, True).cu_seqlens)
+            assert feed.loader_state == ref.state_dict()   # the batch consumed, not those queued ahead
+    finally:
+        feed.close()
+
+
+def test_prefetcher_raises_a_bad_batch_where_it_is_due():
+    tokens = np.full(400, 7)
+    tokens[250:260] = 99   # window 25 of 40, in the second batch of the first epoch's order or later
+    loader = PackedLoader(tokens, 10, 4, seed=0)
+    order = loader._order().tolist()
+    bad_batch = next(i for i in range(10) if 25 in order[4 * i:4 * i + 4])
+    feed = Prefetcher(loader, 50, False, torch.device("cpu"))
+    for _ in range(bad_batch):
+        feed.next_batch()
+    with pytest.raises(DataError, match="token id 99"):
+        feed.next_batch()
+
+
+def reference_run(cfg):
+    """The loop as a plain synchronous one (each micro-batch read, cut and moved in place, the step's
+    scalars read at once): its per-step losses, validation losses and final weights."""
+    tc = cfg.train
+    torch.manual_seed(tc.seed)
+    data = prepare_data(cfg.data, cfg.model.vocab_size, tc.seq_len)
+    model = build_model(cfg).train()
+    opt, sched = build_optimizer(model, cfg)
+    loader = data.train_loader(tc.micro_batch_size, seed=tc.seed, rows_per_step=tc.global_batch_size)
+    val = data.val_batches(cfg.eval.batches, cfg.eval.batch_size)
+    accum, moe = tc.global_batch_size // tc.micro_batch_size, model.moe_layers()
+    losses, val_losses = [], {}
+    for step in range(1, tc.steps + 1):
+        opt.zero_grad(set_to_none=True)
+        loss = torch.zeros((), dtype=torch.float64)
+        for _ in range(accum):
+            ids = next(loader)
+            out = model(ids, labels=ids, segments=document_segments(ids, None, cfg.data.document_mask))
+            (out.loss / accum).backward()
+            loss += out.loss.detach().float().double() / accum
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        losses.append(round(loss.item(), 6))
+        assert torch.isfinite(norm)
+        opt.step()
+        sched.step()
+        for m in moe:
+            m.update_bias()
+        if step % tc.eval_every == 0:
+            val_losses[step] = round(evaluate_loss(model, val, torch.device("cpu"), None,
+                                                   document_mask=cfg.data.document_mask), 6)
+    return losses, val_losses, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("preset", ["k3-toy", "kda-toy"])
+def test_loop_is_bitwise_the_synchronous_loop_and_resumes_exactly(corpus, tmp_path, preset):
+    cfg = cfg_of(corpus, preset)
+    losses, val_losses, weights = reference_run(cfg)
+    train(cfg_of(corpus, preset), tmp_path / "a", log=lambda m: None)
+    train(cfg_of(corpus, preset), tmp_path / "b", log=lambda m: None, stop_at=10)
+    train(cfg_of(corpus, preset), tmp_path / "b", resume=True, log=lambda m: None)
+    for run in ("a", "b"):
+        rows = metrics(tmp_path / run)
+        assert [r["step"] for r in rows] == list(range(1, 21))
+        assert [r["loss"] for r in rows] == losses, run
+        assert {r["step"]: r["val_loss"] for r in rows if "val_loss" in r} == val_losses, run
+        saved = load_file(find_latest_checkpoint(tmp_path / run) / "model.safetensors")
+        for k, w in saved.items():
+            assert torch.equal(w, weights[k]), (run, k)
+
+
+def test_a_diverging_run_exits_3_and_leaves_only_finite_checkpoints(corpus, tmp_path):
+    out = tmp_path / "run"
+    args = ["train", "--preset", "kda-toy", "--out", str(out), "--data", str(corpus)]
+    # lr 30 diverges at step 6 here (reads at 4 and 8): the update of step 6 and later is skipped on the device
+    for s in TINY_MODEL + TINY_TRAIN + ["train.steps=40", "train.log_every=9", "train.ckpt_every=4",
+                                        "train.eval_every=0", "train.keep_last=20", "train.lr=30",
+                                        "train.warmup_steps=0", "train.grad_clip=0"]:
+        args += ["--set", s]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 3, r.output
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "non-finite" in lines[0], r.stderr
+    step = int(lines[0].split(" at step ")[1].split(";")[0])
+    ckpts = list_checkpoints(out)
+    assert ckpts and all(s < step for s, _ in ckpts) and f"step_{ckpts[-1][0]:08d}" in lines[0]
+    for _, path in ckpts:
+        assert all(torch.isfinite(t).all() for t in load_file(path / "model.safetensors").values()), path
+    assert [r["step"] for r in metrics(out)] == list(range(1, step))   # every step before the bad one
+
+
+@pytest.mark.gpu
+def test_steady_state_steps_never_synchronise_the_host(tmp_path, monkeypatch):
+    """22 steps of the real loop (k3-toy, document mask, the Triton ops, eager) with every device-to-host
+    synchronisation an error after the first two steps (kernel autotuning); the one read, at the end,
+    is allowed."""
+    monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path / "cache"))
+    corpus = write_corpus(tmp_path)
+    cfg = load_config("k3-toy", overrides=[f"data.source={corpus}", "train.steps=22", "train.log_every=22",
+                                           "train.eval_every=0", "train.ckpt_every=0", "train.device=cuda"])
+    calls, step_call, read = [0], loop_mod.TrainStep.__call__, loop_mod.StepRecords.read
+
+    def step(self, next_batch):
+        calls[0] += 1
+        torch.cuda.set_sync_debug_mode("error" if calls[0] > 2 else 0)
+        return step_call(self, next_batch)
+
+    def reading(self):
+        torch.cuda.set_sync_debug_mode(0)
+        return read(self)
+
+    monkeypatch.setattr(loop_mod.TrainStep, "__call__", step)
+    monkeypatch.setattr(loop_mod.StepRecords, "read", reading)
+    try:
+        res = train(cfg, tmp_path / "run", log=lambda m: None)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert res.step == 22 and calls[0] == 22
+    assert [r["step"] for r in metrics(tmp_path / "run")] == list(range(1, 23))
