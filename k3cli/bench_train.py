@@ -129,7 +129,7 @@ def time_variants(variants: list[Variant], cfg: RunConfig, batches: dict[bool, B
             B, T = cfg.train.micro_batch_size, cfg.train.seq_len
             stream = synthetic_tokens(cfg, 4 * B).flatten().numpy()
             v.feed = Prefetcher(PackedLoader(stream, T, B, seed=cfg.train.seed), cfg.model.vocab_size, v.masked,
-                                device)
+                                device, prepare=lambda s, m=v.model: m.prepare_documents(s, device))
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()

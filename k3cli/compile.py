@@ -51,6 +51,13 @@ def use_compile_cache(root) -> None:
     import os
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.fspath(root))
+    # the fp32 router's `autocast(enabled=False)` puts these calls in the graph, and AOTAutograd's cache
+    # bypasses any graph with a function it does not list; their arguments are constants of the graph's code
+    for name in ("_enter_autocast", "_exit_autocast"):
+        torch._inductor.config.unsafe_marked_cacheable_functions.setdefault(
+            f"torch.amp.autocast_mode.{name}", torch.__version__)
+    # the model's own autograd.Functions (MoE's row gather) are pure torch, traced into the graph both ways
+    torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
 
 
 class CompileWatch:

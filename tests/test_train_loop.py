@@ -168,3 +168,33 @@ def test_steady_state_steps_never_synchronise_the_host(tmp_path, monkeypatch):
         torch.cuda.set_sync_debug_mode(0)
     assert res.step == 22 and calls[0] == 22
     assert [r["step"] for r in metrics(tmp_path / "run")] == list(range(1, 23))
+
+
+def test_the_batch_thread_makes_each_batch_document_layout_before_its_step(corpus, tmp_path, monkeypatch):
+    """The KDA layers' chunk-aligned layout of a batch's documents is made by the batch thread, ahead: the
+    training steps (on the launching thread) find every one made."""
+    import threading
+
+    from k3cli.ops.kda import varlen
+
+    made, in_step = [], threading.local()
+    make, step_call = varlen._make_layout, loop_mod.TrainStep.__call__
+
+    def recording(cu, C, device):
+        made.append((threading.current_thread().name, getattr(in_step, "on", False)))
+        return make(cu, C, device)
+
+    def step(self, next_batch):
+        in_step.on = True
+        try:
+            return step_call(self, next_batch)
+        finally:
+            in_step.on = False
+
+    monkeypatch.setattr(varlen, "_make_layout", recording)
+    monkeypatch.setattr(loop_mod.TrainStep, "__call__", step)
+    varlen._MADE.clear()
+    train(cfg_of(corpus, "k3-toy", "train.steps=6", "train.eval_every=0"), tmp_path / "run", log=lambda m: None)
+    # one per distinct set of document boundaries among the 12 micro-batches (the layouts are kept by value)
+    assert made and all(thread == "k3-batches" for thread, _ in made), made
+    assert not [m for m in made if m[1]], made   # none made inside a step

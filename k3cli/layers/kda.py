@@ -207,6 +207,13 @@ class KDAAttention(nn.Module):
             cache.state = state
         return o
 
+    def prepare_packed(self, segments: Segments, device) -> None:
+        """Make ahead, on the calling thread, the chunk-aligned layout of `segments`' documents that
+        `_kda_packed` computes on the host (the op finds it made: ops/kda/varlen.py)."""
+        from k3cli.ops.kda.varlen import varlen_layout
+
+        varlen_layout(segments.cu_seqlens, self.chunk_size, device)
+
     def _kda_packed(self, q, k, v, g_raw, beta, segments: Segments) -> torch.Tensor:
         """_kda over packed documents: the batch flattened to one row that segments.cu_seqlens cuts, so each
         document starts from a zero state (docs/math.md §10)."""

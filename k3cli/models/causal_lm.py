@@ -135,6 +135,13 @@ class CausalLM(nn.Module):
         cache.position += token_ids.shape[1]
         return logits
 
+    def prepare_documents(self, segments: Segments, device) -> None:
+        """Make ahead, on the calling thread (the training loop's batch thread), what the layers compute on
+        the host from a batch's documents: the KDA layers' chunk-aligned layout, one per chunk size."""
+        layers = {m.chunk_size: m for m in self.modules() if hasattr(m, "prepare_packed")}
+        for layer in layers.values():
+            layer.prepare_packed(segments, device)
+
     def moe_layers(self) -> list[LatentMoE]:
         return [m for m in self.modules() if isinstance(m, LatentMoE)]
 

@@ -1,7 +1,8 @@
 """The input pipeline: micro-batches made on the host ahead of the loop, copied without a host sync.
 
 A background thread draws each micro-batch from the loader, checks its token ids, cuts it into
-documents (docs/math.md §10) and pins it, into a bounded queue; the loop takes one, copies it with
+documents (docs/math.md §10), makes what the model computes on the host from those (the KDA layers'
+chunk-aligned layout) and pins it, into a bounded queue; the loop takes one, copies it with
 `non_blocking=True` and runs the step while the thread makes the next ones. The batches are exactly
 the loader's, in its order. Every batch carries the loader's state after it was drawn, so a
 checkpoint records the position of the last batch the loop *consumed*, not of those queued ahead.
@@ -37,10 +38,14 @@ class Batch:
         return Batch(to_device(self.ids, device), segments, self.loader_state)
 
 
-def host_batch(ids: torch.Tensor, vocab_size: int, document_mask: bool, pin: bool) -> Batch:
-    """A loader batch made ready for the device: token ids checked, documents cut, pinned for a GPU."""
+def host_batch(ids: torch.Tensor, vocab_size: int, document_mask: bool, pin: bool,
+               prepare: Callable[[Segments], None] | None = None) -> Batch:
+    """A loader batch made ready for the device: token ids checked, documents cut (and `prepare(segments)`,
+    what the model computes on the host from them, made), pinned for a GPU."""
     check_token_ids(ids, vocab_size)
     segments = document_segments(ids, None, document_mask)
+    if segments is not None and prepare is not None:
+        prepare(segments)
     if pin:
         ids = ids.pin_memory()
         segments = None if segments is None else segments.pin_memory()
@@ -55,10 +60,11 @@ class Prefetcher:
     thread. An error the thread meets (damaged data) is raised by the `next_batch()` that would
     have returned that batch; `close()` stops the thread. `wait_s` sums the seconds the loop waited."""
 
-    def __init__(self, loader, vocab_size: int, document_mask: bool, device: torch.device, depth: int = 4):
+    def __init__(self, loader, vocab_size: int, document_mask: bool, device: torch.device, depth: int = 4,
+                 prepare: Callable[[Segments], None] | None = None):
         self.loader, self.device = loader, device
         self._make: Callable[[torch.Tensor], Batch] = lambda ids: host_batch(
-            ids, vocab_size, document_mask, pin=device.type == "cuda")
+            ids, vocab_size, document_mask, pin=device.type == "cuda", prepare=prepare)
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self.wait_s = 0.0

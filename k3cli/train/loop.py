@@ -148,8 +148,9 @@ class Run:
             return TrainResult(run_dir, step, loss, val_loss)
         wb = _wandb_init(wandb_mode, cfg, run_dir) if main else None
         self.model.train()
-        feed = Prefetcher(self.loader, cfg.model.vocab_size, cfg.data.document_mask, self.info.device,
-                          depth=2 * self.step_fn.accum)
+        device = self.info.device
+        feed = Prefetcher(self.loader, cfg.model.vocab_size, cfg.data.document_mask, device,
+                          depth=2 * self.step_fn.accum, prepare=lambda s: self.model.prepare_documents(s, device))
         records, stops, watch = StepRecords(), Stops(tc.time_limit_s, signals, self.info.device), CompileWatch(tc.compile)
         if self.progress is not None:
             self.progress.start(total=tc.steps, completed=step)

@@ -265,3 +265,18 @@ def test_varlen_layout_gives_each_sequence_its_chunks_longest_first():
         covered += range(n0, n1)
     assert sorted(covered) == list(range(lay.src.numel() // C))
     assert lay.n_run == 4 and all(n1 > n0 for _, n0, n1 in rows[:lay.n_run])
+
+
+def test_varlen_layouts_made_ahead_are_kept_by_value():
+    """The training loop's batch thread makes the next batches' layouts before their steps: several are kept,
+    found by value, a fixed-capacity cu_seqlens (repeats of the total: empty sequences) included."""
+    from k3cli.ops.kda import varlen
+    varlen._MADE.clear()
+    cus = [torch.cat([cu_of(lens), torch.full((5,), sum(lens), dtype=torch.int32)]) for lens in ([3, 40], [10, 33], [43])]
+    lays = [varlen.varlen_layout(cu, 16, "cpu") for cu in cus]
+    assert all(varlen.varlen_layout(cu.clone(), 16, "cpu") is lay for cu, lay in zip(cus, lays))
+    shorter = varlen.varlen_layout(cus[0][:-1], 16, "cpu")   # one empty sequence fewer
+    assert shorter is not lays[0] and shorter.n_seq == lays[0].n_seq - 1
+    for cu, lay in zip(cus, lays):
+        fresh = varlen._make_layout(cu.long(), 16, torch.device("cpu"))
+        assert all(torch.equal(a, b) for a, b in zip(lay[:5], fresh[:5])) and lay.n_seq == fresh.n_seq
