@@ -161,10 +161,13 @@ def test_check_parallel():
         check_parallel(cfg, 4)
     with pytest.raises(ValueError, match="independent copies"):
         check_parallel(load_config("k3-toy", overrides=TINY_TRAIN + ["train.parallel=none"]), 2)
-    graphs = ["train.compile=true", "train.compile_mode=reduce-overhead"]
-    with pytest.raises(ValueError, match="reduce-overhead"):
+    graphs = ["train.compile=true", "train.compile_mode=reduce-overhead", "data.document_mask=false"]
+    with pytest.raises(ValueError, match="reduce-overhead.*fsdp"):
         check_parallel(load_config("k3-toy", overrides=TINY_TRAIN + graphs), 2)
     assert check_parallel(load_config("k3-toy", overrides=TINY_TRAIN + graphs + ["train.parallel=ddp"]), 2)[0] == "ddp"
+    # CUDA graphs replay recorded launches; the masked KDA's follow each batch's documents
+    with pytest.raises(ValueError, match="reduce-overhead.*document_mask"):
+        check_parallel(load_config("k3-toy", overrides=TINY_TRAIN + graphs[:2]), 1)
 
 
 def test_one_process_fsdp_run_resumes_without_parallel(corpus, tmp_path):

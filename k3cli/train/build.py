@@ -85,6 +85,11 @@ def check_parallel(cfg: RunConfig, world_size: int) -> tuple[str, int]:
         # CUDA graphs would capture the all-gathered buffers FSDP2 frees and refills every step
         raise ValueError("train.compile_mode reduce-overhead (CUDA graphs) does not work with train.parallel "
                          "fsdp; use another compile mode or ddp")
+    if tc.compile and tc.compile_mode == "reduce-overhead" and cfg.data.document_mask:
+        # a replayed graph repeats the recorded launches, but the masked KDA's launches follow each batch's documents
+        raise ValueError("train.compile_mode reduce-overhead (CUDA graphs) does not work with data.document_mask: "
+                         "the KDA kernels' launches depend on each batch's documents; set data.document_mask=false "
+                         "or use another compile mode")
     per_pass = tc.micro_batch_size * world_size
     if tc.global_batch_size % per_pass:
         raise ValueError(f"train.global_batch_size ({tc.global_batch_size}) must be a multiple of "
