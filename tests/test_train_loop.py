@@ -103,7 +103,7 @@ def reference_run(cfg):
     return losses, val_losses, {k: v.detach() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("preset", ["k3-toy", "kda-toy"])
+@pytest.mark.parametrize("preset", ["k3-toy", pytest.param("kda-toy", marks=pytest.mark.slow)])
 def test_loop_is_bitwise_the_synchronous_loop_and_resumes_exactly(corpus, tmp_path, preset):
     cfg = cfg_of(corpus, preset)
     losses, val_losses, weights = reference_run(cfg)
