@@ -40,6 +40,7 @@ __all__ = ["CheckpointError", "save_checkpoint", "find_latest_checkpoint", "load
            "write_failure", "remove_leftovers", "delete_checkpoint", "why_incomplete"]
 
 MODEL_FILE, STATE_FILE, MARKER = "model.safetensors", "state.pt", "COMPLETE"
+EXPORT_MARKER = "EXPORT"   # a `k3 export` folder's marker; here so that training can refuse one without importing export
 TEMP_TAG, DELETING_TAG = ".tmp-", ".deleting-"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 # a save's temp folder (DCP adds a time stamp to the pid) or a pruned folder being deleted

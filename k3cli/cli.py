@@ -402,7 +402,9 @@ class WandbMode(str, Enum):
 
 @app.command()
 def train(
-    preset: PresetOpt = "k3-toy",
+    preset: Annotated[Optional[str], typer.Option("--preset", "-p", help=(
+        "Preset name (k3-toy, kda-toy, k3-0.5b) or a YAML path; default k3-toy. On resume the run's "
+        "config.yaml is the base; a --preset given there must resolve to the run's config."))] = None,
     config: ConfigOpt = None,
     sets: SetOpt = None,
     attnres: AttnResOpt = None,
@@ -415,8 +417,13 @@ def train(
     out: Annotated[Optional[Path], typer.Option(
         help="Run directory. Default: runs/PRESET-ATTNRES-TIMESTAMP.")] = None,
     resume: Annotated[Optional[str], typer.Option(
-        help="'auto': continue from the newest complete checkpoint of --out (or of the newest "
-             "runs/PRESET-ATTNRES-* directory).")] = None,
+        help="'auto': continue the run in --out (or in the newest runs/PRESET-ATTNRES-* directory) from its "
+             "newest complete checkpoint; a new or empty --out starts a run. Any other folder (an export, "
+             "prepared data, other files) is refused and left as it is.")] = None,
+    restart: Annotated[bool, typer.Option(
+        "--restart", help="Start the run in --out over with this command's config: only while it has no "
+                          "checkpoint (e.g. it failed at once on a bad learning rate); replaces its run.json, "
+                          "config.yaml, tokenizer.json and metrics.jsonl, nothing else.")] = False,
     until: Annotated[Optional[int], typer.Option(min=1,
         help="Stop after this step (with a checkpoint) without changing the schedule; resume later.")] = None,
     device: Annotated[Optional[str], typer.Option(help="auto | cpu | cuda (default: train.device).")] = None,
@@ -436,7 +443,14 @@ def train(
 
     Several processes: `--nproc N`, or `torchrun --nproc-per-node N -m k3cli train ...` yourself."""
     from k3cli.report import TrainProgress, make_logger
-    from k3cli.train import TrainingInterrupted, TrainingStopped, check_parallel, require_wandb
+    from k3cli.train import (
+        TrainingInterrupted,
+        TrainingStopped,
+        check_out,
+        check_parallel,
+        check_resume,
+        require_wandb,
+    )
     from k3cli.train import train as run_training
 
     world, rank = _torchrun_world()
@@ -449,6 +463,8 @@ def train(
         fail(f"--resume takes 'auto', got '{resume}'")
     if nproc is not None and world > 1:
         fail("--nproc starts torchrun itself; under torchrun leave it out")
+    if restart and (resume or out is None):
+        fail("--restart starts over the run in --out: give --out, and leave --resume out")
     try:
         require_wandb(wandb.value)   # fail before any data or model work
     except ValueError as e:
@@ -459,36 +475,37 @@ def train(
     mode = attnres.value if attnres else None
     run_dir = out
     if resume and run_dir is None:
-        run_dir = _newest_run(preset, mode)
-    if resume and run_dir is not None and (run_dir / "config.yaml").is_file():
-        # the run's own config is the base: the resumed run continues exactly the same job
-        cfg = resolve(str(run_dir / "config.yaml"), config, sets, attnres, flags)
-    else:
-        cfg = resolve(preset, config, sets, attnres, flags)
+        run_dir = _newest_run(preset or "k3-toy", mode)
+    # under torchrun each rank checks before joining the process group, so before rank 0 writes anything
     try:
+        resuming = run_dir is not None and check_out(run_dir, bool(resume), restart)
+    except ValueError as e:
+        _fail_rank(str(e), 2, every_rank=True)
+    # a resumed run's own config is the base; an explicit --preset is resolved as for a new run and checked
+    cfg = resolve(preset or (str(run_dir / "config.yaml") if resuming else "k3-toy"), config, sets, attnres, flags)
+    try:
+        if resuming:
+            check_resume(run_dir, cfg)
         check_parallel(cfg, nproc or world)
     except ValueError as e:
-        fail(str(e))
-    # under torchrun each rank checks before joining the process group, so before rank 0 writes anything
-    if run_dir is not None and not resume and (why := _taken_out(run_dir)):
-        _fail_rank(why, 2, every_rank=True)
+        fail(str(e) + (f" (--preset {preset} gives this command's config as for a new run; leave it out to continue "
+                       "from the run's config.yaml)" if resuming and preset and "cannot resume" in str(e) else ""))
     if run_dir is None and world == 1:
-        run_dir = _new_run_dir(Path(preset).stem, cfg.model.attnres.mode)
+        run_dir = _new_run_dir(Path(preset or "k3-toy").stem, cfg.model.attnres.mode)
     if nproc is not None:
-        args = _train_args(preset, config, sets, attnres, data, steps, run_dir, resume, until, device, seed,
+        args = _train_args(preset, config, sets, attnres, data, steps, run_dir, resume, restart, until, device, seed,
                            time_limit, wandb, peak_tflops)
         return _launch_torchrun(nproc, args, run_dir)
     if world > 1:
-        run_dir = _join_ranks(cfg, run_dir, Path(preset).stem)
+        run_dir = _join_ranks(cfg, run_dir, Path(preset or "k3-toy").stem)
 
-    err_console.print(f"run directory: {run_dir}", highlight=False)
     progress = TrainProgress(console) if console.is_terminal and rank == 0 else None  # plain lines in logs
     from k3cli.parallel import PeerFailed
 
     created = not run_dir.exists()
     try:
         result = run_training(cfg, run_dir, resume=bool(resume), log=make_logger(progress), progress=progress,
-                              wandb_mode=wandb.value, stop_at=until)
+                              wandb_mode=wandb.value, stop_at=until, restart=restart)
     except KeyboardInterrupt:
         from k3cli.checkpoint import find_latest_checkpoint
 
@@ -596,25 +613,12 @@ def _join_ranks(cfg, run_dir: Optional[Path], preset: str) -> Path:
     return Path(broadcast_object(str(run_dir) if run_dir is not None else None))
 
 
-def _taken_out(run_dir: Path) -> str | None:
-    """Why a new run cannot start in `run_dir` (it would write over what is there), or None."""
-    if run_dir.exists() and not run_dir.is_dir():
-        return f"--out {run_dir} is a file; choose a folder"
-    if not run_dir.is_dir() or not any(run_dir.iterdir()):
-        return None
-    ckpts = run_dir / "checkpoints"
-    if ckpts.is_dir() and any(ckpts.iterdir()):
-        return f"{run_dir} already holds checkpoints; pass --resume auto to continue it, or choose another --out"
-    if (run_dir / "config.yaml").is_file():
-        return f"{run_dir} holds a run with no checkpoint yet; pass --resume auto to continue it, or choose another --out"
-    return f"{run_dir} is not empty and holds no k3 run; choose a new or empty folder for --out (nothing was changed)"
-
-
-def _train_args(preset, config, sets, attnres, data, steps, run_dir, resume, until, device, seed, time_limit,
+def _train_args(preset, config, sets, attnres, data, steps, run_dir, resume, restart, until, device, seed, time_limit,
                 wandb, peak_tflops) -> list[str]:
     """`k3 train`'s options for the ranks, with the run directory fixed (all ranks share it)."""
-    args = ["--preset", preset, "--out", str(run_dir)]
-    for flag, value in (("--config", config), ("--attnres", attnres.value if attnres else None), ("--data", data),
+    args = ["--out", str(run_dir)] + (["--restart"] if restart else [])
+    for flag, value in (("--preset", preset), ("--config", config), ("--attnres", attnres.value if attnres else None),
+                        ("--data", data),
                         ("--steps", steps), ("--resume", resume), ("--until", until), ("--device", device),
                         ("--seed", seed), ("--time-limit", time_limit), ("--wandb", wandb.value),
                         ("--peak-tflops", peak_tflops)):

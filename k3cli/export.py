@@ -24,14 +24,13 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from k3cli.checkpoint import MODEL_FILE, CheckpointError, _fsync_dir, _fsync_file, _sha256
+from k3cli.checkpoint import EXPORT_MARKER, MODEL_FILE, CheckpointError, _fsync_dir, _fsync_file, _sha256
 from k3cli.config import load_config
 from k3cli.dist_checkpoint import export_consolidated
 from k3cli.models.causal_lm import CausalLM
 
 __all__ = ["EXPORT_MARKER", "is_export", "export_checkpoint", "check_fits", "load_export_into"]
 
-EXPORT_MARKER = "EXPORT"
 RUN_FILES = ("config.yaml", "tokenizer.json")
 
 

@@ -58,14 +58,15 @@ def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: f
     assert err <= tol, f"{name}: {what} {err:.3g} > {tol:.3g}"
 
 
-def one_error_line(result, code: int = 2) -> str:
+def one_error_line(result, code: int = 2, alone: bool = False) -> str:
     """The one `error:` line a failed CLI call (a typer.testing Result) ends with, after checking its exit
-    code and that no traceback was printed."""
+    code and that no traceback was printed; `alone`: and that it is all of stderr."""
     assert result.exit_code == code, (result.exit_code, result.output, result.exception)
     assert "Traceback" not in result.output
     lines = result.stderr.strip().splitlines()
     errors = [line for line in lines if line.startswith("error:")]
     assert len(errors) == 1 and lines[-1] == errors[0], result.stderr
+    assert not alone or len(lines) == 1, result.stderr
     return errors[0]
 
 

@@ -92,7 +92,7 @@ def test_shard_bytes_damaged_in_place_stop_training_with_one_line(runs, tmp_path
     data[header:] = b"\xff" * (len(data) - header)   # the same size: only a checksum or the ids tell
     shard.write_bytes(bytes(data))
     err = one_error_line(runner.invoke(app, ["train", "--preset", "kda-toy", "--data", str(prep),
-                                             "--out", str(tmp_path / "run"), *TINY]))
+                                             "--out", str(tmp_path / "run"), *TINY]), alone=True)
     assert "token id 65535" in err and "outside the model's vocabulary (300)" in err
 
 
@@ -117,7 +117,7 @@ def test_wandb_that_cannot_start_is_one_line(runs, tmp_path, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "wandb", types.SimpleNamespace(init=init))
     monkeypatch.setenv("K3_CACHE_DIR", str(runs / "cache"))
     err = one_error_line(runner.invoke(app, ["train", "--preset", "kda-toy", "--data", str(runs / "corpus"),
-                                             "--out", str(tmp_path / "run"), "--wandb", "online", *TINY]))
+                                             "--out", str(tmp_path / "run"), "--wandb", "online", *TINY]), alone=True)
     assert "--wandb online: wandb could not start the run (api_key not configured" in err
 
 

@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 from k3cli.cli import app
 from k3cli.config import dump_config, load_config
 from k3cli.testing import TINY_MODEL, TINY_TRAIN, one_error_line, write_corpus
+from k3cli.train import RUN_MARKER
 
 runner = CliRunner()
 
@@ -40,13 +41,13 @@ def test_a_new_run_does_not_write_over_the_out_folder(corpus, tmp_path, holds, m
         before = out.read_bytes()
     else:
         out.mkdir()
-        names = ("notes.txt", "metrics.jsonl") if holds == "user files" else ("tokenizer.json",)
+        names = ("notes.txt", "metrics.jsonl") if holds == "user files" else ("tokenizer.json", RUN_MARKER)
         for name in names:
-            (out / name).write_text("mine\n")
+            (out / name).write_text('{"k3": "run", "format": 1}\n' if name == RUN_MARKER else "mine\n")
         if holds != "user files":
             (out / "config.yaml").write_text(dump_config(load_config("kda-toy")))
         before = snapshot(out)
-    assert msg in one_error_line(train(out, corpus))
+    assert msg in one_error_line(train(out, corpus), alone=True)
     assert (out.read_bytes() if holds == "a file" else snapshot(out)) == before
 
 
@@ -56,9 +57,9 @@ def test_a_new_run_may_use_an_empty_existing_folder(corpus, tmp_path):
     assert r.exit_code == 0, r.output
     assert (tmp_path / "empty" / "config.yaml").is_file()
     (tmp_path / "mine").mkdir()   # a run that fails before writing anything leaves the user's empty folder
-    one_error_line(train(tmp_path / "mine", tmp_path / "no-such-corpus"))
+    one_error_line(train(tmp_path / "mine", tmp_path / "no-such-corpus"), alone=True)
     assert (tmp_path / "mine").is_dir()
-    one_error_line(train(tmp_path / "new", tmp_path / "no-such-corpus"))
+    one_error_line(train(tmp_path / "new", tmp_path / "no-such-corpus"), alone=True)
     assert not (tmp_path / "new").exists()   # and removes the one it made
 
 

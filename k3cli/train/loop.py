@@ -32,7 +32,7 @@ from k3cli.dist_checkpoint import find_latest, prune, save_dcp
 from k3cli.train.batches import Prefetcher
 from k3cli.train.build import build_model, build_optimizer, check_parallel, flush_denormals, resolve_device
 from k3cli.train.metrics import StepRecords, Throughput, format_record, rounded
-from k3cli.train.rundir import prepare_run_data, restore, truncate_metrics, write_new_run
+from k3cli.train.rundir import check_out, prepare_run_data, restore, truncate_metrics, write_new_run
 from k3cli.train.step import TrainStep
 from k3cli.train.stops import Stops, StopSignals, TrainingInterrupted, TrainingStopped
 from k3cli.train.validation import evaluate_loss
@@ -47,9 +47,10 @@ class TrainResult:
 
 
 def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[str], None] = print,
-          progress=None, wandb_mode: str = "off", stop_at: int | None = None) -> TrainResult:
-    """Train `cfg` into `run_dir`. With `resume`, continue from the newest complete checkpoint;
-    with `stop_at`, stop (with a checkpoint) after that step without changing the schedule.
+          progress=None, wandb_mode: str = "off", stop_at: int | None = None, restart: bool = False) -> TrainResult:
+    """Train `cfg` into `run_dir`. With `resume`, continue from the newest complete checkpoint; with
+    `restart`, start over a run that has no checkpoint yet; with `stop_at`, stop (with a checkpoint)
+    after that step without changing the schedule. `run_dir` must pass `rundir.check_out`.
     Under torchrun every rank calls it (it joins the process group, or uses the caller's); only
     rank 0 logs, reports progress and writes the run's files."""
     device = resolve_device(cfg.train.device)
@@ -60,7 +61,8 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
     try:
         if not info.is_main:
             log, progress = (lambda msg: None), None
-        return Run(cfg, run_dir, info, mode, accum, log, progress).loop(resume, wandb_mode, stop_at, signals)
+        run = Run(cfg, run_dir, info, mode, accum, log, progress, resume, restart)
+        return run.loop(resume, wandb_mode, stop_at, signals)
     finally:
         signals.restore()
         if owns_group:
@@ -70,18 +72,21 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
 class Run:
     """One training run's state: built in `__init__` (data, model, optimiser), advanced by `loop`."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, info: par.DistInfo, mode: str, accum: int, log, progress):
+    def __init__(self, cfg: RunConfig, run_dir: Path, info: par.DistInfo, mode: str, accum: int, log, progress,
+                 resume: bool, restart: bool):
         tc, device = cfg.train, info.device
         self.cfg, self.run_dir, self.info, self.mode, self.log, self.progress = cfg, run_dir, info, mode, log, progress
+        # every rank looks before any rank writes, so all find the same and take the same branch
+        self.resuming = check_out(run_dir, resume, restart)
+        par.barrier()
         run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(tc.seed)
         flush_denormals(device)
-        # rank 0's view, taken before it writes anything: every rank takes the same branch
-        self.resuming = par.broadcast_object((run_dir / "config.yaml").is_file())
         # rank 0 first: it fills the data cache (tokenizer, token streams), the others then read it
         data = par.main_first(lambda: prepare_run_data(cfg, run_dir, self.resuming, log))
         if info.is_main and not self.resuming:
             write_new_run(cfg, run_dir, data)
+        log(f"run directory: {run_dir}")
         log(f"data: {data.n_train_docs} train / {data.n_val_docs} val documents, {len(data.train_tokens):,} / "
             f"{len(data.val_tokens):,} tokens, {data.bytes_per_token_val:.2f} bytes per val token")
 

@@ -1,8 +1,9 @@
 """A run directory: what a new run writes first, and how a resumed run checks and restores it.
 
-Everything a run needs to continue bit-for-bit lives there: `config.yaml`, `tokenizer.json`,
-`metrics.jsonl` and `checkpoints/step_*/` (model safetensors + optimiser, scheduler, loader and RNG
-state; sharded DCP files when the run is DDP / FSDP).
+Everything a run needs to continue bit-for-bit lives there: `run.json` (the marker that makes the folder
+a k3 run, written first), `config.yaml`, `tokenizer.json`, `metrics.jsonl` and `checkpoints/step_*/`
+(model safetensors + optimiser, scheduler, loader and RNG state; sharded DCP files when the run is DDP /
+FSDP). Training writes into a folder only when `check_out` says it is new, empty or such a run.
 """
 from __future__ import annotations
 
@@ -11,16 +12,78 @@ import time
 from pathlib import Path
 
 from k3cli import parallel as par
-from k3cli.checkpoint import list_checkpoints, remove_leftovers
+from k3cli.checkpoint import EXPORT_MARKER, list_checkpoints, remove_leftovers
 from k3cli.config import RunConfig, config_to_dict, dump_config, flatten, load_config
 from k3cli.data import PreparedData, load_tokenizer, prepare_data, save_tokenizer, write_text_atomic
 from k3cli.dist_checkpoint import SharedCheckpointError, find_latest, resume_checkpoint
+from k3cli.shards import MANIFEST
 
+RUN_MARKER, RUN_FORMAT = "run.json", 1
 # keys a resumed run may change; anything else would silently not apply (optimiser and loader
-# state come from the checkpoint) or would not fit the checkpoint at all
+# state come from the checkpoint) or would not fit the checkpoint at all. micro_batch_size only splits
+# the global batch, whose position the loader keeps (global_batch_size itself may not change)
 RESUMABLE_KEYS = ("train.steps", "train.device", "train.log_every", "train.eval_every", "train.ckpt_every",
                   "train.keep_last", "train.time_limit_s", "train.compile", "train.activation_checkpointing",
-                  "train.peak_tflops", "train.parallel", "eval.")
+                  "train.peak_tflops", "train.parallel", "train.micro_batch_size", "eval.")
+
+
+class RunDirError(ValueError):
+    """--out cannot be trained into; every rank finds the same (it checks before any rank writes)."""
+
+    on_every_rank = True
+
+
+def is_run(run_dir: Path) -> bool:
+    """`run_dir` holds a run `k3 train` wrote: its marker, or (runs written before the marker existed)
+    config.yaml and tokenizer.json with metrics.jsonl or checkpoints/, and no export or prepare marker."""
+    if (run_dir / EXPORT_MARKER).exists() or (run_dir / MANIFEST).exists():
+        return False
+    if (run_dir / RUN_MARKER).is_file():
+        try:
+            marker = json.loads((run_dir / RUN_MARKER).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return False
+        if isinstance(marker, dict) and marker.get("k3") == "run":
+            if marker.get("format") != RUN_FORMAT:
+                raise RunDirError(f"{run_dir} holds a run of format {marker.get('format')!r}; this k3 reads "
+                                  f"format {RUN_FORMAT}: use the k3 that wrote it")
+            return True
+    return (all((run_dir / n).is_file() for n in ("config.yaml", "tokenizer.json"))
+            and ((run_dir / "metrics.jsonl").is_file() or (run_dir / "checkpoints").is_dir()))
+
+
+def check_out(run_dir: Path, resume: bool, restart: bool = False) -> bool:
+    """Whether training into `run_dir` continues a run there (True) or starts one (False); RunDirError,
+    before anything is written, when it may do neither: a file, an export, a prepared-data folder, any
+    other non-empty folder, a run without --resume auto or --restart, or a run with checkpoints under
+    --restart (which only starts over a run that has none, its old files replaced)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"--out {run_dir} is a file; choose a folder")
+    if not run_dir.is_dir() or not any(run_dir.iterdir()):
+        return False
+    if (run_dir / EXPORT_MARKER).exists():
+        raise RunDirError(f"{run_dir} is a `k3 export` folder (weights only, no optimiser or data state); training "
+                          "never writes into one: continue the run it was exported from (k3 train --out RUN "
+                          "--resume auto) or train a new run into another --out (nothing was changed)")
+    if (run_dir / MANIFEST).exists():
+        raise RunDirError(f"{run_dir} is a `k3 data prepare` folder: train on it with --data {run_dir} and choose "
+                          "another --out (nothing was changed)")
+    if not is_run(run_dir):
+        raise RunDirError(f"{run_dir} is not empty and holds no k3 run (no {RUN_MARKER}); choose a new or empty "
+                          "folder for --out (nothing was changed)")
+    has_ckpt = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
+    if restart and has_ckpt:
+        raise RunDirError(f"{run_dir} has checkpoints; --restart starts over only a run with none: continue it with "
+                          "--resume auto, or train into another --out (nothing was changed)")
+    if restart:
+        return False
+    if not resume:
+        raise RunDirError(f"{run_dir} already holds checkpoints; pass --resume auto to continue it, or choose another "
+                          "--out" if has_ckpt else
+                          f"{run_dir} holds a run with no checkpoint yet; pass --resume auto to continue it, --restart "
+                          "to start it over, or choose another --out")
+    # a run killed between its marker and its config has nothing to continue: it starts again
+    return (run_dir / "config.yaml").is_file()
 
 
 def check_resume_config(saved: RunConfig, new: RunConfig) -> None:
@@ -30,23 +93,37 @@ def check_resume_config(saved: RunConfig, new: RunConfig) -> None:
         shown = ", ".join(f"{k} ({a[k]!r} -> {b.get(k)!r})" for k in changed[:4])
         raise ValueError(f"cannot resume with a changed {shown}{' …' if len(changed) > 4 else ''}; only "
                          "train.steps/device/log_every/eval_every/ckpt_every/keep_last/time_limit_s/compile*/"
-                         "activation_checkpointing/peak_tflops/parallel (and the number of processes) and eval.* "
-                         "may change. Train into a new --out instead")
+                         "activation_checkpointing/peak_tflops/parallel/micro_batch_size (and the number of "
+                         "processes) and eval.* may change. Train into a new --out instead")
+
+
+def check_resume(run_dir: Path, cfg: RunConfig) -> None:
+    """`cfg` may continue the run in `run_dir`; a refusal of a run with no checkpoint yet names --restart."""
+    try:
+        check_resume_config(load_config(str(run_dir / "config.yaml")), cfg)
+    except ValueError as e:
+        if list_checkpoints(run_dir):
+            raise
+        raise ValueError(f"{e}, or pass --restart: the run has no checkpoint yet") from None
 
 
 def prepare_run_data(cfg: RunConfig, run_dir: Path, resuming: bool, log) -> PreparedData:
     """The run's token streams. A resumed run checks its config first and keeps its own tokenizer;
     its files stay untouched until its checkpoint has loaded."""
     if resuming:
-        check_resume_config(load_config(str(run_dir / "config.yaml")), cfg)
+        check_resume(run_dir, cfg)
         return prepare_data(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, progress=log,
                             tokenizer=load_tokenizer(run_dir))
     return prepare_data(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, progress=log)
 
 
 def write_new_run(cfg: RunConfig, run_dir: Path, data: PreparedData) -> None:
+    """The marker first (whatever follows is then this run's), the tokenizer, the config; a started-over
+    run's old metrics go."""
+    write_text_atomic(run_dir / RUN_MARKER, json.dumps({"k3": "run", "format": RUN_FORMAT}) + "\n")
     save_tokenizer(data.tokenizer, run_dir)
     write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
 
 
 def restore(run_dir: Path, model, opt, sched, loader, main: bool, log) -> dict | None:
