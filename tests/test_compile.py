@@ -8,6 +8,7 @@ compiled on CUDA with the document mask, evaluates as `train` does, and trains o
 """
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -107,6 +108,76 @@ def test_exact_resume_with_compile_on(tmp_path, monkeypatch, one_thread):
     wb = load_file(find_latest_checkpoint(tmp_path / "b") / "model.safetensors")
     assert wa.keys() == wb.keys() and not any(k.startswith("_orig_mod") for k in wa)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_the_real_loop_compiles_once(tmp_path, monkeypatch):
+    """`k3 train`'s loop, compiled: after the first step (the training graph) and the first evaluation (its
+    no-grad graphs) nothing compiles again: training steps, a second evaluation and checkpoints run with
+    recompiles turned into errors."""
+    import k3cli.train.loop as loop_mod
+
+    monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path / "cache"))
+    corpus = write_corpus(tmp_path)
+    cfg = load_config("k3-toy", overrides=TINY_MODEL + TINY_TRAIN + [
+        f"data.source={corpus}", "train.compile=true", "train.steps=8", "train.log_every=3", "train.eval_every=4",
+        "train.ckpt_every=4"])
+    finished, evaluate, evals = loop_mod.CompileWatch.finished, loop_mod.Run.evaluate, []
+
+    def first_step_done(self):
+        torch._dynamo.config.error_on_recompile = True
+        return finished(self)
+
+    def evaluating(self):
+        evals.append(1)
+        if len(evals) > 1:
+            return evaluate(self)
+        torch._dynamo.config.error_on_recompile = False   # the first evaluation compiles its own graphs
+        try:
+            return evaluate(self)
+        finally:
+            torch._dynamo.config.error_on_recompile = True
+
+    monkeypatch.setattr(loop_mod.CompileWatch, "finished", first_step_done)
+    monkeypatch.setattr(loop_mod.Run, "evaluate", evaluating)
+    try:
+        res = train(cfg, tmp_path / "run", log=lambda m: None)
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+    assert res.step == 8 and len(evals) == 2
+
+
+COMPILE_ONCE = """
+import json, sys, torch
+from k3cli.compile import compile_model, use_compile_cache
+from k3cli.config import load_config
+from k3cli.testing import TINY_MODEL
+from k3cli.train import build_model
+use_compile_cache(sys.argv[1])
+model = build_model(load_config("k3-toy", overrides=TINY_MODEL))
+ids = torch.randint(1, 300, (2, 32))
+compile_model(model)(ids, labels=ids).loss.backward()
+from torch._dynamo.utils import counters
+print(json.dumps({**counters["aot_autograd"], **counters["inductor"]}))
+"""
+
+
+def test_a_second_process_takes_the_compiled_step_from_the_cache(tmp_path):
+    """What `k3 train` compiles is cached under $K3_CACHE_DIR whole: Inductor's graphs and AOTAutograd's
+    forward/backward split (which bypassed its cache for the MoE router's autocast region)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+
+    def run():
+        out = subprocess.run([sys.executable, "-c", COMPILE_ONCE, str(tmp_path / "compile")], capture_output=True,
+                             text=True, timeout=900, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first, second = run(), run()
+    assert first.get("autograd_cache_bypass", 0) == 0 and first.get("autograd_cache_saved") == 1, first
+    assert second.get("autograd_cache_hit") == 1 and second.get("fxgraph_cache_miss", 0) == 0, second
 
 
 @pytest.mark.gpu
