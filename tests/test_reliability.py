@@ -134,6 +134,7 @@ def test_signal_writes_a_checkpoint_of_the_step_and_resumes_bitwise(root, refere
     ckpts = list_checkpoints(run)
     assert [s for s, _ in ckpts] == [stopped], ckpts   # the stop wrote the step it reached, and only it
     assert f"{sig.name}: stopped at step {stopped}" in err and "--resume auto" in err, err
+    assert len(err.strip().splitlines()) == 1, err   # the CLI prints the stop once; the loop does not log it too
     r = run_train(root, run, *SIGNAL_RUN, resume=True)
     assert r.returncode == 0, r.stderr
     assert f"at step {stopped}" in r.stdout
