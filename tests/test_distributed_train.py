@@ -446,7 +446,7 @@ def test_eval_export_generate_of_a_two_rank_fsdp_checkpoint(corpus, tmp_path):
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.count("done: step 6") == 1                             # rank 0 alone reports
-    assert proc.stdout.count("step 1 | loss") == 1 and proc.stderr.count("run directory:") == 1
+    assert proc.stdout.count("step 1 | loss") == 1 and proc.stdout.count("run directory:") == 1
     ckpt = run / "checkpoints" / "step_00000006"
     marker = json.loads((ckpt / "COMPLETE").read_text())
     assert marker["format"] == "dcp" and marker["world_size"] == 2
@@ -512,6 +512,7 @@ def test_ranks_started_by_torchrun_refuse_an_out_that_holds_a_run(corpus, tmp_pa
     """Each rank checks --out before it joins the process group: none starts over a run without --resume."""
     run = tmp_path / "run"
     run.mkdir()
+    (run / "run.json").write_text('{"k3": "run", "format": 1}\n')
     (run / "config.yaml").write_text("a run of someone's\n")
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
     before = {p.name: p.read_bytes() for p in run.iterdir()}
