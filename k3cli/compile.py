@@ -46,11 +46,16 @@ def uncompiled(forward: Callable, model: nn.Module) -> Iterator[Callable]:
 
 
 def use_compile_cache(root) -> None:
-    """Keep Inductor's and AOTAutograd's caches under `root` (unless TORCHINDUCTOR_CACHE_DIR is set), so a
-    second run or a resume reuses the compiled step. Call before the first compilation in the process."""
+    """Keep Inductor's and AOTAutograd's caches under `root` (unless TORCHINDUCTOR_CACHE_DIR names another
+    folder), so a second run or a resume reuses the compiled step. Call before the first compilation."""
     import os
 
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.fspath(root))
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    # importing torch already sets the variable to its default, so a user's own value is any other one
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.fspath(root)
     # the fp32 router's `autocast(enabled=False)` puts these calls in the graph, and AOTAutograd's cache
     # bypasses any graph with a function it does not list; their arguments are constants of the graph's code
     for name in ("_enter_autocast", "_exit_autocast"):

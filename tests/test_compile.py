@@ -176,6 +176,7 @@ def test_a_second_process_takes_the_compiled_step_from_the_cache(tmp_path):
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     first, second = run(), run()
+    assert (tmp_path / "compile" / "aotautograd").is_dir()   # there, not in torch's default folder
     assert first.get("autograd_cache_bypass", 0) == 0 and first.get("autograd_cache_saved") == 1, first
     assert second.get("autograd_cache_hit") == 1 and second.get("fxgraph_cache_miss", 0) == 0, second
 
