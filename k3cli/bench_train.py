@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from k3cli.compile import compile_model
+from k3cli.compile import compile_model, use_compile_cache
 from k3cli.config import RunConfig
-from k3cli.data import EOT_ID, PackedLoader
+from k3cli.data import EOT_ID, PackedLoader, cache_root
 from k3cli.models.flops import device_peak_tflops, flops_per_token
 from k3cli.train import (
     Batch,
@@ -163,6 +163,8 @@ def bench_train(cfg: RunConfig, steps: int = 10, warmup: int = 3, compile: bool 
     if backend == "triton" and device.type != "cuda":
         raise ValueError("--backend triton needs a CUDA device (on CPU the model runs the torch ops)")
     backend = ("triton" if device.type == "cuda" else "torch") if backend == "auto" else backend
+    if compile:
+        use_compile_cache(cache_root() / "compile")   # the same compiled step as `k3 train` caches
     masked = cfg.data.document_mask
     variants = (plan_variants(backend, compile, masked) if attnres_configs is None
                 else plan_attnres_variants(attnres_configs, backend, compile, masked))
