@@ -153,7 +153,7 @@ from k3cli.config import load_config
 from k3cli.testing import TINY_MODEL
 from k3cli.train import build_model
 use_compile_cache(sys.argv[1])
-model = build_model(load_config("k3-toy", overrides=TINY_MODEL))
+model = build_model(load_config("k3-toy", overrides=TINY_MODEL + ["model.num_hidden_layers=1"]))
 ids = torch.randint(1, 300, (2, 32))
 compile_model(model)(ids, labels=ids).loss.backward()
 from torch._dynamo.utils import counters
