@@ -87,40 +87,11 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def test_exact_resume_with_compile_on(tmp_path, monkeypatch, one_thread):
-    monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path / "cache"))
-    corpus = write_corpus(tmp_path)
-
-    def cfg():
-        return load_config("k3-toy", overrides=TINY_MODEL + TINY_TRAIN + [f"data.source={corpus}",
-                                                                         "train.compile=true"])
-
-    train(cfg(), tmp_path / "a", log=lambda m: None)
-    train(cfg(), tmp_path / "b", log=lambda m: None, stop_at=3)
-    train(cfg(), tmp_path / "b", resume=True, log=lambda m: None)
-    rows = {r: [json.loads(line) for line in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
-            for r in ("a", "b")}
-    assert [m["loss"] for m in rows["a"]] == [m["loss"] for m in rows["b"]]
-    assert [m.get("val_loss") for m in rows["a"]] == [m.get("val_loss") for m in rows["b"]]
-    from safetensors.torch import load_file
-
-    wa = load_file(find_latest_checkpoint(tmp_path / "a") / "model.safetensors")
-    wb = load_file(find_latest_checkpoint(tmp_path / "b") / "model.safetensors")
-    assert wa.keys() == wb.keys() and not any(k.startswith("_orig_mod") for k in wa)
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
-
-
-def test_the_real_loop_compiles_once(tmp_path, monkeypatch):
-    """`k3 train`'s loop, compiled: after the first step (the training graph) and the first evaluation (its
-    no-grad graphs) nothing compiles again: training steps, a second evaluation and checkpoints run with
-    recompiles turned into errors."""
+def compiling_once(monkeypatch) -> list:
+    """Inside `k3 train`'s loop, compiled: after the first step (the training graph) and the first evaluation
+    (its no-grad graphs) recompiles are errors. Returns the list the evaluations are counted in."""
     import k3cli.train.loop as loop_mod
 
-    monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path / "cache"))
-    corpus = write_corpus(tmp_path)
-    cfg = load_config("k3-toy", overrides=TINY_MODEL + TINY_TRAIN + [
-        f"data.source={corpus}", "train.compile=true", "train.steps=8", "train.log_every=3", "train.eval_every=4",
-        "train.ckpt_every=4"])
     finished, evaluate, evals = loop_mod.CompileWatch.finished, loop_mod.Run.evaluate, []
 
     def first_step_done(self):
@@ -139,11 +110,36 @@ def test_the_real_loop_compiles_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(loop_mod.CompileWatch, "finished", first_step_done)
     monkeypatch.setattr(loop_mod.Run, "evaluate", evaluating)
-    try:
-        res = train(cfg, tmp_path / "run", log=lambda m: None)
-    finally:
-        torch._dynamo.config.error_on_recompile = False
-    assert res.step == 8 and len(evals) == 2
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", False)   # restored after the test
+    return evals
+
+
+def test_exact_resume_with_compile_on(tmp_path, monkeypatch, one_thread):
+    """A compiled run compiles nothing after its first step and first evaluation (training steps, a second
+    evaluation and checkpoints run with recompiles as errors), and resumes bit for bit."""
+    monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path / "cache"))
+    corpus = write_corpus(tmp_path)
+
+    def cfg():
+        return load_config("k3-toy", overrides=TINY_MODEL + TINY_TRAIN + [f"data.source={corpus}",
+                                                                         "train.compile=true"])
+
+    with monkeypatch.context() as m:
+        evals = compiling_once(m)
+        train(cfg(), tmp_path / "a", log=lambda m: None)
+        assert len(evals) == 2   # steps 3 and 6
+    train(cfg(), tmp_path / "b", log=lambda m: None, stop_at=3)
+    train(cfg(), tmp_path / "b", resume=True, log=lambda m: None)
+    rows = {r: [json.loads(line) for line in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
+            for r in ("a", "b")}
+    assert [m["loss"] for m in rows["a"]] == [m["loss"] for m in rows["b"]]
+    assert [m.get("val_loss") for m in rows["a"]] == [m.get("val_loss") for m in rows["b"]]
+    from safetensors.torch import load_file
+
+    wa = load_file(find_latest_checkpoint(tmp_path / "a") / "model.safetensors")
+    wb = load_file(find_latest_checkpoint(tmp_path / "b") / "model.safetensors")
+    assert wa.keys() == wb.keys() and not any(k.startswith("_orig_mod") for k in wa)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 COMPILE_ONCE = """
