@@ -473,16 +473,17 @@ def train(
              "train.time_limit_s": time_limit, "train.peak_tflops": peak_tflops}
     flags = {k: v for k, v in flags.items() if v is not None}
     mode = attnres.value if attnres else None
+    name = preset or "k3-toy"   # --preset's default; None tells a resume that the user gave none
     run_dir = out
     if resume and run_dir is None:
-        run_dir = _newest_run(preset or "k3-toy", mode)
+        run_dir = _newest_run(name, mode)
     # under torchrun each rank checks before joining the process group, so before rank 0 writes anything
     try:
         resuming = run_dir is not None and check_out(run_dir, bool(resume), restart)
     except ValueError as e:
         _fail_rank(str(e), 2, every_rank=True)
     # a resumed run's own config is the base; an explicit --preset is resolved as for a new run and checked
-    cfg = resolve(preset or (str(run_dir / "config.yaml") if resuming else "k3-toy"), config, sets, attnres, flags)
+    cfg = resolve(str(run_dir / "config.yaml") if resuming and not preset else name, config, sets, attnres, flags)
     try:
         if resuming:
             check_resume(run_dir, cfg)
@@ -491,13 +492,13 @@ def train(
         fail(str(e) + (f" (--preset {preset} gives this command's config as for a new run; leave it out to continue "
                        "from the run's config.yaml)" if resuming and preset and "cannot resume" in str(e) else ""))
     if run_dir is None and world == 1:
-        run_dir = _new_run_dir(Path(preset or "k3-toy").stem, cfg.model.attnres.mode)
+        run_dir = _new_run_dir(Path(name).stem, cfg.model.attnres.mode)
     if nproc is not None:
         args = _train_args(preset, config, sets, attnres, data, steps, run_dir, resume, restart, until, device, seed,
                            time_limit, wandb, peak_tflops)
         return _launch_torchrun(nproc, args, run_dir)
     if world > 1:
-        run_dir = _join_ranks(cfg, run_dir, Path(preset or "k3-toy").stem)
+        run_dir = _join_ranks(cfg, run_dir, Path(name).stem)
 
     progress = TrainProgress(console) if console.is_terminal and rank == 0 else None  # plain lines in logs
     from k3cli.parallel import PeerFailed

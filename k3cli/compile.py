@@ -9,6 +9,7 @@ training batch, the validation batch, a shorter last validation batch) rather th
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -84,16 +85,12 @@ class CompileWatch:
     def starting(self) -> str | None:
         if not self.enabled:
             return None
-        import time
-
         self._t0, self._before = time.time(), self._counts()
         return "compile: compiling the training step (torch.compile, full graph) in the first step"
 
     def finished(self) -> str | None:
         if not self.enabled:
             return None
-        import time
-
         n = {k: v - self._before[k] for k, v in self._counts().items()}
         return (f"compile: first step done in {time.time() - self._t0:.1f} s; Inductor cache "
                 f"{n['fxgraph_cache_hit']} hit / {n['fxgraph_cache_miss']} miss, AOTAutograd cache "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
@@ -212,16 +214,12 @@ class PrepareProgress:
         self._task, self._t0 = None, 0.0
 
     def start(self, documents: int, nbytes: int) -> None:
-        import time
-
         self._p.start()
         self._t0 = time.perf_counter()
         self._task = self._p.add_task("prepare", total=nbytes, docs=f"0/{documents:,}", tokens="0", rate="-")
         self._docs = documents
 
     def update(self, documents: int, tokens: int, nbytes: int) -> None:
-        import time
-
         rate = nbytes / 1e6 / max(time.perf_counter() - self._t0, 1e-9)
         self._p.update(self._task, completed=nbytes, docs=f"{documents:,}/{self._docs:,}", tokens=f"{tokens:,}",
                        rate=f"{rate:.1f}")
@@ -243,14 +241,10 @@ class PrepareLog:
         self._docs = self._bytes = 0
 
     def start(self, documents: int, nbytes: int) -> None:
-        import time
-
         self._t0 = self._last = time.perf_counter()
         self._docs, self._bytes = documents, nbytes
 
     def update(self, documents: int, tokens: int, nbytes: int) -> None:
-        import time
-
         now = time.perf_counter()
         if now - self._last < self._every:
             return

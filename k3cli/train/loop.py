@@ -15,6 +15,7 @@ and reports, and the logged loss, gradient norm and MoE imbalance are the global
 from __future__ import annotations
 
 import json
+import math
 import signal
 import time
 from collections.abc import Callable
@@ -187,7 +188,7 @@ class Run:
                 rows, bad = records.read()
                 if bad is not None:
                     self._write(metrics_path, wb, rows[:rows.index(bad)])
-                    key, what = ("loss", "loss") if not _finite(bad["loss"]) else ("grad_norm", "gradient norm")
+                    key, what = ("loss", "loss") if not math.isfinite(bad["loss"]) else ("grad_norm", "gradient norm")
                     last_ckpt = find_latest(run_dir)   # every rank stops here together (the scalars are global)
                     raise TrainingStopped(f"non-finite {what} ({bad[key]}) at step {bad['step']}; stopped before its "
                                           f"update. Last good checkpoint: {last_ckpt or 'none'}")
@@ -199,9 +200,8 @@ class Run:
                 row["time_s"] = round(time_before + time.time() - stops.t_start, 3)
                 if logging or "val_loss" in row:
                     now = time.time()
-                    self.speed.data_s = feed.wait_s
                     tokens = self.step_fn.tokens
-                    row.update(self.speed.window(tokens - tokens_last, now - t_last - aside_s))
+                    row.update(self.speed.window(tokens - tokens_last, now - t_last - aside_s, feed.wait_s))
                     t_last, tokens_last, aside_s, feed.wait_s = now, tokens, 0.0, 0.0
                     log(format_record(row))
                 self._write(metrics_path, wb, rows)
@@ -238,10 +238,6 @@ class Run:
         if wb is not None:
             for r in rows:
                 wb.log(r, step=r["step"])
-
-
-def _finite(x: float) -> bool:
-    return x == x and abs(x) != float("inf")
 
 
 def require_wandb(mode: str):

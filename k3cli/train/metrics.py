@@ -63,7 +63,7 @@ class Throughput:
             found = device_peak_tflops(torch.cuda.get_device_name(device))
             if found is not None:
                 self.peak, self.peak_name = found[0], f"{found[1]} dense bf16"
-        self.steps, self.data_s = 0, 0.0
+        self.steps = 0   # training steps since the last window
 
     def describe(self) -> str:
         peak = (f"MFU against {self.peak:g} TFLOP/s ({self.peak_name})" if self.peak else
@@ -72,15 +72,16 @@ class Throughput:
                if self.world_size > 1 else "")
         return f"throughput: {self.flops_per_token / 1e6:.1f} MFLOP per token (forward+backward); {peak}{per}"
 
-    def window(self, tokens: int, seconds: float) -> dict:
+    def window(self, tokens: int, seconds: float, data_s: float) -> dict:
+        """The record's fields for `tokens` over `seconds` of training steps, `data_s` of them waiting for batches."""
         seconds = max(seconds, 1e-9)
         tflops = tokens * self.flops_per_token / seconds / 1e12
         out = {"tokens_per_s": round(tokens * self.world_size / seconds, 1), "step_ms": round(1e3 * seconds / max(1, self.steps), 2),
-               "data_ms": round(1e3 * self.data_s / max(1, self.steps), 3), "tflops": _sig(tflops)}
+               "data_ms": round(1e3 * data_s / max(1, self.steps), 3), "tflops": _sig(tflops)}
         if self.peak:
             out["mfu"] = _sig(tflops / self.peak)
         out["peak_mem_gb"] = round(peak_memory_bytes(self.device) / 2**30, 3)
-        self.steps, self.data_s = 0, 0.0
+        self.steps = 0
         return out
 
 
