@@ -21,7 +21,8 @@ import typer.rich_utils
 from rich.console import Console
 from rich.markup import escape
 
-from k3cli.config import MAX_STEPS, ConfigError, dump_config, load_config
+from k3cli.config import MAX_STEPS, dump_config, load_config
+from k3cli.errors import ConfigError, first_line
 
 app = typer.Typer(
     name="k3",
@@ -90,8 +91,8 @@ def layout(
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON to stdout.")] = False,
 ):
     """Print the KDA/MLA block pattern, AttnRes grouping and parameter counts of a config."""
-    from k3cli.layout import layout_dict
-    from k3cli.report import print_layout
+    from k3cli.console import print_layout
+    from k3cli.models.layout import layout_dict
 
     cfg = resolve(preset, config, sets, attnres)
     data = layout_dict(cfg.model)
@@ -146,9 +147,9 @@ def data_prepare(
 
     Re-running with the same source and tokenizer reuses OUT as it is; an interrupted prepare leaves no
     manifest (train refuses the folder) and the next run starts it clean."""
-    from k3cli.data import DataError, load_tokenizer
-    from k3cli.report import PrepareLog, PrepareProgress
-    from k3cli.shards import disk_bytes, prepare_shards
+    from k3cli.console import PrepareLog, PrepareProgress
+    from k3cli.data import disk_bytes, load_tokenizer, prepare_shards
+    from k3cli.errors import DataError
 
     if not 0 < val_fraction < 1:
         fail(f"--val-fraction must lie in (0, 1), got {val_fraction}")
@@ -182,9 +183,9 @@ def data_info(
                                                          "{shards, sha256_match} under --verify (else null).")] = False,
 ):
     """The manifest of a prepared directory: tokens, documents, shards, tokenizer, disk size."""
-    from k3cli.data import DataError
-    from k3cli.report import print_data_info
-    from k3cli.shards import disk_bytes, open_prepared
+    from k3cli.console import print_data_info
+    from k3cli.data import disk_bytes, open_prepared
+    from k3cli.errors import DataError
 
     try:
         p = open_prepared(path, verify=verify)
@@ -229,8 +230,8 @@ def verify_equivalence(
     Exit code 4 when any row's relative RMS error exceeds its tolerance (the max abs error is shown for
     information). Without a GPU the kernels run in the Triton
     interpreter (slow: keep --shapes ci)."""
-    from k3cli.kernels import VERIFY_KERNELS, prepare_device, run_verify
-    from k3cli.report import print_verify
+    from k3cli.bench.kernels import VERIFY_KERNELS, prepare_device, run_verify
+    from k3cli.console import print_verify
 
     if shapes not in ("ci", "full"):
         fail(f"--shapes must be ci or full, got '{shapes}'")
@@ -291,8 +292,8 @@ def bench_kernel(
     (kept in the bench modules), for orientation only; the fla columns without † are fla timed in
     this run (--against fla), the only ones to take ratios against. The table shows the main columns in 100
     characters; --wide or --json gives every one."""
-    from k3cli.kernels import BENCH_KERNELS, prepare_device, run_bench
-    from k3cli.report import print_bench
+    from k3cli.bench.kernels import BENCH_KERNELS, prepare_device, run_bench
+    from k3cli.console import print_bench
 
     if shapes not in ("ci", "toy", "k3"):
         fail(f"--shapes must be ci, toy or k3, got '{shapes}'")
@@ -366,8 +367,8 @@ def bench_train_cmd(
     median step time with its spread, tokens/s, TFLOP/s (analytic FLOPs, docs/math.md §9), MFU and
     peak memory. The variants use the document mask as `k3 train` does (data.document_mask); one more
     eager variant has it the other way, for its cost."""
-    from k3cli.bench_train import bench_train
-    from k3cli.report import print_bench_train
+    from k3cli.bench.train import bench_train
+    from k3cli.console import print_bench_train
 
     flags = {"train.micro_batch_size": batch, "train.seq_len": seq_len, "train.device": device,
              "train.peak_tflops": peak_tflops}
@@ -402,6 +403,7 @@ class WandbMode(str, Enum):
 
 @app.command()
 def train(
+    ctx: typer.Context,
     preset: Annotated[Optional[str], typer.Option("--preset", "-p", help=(
         "Preset name (k3-toy, kda-toy, k3-0.5b) or a YAML path; default k3-toy. On resume the run's "
         "config.yaml is the base; a --preset given there must resolve to the run's config."))] = None,
@@ -442,41 +444,62 @@ def train(
     """Train a model on real text (default: the Python standard library's own source).
 
     Several processes: `--nproc N`, or `torchrun --nproc-per-node N -m k3cli train ...` yourself."""
-    from k3cli.report import TrainProgress, make_logger
-    from k3cli.train import (
-        TrainingInterrupted,
-        TrainingStopped,
-        check_out,
-        check_parallel,
-        check_resume,
-        require_wandb,
-    )
-    from k3cli.train import train as run_training
+    from k3cli.distributed.launch import torchrun_world
 
-    world, rank = _torchrun_world()
-    if world > 1:
-        _die_with_launcher()
-    if world > 1 and rank != 0:
-        # rank 0 reports; the other ranks speak only of a failure of their own
-        console.quiet = err_console.quiet = True
+    world, rank = torchrun_world()
+    _start_rank(world, rank)
     if resume not in (None, "auto"):
         fail(f"--resume takes 'auto', got '{resume}'")
     if nproc is not None and world > 1:
         fail("--nproc starts torchrun itself; under torchrun leave it out")
     if restart and (resume or out is None):
         fail("--restart starts over the run in --out: give --out, and leave --resume out")
+    flags = {"data.source": data, "train.steps": steps, "train.device": device, "train.seed": seed,
+             "train.time_limit_s": time_limit, "train.peak_tflops": peak_tflops}
+    flags = {k: v for k, v in flags.items() if v is not None}
+    cfg, run_dir = _plan_run(preset, config, sets, attnres, flags, out, resume, restart, wandb, nproc or world, world)
+    if nproc is not None:
+        return _launch(ctx, nproc, run_dir)
+    if world > 1:
+        from k3cli.distributed.launch import join_ranks
+        from k3cli.train import resolve_device
+
+        try:
+            run_dir = join_ranks(resolve_device(cfg.train.device).type, run_dir,
+                                 lambda: _fresh_run_dir(Path(preset or "k3-toy").stem, cfg.model.attnres.mode))
+        except ValueError as e:
+            fail(str(e))
+    _run_training(cfg, run_dir, bool(resume), restart, until, wandb, world, rank)
+
+
+def _start_rank(world: int, rank: int) -> None:
+    """Under torchrun: die with the launcher; rank 0 reports, the other ranks speak only of a failure of their own."""
+    from k3cli.distributed.launch import LaunchError, die_with_launcher
+
+    if world == 1:
+        return
+    try:
+        die_with_launcher()
+    except LaunchError as e:
+        fail(str(e), e.code)
+    if rank != 0:
+        console.quiet = err_console.quiet = True
+
+
+def _plan_run(preset, config, sets, attnres, flags: dict, out: Optional[Path], resume: Optional[str], restart: bool,
+              wandb: WandbMode, processes: int, world: int):
+    """(config, run directory) of a `k3 train`: the run to continue or a new one, every check made before any
+    file is written (a new run's directory under torchrun is None here: rank 0 makes it)."""
+    from k3cli.train import check_out, check_parallel, check_resume, newest_run, require_wandb
+
     try:
         require_wandb(wandb.value)   # fail before any data or model work
     except ValueError as e:
         fail(str(e))
-    flags = {"data.source": data, "train.steps": steps, "train.device": device, "train.seed": seed,
-             "train.time_limit_s": time_limit, "train.peak_tflops": peak_tflops}
-    flags = {k: v for k, v in flags.items() if v is not None}
-    mode = attnres.value if attnres else None
     name = preset or "k3-toy"   # --preset's default; None tells a resume that the user gave none
     run_dir = out
     if resume and run_dir is None:
-        run_dir = _newest_run(name, mode)
+        run_dir = newest_run(name, attnres.value if attnres else None)
     # under torchrun each rank checks before joining the process group, so before rank 0 writes anything
     try:
         resuming = run_dir is not None and check_out(run_dir, bool(resume), restart)
@@ -487,30 +510,30 @@ def train(
     try:
         if resuming:
             check_resume(run_dir, cfg)
-        check_parallel(cfg, nproc or world)
+        check_parallel(cfg, processes)
     except ValueError as e:
         fail(str(e) + (f" (--preset {preset} gives this command's config as for a new run; leave it out to continue "
                        "from the run's config.yaml)" if resuming and preset and "cannot resume" in str(e) else ""))
-    if run_dir is None and world == 1:
-        run_dir = _new_run_dir(Path(name).stem, cfg.model.attnres.mode)
-    if nproc is not None:
-        args = _train_args(preset, config, sets, attnres, data, steps, run_dir, resume, restart, until, device, seed,
-                           time_limit, wandb, peak_tflops)
-        return _launch_torchrun(nproc, args, run_dir)
-    if world > 1:
-        run_dir = _join_ranks(cfg, run_dir, Path(name).stem)
+    if run_dir is None and world == 1:   # with --nproc too: the launcher makes it, the ranks share it
+        run_dir = _fresh_run_dir(Path(name).stem, cfg.model.attnres.mode)
+    return cfg, run_dir
+
+
+def _run_training(cfg, run_dir: Path, resume: bool, restart: bool, until: Optional[int], wandb: WandbMode,
+                  world: int, rank: int) -> None:
+    """The training run, each way it can end as one line and an exit code."""
+    from k3cli.console import TrainProgress, make_logger
+    from k3cli.distributed import PeerFailed
+    from k3cli.train import TrainingInterrupted, TrainingStopped
+    from k3cli.train import train as run_training
 
     progress = TrainProgress(console) if console.is_terminal and rank == 0 else None  # plain lines in logs
-    from k3cli.parallel import PeerFailed
-
     created = not run_dir.exists()
     try:
-        result = run_training(cfg, run_dir, resume=bool(resume), log=make_logger(progress), progress=progress,
+        result = run_training(cfg, run_dir, resume=resume, log=make_logger(progress), progress=progress,
                               wandb_mode=wandb.value, stop_at=until, restart=restart)
     except KeyboardInterrupt:
-        from k3cli.checkpoint import find_latest_checkpoint
-
-        last = find_latest_checkpoint(run_dir) if run_dir.is_dir() else None
+        last = _last_checkpoint(run_dir)
         fail(f"interrupted; last checkpoint: {last or 'none'}"
              + (f"; continue with --out {run_dir} --resume auto" if last else ""), code=130)
     except TrainingInterrupted as e:   # a clean stop, not an error: the step's checkpoint is written
@@ -530,7 +553,7 @@ def train(
         if world == 1:
             raise
         # a failed collective, a bug: one line naming this rank; torchrun stops the others
-        _fail_rank(f"{type(e).__name__}: {_first_line(e)}", 1)
+        _fail_rank(f"{type(e).__name__}: {first_line(e, 300)}", 1)
     finally:
         if progress is not None:
             progress.stop()
@@ -538,45 +561,12 @@ def train(
             with contextlib.suppress(OSError):   # a read-only folder stays
                 run_dir.rmdir()  # failed before writing anything: leave no empty run behind (an empty --out the user made stays)
     if world > 1:
-        from k3cli.parallel import destroy
+        from k3cli.distributed import destroy
 
         destroy()
     console.print(f"done: step {result.step}, train loss {result.train_loss:.4f}"
                   + (f", val loss {result.val_loss:.4f}" if result.val_loss is not None else "")
                   + f"; run directory {result.run_dir}", highlight=False, soft_wrap=True)
-
-
-LAUNCHER_PID = "K3_LAUNCHER_PID"
-
-
-def _die_with_launcher() -> None:
-    """Make this rank die (SIGKILL) when the process that started it does. torchrun starts every rank
-    with setsid, outside its process group, so a SIGKILL to the launcher's process group left the ranks training
-    on, orphaned, into the run directory a resumed run then wrote too. Linux only."""
-    import ctypes
-    import os
-    import signal
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    # `k3 train --nproc` names itself: if it died before the call, this rank has another parent by now
-    launcher = os.environ.get(LAUNCHER_PID)
-    if launcher is not None and os.getppid() != int(launcher):
-        fail("the process that started this rank has exited; stopping", code=1)
-
-
-def _torchrun_world() -> tuple[int, int]:
-    """(WORLD_SIZE, RANK) as torchrun sets them; (1, 0) otherwise. Read here without importing torch."""
-    import os
-
-    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-
-
-def _first_line(e: BaseException) -> str:
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return (lines[0] if lines else type(e).__name__)[:300]
 
 
 def _out_of_memory(e: BaseException) -> bool:
@@ -587,97 +577,65 @@ def _out_of_memory(e: BaseException) -> bool:
 
 def _memory_advice(e: BaseException, lower: str = "train.micro_batch_size (train.global_batch_size stays: more "
                    "micro-batches per step) or train.seq_len") -> str:
-    return f"out of memory ({_first_line(e)[:160]}); lower {lower}, or set train.activation_checkpointing=block"
+    return f"out of memory ({first_line(e, 160)}); lower {lower}, or set train.activation_checkpointing=block"
 
 
 def _fail_rank(msg: str, code: int, every_rank: bool = False) -> None:
     # under torchrun each rank names itself; an error every rank raises alike is printed by rank 0 alone
-    world, rank = _torchrun_world()
+    from k3cli.distributed.launch import torchrun_world
+
+    world, rank = torchrun_world()
     if world > 1:
         err_console.quiet = rank != 0 and every_rank
         msg = f"rank {rank}: {msg}"
     fail(msg, code)
 
 
-def _join_ranks(cfg, run_dir: Optional[Path], preset: str) -> Path:
-    """Under torchrun: join the process group (train reuses it) and take rank 0's run directory,
-    created by rank 0 when none was given."""
-    from k3cli.parallel import broadcast_object, init_distributed
-    from k3cli.train import resolve_device
+def _fresh_run_dir(preset: str, mode: str) -> Path:
+    from k3cli.train import new_run_dir
 
     try:
-        info = init_distributed(resolve_device(cfg.train.device).type)
+        return new_run_dir(preset, mode)
     except ValueError as e:
         fail(str(e))
-    if run_dir is None and info.is_main:
-        run_dir = _new_run_dir(preset, cfg.model.attnres.mode)
-    return Path(broadcast_object(str(run_dir) if run_dir is not None else None))
 
 
-def _train_args(preset, config, sets, attnres, data, steps, run_dir, resume, restart, until, device, seed, time_limit,
-                wandb, peak_tflops) -> list[str]:
-    """`k3 train`'s options for the ranks, with the run directory fixed (all ranks share it)."""
-    args = ["--out", str(run_dir)] + (["--restart"] if restart else [])
-    for flag, value in (("--preset", preset), ("--config", config), ("--attnres", attnres.value if attnres else None),
-                        ("--data", data),
-                        ("--steps", steps), ("--resume", resume), ("--until", until), ("--device", device),
-                        ("--seed", seed), ("--time-limit", time_limit), ("--wandb", wandb.value),
-                        ("--peak-tflops", peak_tflops)):
-        if value is not None:
-            args += [flag, str(value)]
-    for s in sets or []:
-        args += ["--set", s]
+def _last_checkpoint(run_dir: Path):
+    from k3cli.checkpoint import latest
+
+    return latest(run_dir) if run_dir.is_dir() else None
+
+
+def _rank_args(ctx: typer.Context, run_dir: Path) -> list[str]:
+    """This `k3 train` command's options as given, for the ranks: --out fixed to the run directory they
+    share, --nproc left out. Read from the parsed command, so a new option needs no code here."""
+    args = ["--out", str(run_dir)]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        source = ctx.get_parameter_source(param.name)
+        if param.name in ("out", "nproc") or source is None or source.name == "DEFAULT":
+            continue
+        flag = param.opts[0]
+        if param.is_flag:
+            args += [flag] if value else []
+            continue
+        for v in value if param.multiple else [value]:
+            args += [flag, str(v.value if isinstance(v, Enum) else v)]
     return args
 
 
-def _launch_torchrun(nproc: int, args: list[str], run_dir: Path) -> None:
-    """`torchrun --standalone --nproc-per-node N -m k3cli train ARGS` in this process; one error line
-    naming the first rank that failed, with its exit code."""
-    import logging
-    import os
-    import signal
+def _launch(ctx: typer.Context, nproc: int, run_dir: Path) -> None:
+    from k3cli.distributed.launch import LaunchError, RankFailed, launch
 
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    from k3cli.checkpoint import find_latest_checkpoint
-
-    # the launcher's own log lines (closing signals, the failure table) would repeat the one line below
-    for name in list(logging.root.manager.loggerDict):
-        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
-    argv = ["--standalone", f"--nproc-per-node={nproc}", "-m", "k3cli", "train", *args]
-    previous = os.environ.get(LAUNCHER_PID)
-    os.environ[LAUNCHER_PID] = str(os.getpid())   # the ranks inherit it (_die_with_launcher)
     try:
-        run(parse_args(argv))
-    except ChildFailedError as e:
-        # the cause first: a rank killed from outside, else the lowest rank that exited with an error
-        # (ranks that were only told to stop, or followed rank 0's reported error, come after it)
-        def blame(item):
-            rank, f = item
-            killed = f.exitcode < 0 and f.exitcode != -signal.SIGTERM
-            return (not killed, f.exitcode <= 0, rank)
-
-        rank, failure = min(e.failures.items(), key=blame)
-        code = failure.exitcode
-        how = f"was killed by {failure.signal_name()}" if code < 0 else f"exited with code {code}"
-        last = find_latest_checkpoint(run_dir) if run_dir.is_dir() else None
-        fail(f"rank {rank} {how}; every rank has stopped"
-             + (f". Last complete checkpoint: {last}; continue with --out {run_dir} --resume auto" if last else ""),
-             code=code if 0 < code < 128 else 1)
-    except (KeyboardInterrupt, SignalException) as e:
-        # the ranks got the signal too and have stopped after a checkpoint; exit as they did (130 / 143)
-        sig = e.sigval if isinstance(e, SignalException) else signal.SIGINT
-        last = find_latest_checkpoint(run_dir) if run_dir.is_dir() else None
-        fail(f"stopped by {signal.Signals(sig).name}; last checkpoint: {last or 'none'}"
-             + (f"; continue with --out {run_dir} --resume auto" if last else ""), code=128 + sig)
-    finally:   # an in-process caller (tests) may later start ranks under another torchrun
-        if previous is None:
-            os.environ.pop(LAUNCHER_PID, None)
-        else:
-            os.environ[LAUNCHER_PID] = previous
+        launch(nproc, _rank_args(ctx, run_dir))
+    except LaunchError as e:
+        last = _last_checkpoint(run_dir)
+        if isinstance(e, RankFailed):
+            fail(f"{e}" + (f". Last complete checkpoint: {last}; continue with --out {run_dir} --resume auto"
+                           if last else ""), code=e.code)
+        fail(f"{e}; last checkpoint: {last or 'none'}"
+             + (f"; continue with --out {run_dir} --resume auto" if last else ""), code=e.code)
 
 
 @app.command("eval")
@@ -699,8 +657,8 @@ def eval_cmd(
 
     --run uses the newest checkpoint that verifies and names a newer one that fails (an error when
     none verifies). The JSON records the data evaluated and the batches used."""
-    from k3cli.evaluate import evaluate_run
-    from k3cli.report import print_eval
+    from k3cli.console import print_eval
+    from k3cli.evaluation.evaluate import evaluate_run
 
     try:
         res = evaluate_run(run, ckpt, batches, batch_size, device, data,
@@ -725,8 +683,8 @@ def export_cmd(
     and a checksummed EXPORT marker; `k3 eval` and `k3 generate` read it with --run OUT or --ckpt OUT
     on one device. Weights only: training does not resume from it. Every tensor's name, shape and
     dtype is checked against the model config.yaml builds first; a mismatch writes nothing."""
-    from k3cli.evaluate import locate
-    from k3cli.export import export_checkpoint, is_export
+    from k3cli.checkpoint.export import export_checkpoint, is_export
+    from k3cli.evaluation.runs import locate
 
     try:
         if run is not None and ckpt is not None:
@@ -760,10 +718,9 @@ def generate_cmd(
     """Continue a prompt with a trained model: prefill once, then one cached decode step per token.
 
     The text goes to stdout; prefill and decode tokens/s to stderr."""
-    from k3cli.checkpoint import CheckpointError
-    from k3cli.data import DataError
-    from k3cli.evaluate import open_run
-    from k3cli.generate import check_sampling, generate
+    from k3cli.errors import CheckpointError, DataError
+    from k3cli.evaluation.generate import check_sampling, generate
+    from k3cli.evaluation.runs import open_run
 
     try:
         check_sampling(temperature, top_k, top_p)
@@ -796,8 +753,8 @@ def compare(
              "training time) into this PNG; needs the plot extra.")] = None,
 ):
     """Compare runs: steps, final and best validation loss, tokens/s, and the config keys that differ."""
-    from k3cli.compare import compare_runs, plot_runs
-    from k3cli.report import print_compare
+    from k3cli.console import print_compare
+    from k3cli.study.compare import compare_runs, plot_runs
 
     try:
         data = compare_runs(runs)
@@ -838,7 +795,7 @@ def study(
     skips finished runs and resumes interrupted ones. The report (DIR/report.md) gives final and best
     validation loss per variant, tokens/s, the paired difference to the baseline with a 95 % interval,
     the loss at equal wall-clock, and DIR/loss.png (needs the plot extra)."""
-    from k3cli import study as st
+    from k3cli.study import study as st
 
     try:
         if report is not None:
@@ -872,25 +829,6 @@ def study(
 
 def _log(msg: str) -> None:
     err_console.print(msg, highlight=False)
-
-
-def _new_run_dir(preset: str, mode: str) -> Path:
-    """runs/PRESET-MODE-TIMESTAMP, created here so that two runs started together never share one."""
-    base = Path("runs") / f"{preset}-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
-    for i in range(1000):
-        path = base if i == 0 else base.with_name(f"{base.name}-{i}")
-        try:
-            path.mkdir(parents=True, exist_ok=False)
-            return path
-        except FileExistsError:
-            continue
-    fail(f"could not create a fresh run directory next to {base}")
-
-
-def _newest_run(preset: str, mode: Optional[str]) -> Optional[Path]:
-    pattern = f"{Path(preset).stem}-{mode or '*'}-*"
-    runs = sorted(Path("runs").glob(pattern), key=lambda p: p.stat().st_mtime)
-    return runs[-1] if runs else None
 
 
 def main() -> None:  # pragma: no cover

@@ -19,7 +19,8 @@ from typing import Any
 
 import yaml
 
-from k3cli.models.k3_config import MODEL_CLASSES, ConfigError, ModelConfig, _check
+from k3cli.errors import ConfigError
+from k3cli.models.k3_config import MODEL_CLASSES, ModelConfig, _check
 
 __all__ = [
     "ConfigError", "TrainConfig", "DataConfig", "EvalConfig", "RunConfig", "load_config",
@@ -35,6 +36,8 @@ def _did_you_mean(value, options, prefix: str = "") -> str:
 
 # a thousand years at 30 steps a second: a larger count is a typo, and the run would never end
 MAX_STEPS = 10**12
+PARALLEL_MODES = ("auto", "none", "ddp", "fsdp")   # train.parallel
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")   # train.compile_mode
 
 
 @dataclass
@@ -66,8 +69,8 @@ class TrainConfig:
 
     CHOICES: typing.ClassVar[dict] = {
         "device": ("auto", "cpu", "cuda"),
-        "parallel": ("auto", "none", "ddp", "fsdp"),
-        "compile_mode": ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+        "parallel": PARALLEL_MODES,
+        "compile_mode": COMPILE_MODES,
         "activation_checkpointing": ("none", "block"),
     }
 

@@ -122,7 +122,7 @@ def test_wandb_that_cannot_start_is_one_line(runs, tmp_path, monkeypatch):
 
 
 def test_running_out_of_memory_is_one_line_with_advice(monkeypatch):
-    import k3cli.bench_train as bt
+    import k3cli.bench.train as bt
 
     def bench_train(*args, **kwargs):
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] . DefaultCPUAllocator: can't allocate memory: "

@@ -17,14 +17,14 @@ from k3cli.checkpoint import (
     MARKER,
     MODEL_FILE,
     CheckpointError,
-    find_latest_checkpoint,
     is_complete,
     list_checkpoints,
-    load_checkpoint,
-    prune_checkpoints,
     remove_leftovers,
-    save_checkpoint,
 )
+from k3cli.checkpoint import latest as find_latest_checkpoint
+from k3cli.checkpoint import load as load_checkpoint
+from k3cli.checkpoint import prune as prune_checkpoints
+from k3cli.checkpoint.single import save as save_checkpoint
 from k3cli.data import PackedLoader
 
 
@@ -108,7 +108,7 @@ def test_interrupted_or_corrupt_save_is_ignored(tmp_path, monkeypatch, failure):
     if failure == "raise-after-model":
         def boom(*args, **kwargs):
             raise KeyboardInterrupt
-        monkeypatch.setattr("k3cli.checkpoint.torch.save", boom)
+        monkeypatch.setattr("k3cli.checkpoint.single.torch.save", boom)
         with pytest.raises(KeyboardInterrupt):
             save_checkpoint(tmp_path, 20, model, opt, sched, loader.state_dict())
         assert not (tmp_path / "checkpoints" / "step_00000020").exists()
@@ -158,7 +158,7 @@ def test_ctrl_c_inside_torch_save_is_an_interrupt(tmp_path, monkeypatch):
     model, opt, sched, loader = setup()
     good = save_checkpoint(tmp_path, 10, model, opt, sched, loader.state_dict())
     real_save = torch.save
-    monkeypatch.setattr("k3cli.checkpoint.torch.save", lambda obj, f: real_save(obj, _InterruptedFile(f)))
+    monkeypatch.setattr("k3cli.checkpoint.single.torch.save", lambda obj, f: real_save(obj, _InterruptedFile(f)))
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(tmp_path, 20, model, opt, sched, loader.state_dict())
     assert not (tmp_path / "checkpoints" / "step_00000020").exists()
@@ -238,10 +238,10 @@ def test_a_prune_killed_mid_delete_leaves_no_half_checkpoint(tmp_path, monkeypat
         (path / MODEL_FILE).unlink()   # part of the folder is gone when the kill lands
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("k3cli.checkpoint.shutil.rmtree", killed)
+    monkeypatch.setattr("k3cli.checkpoint.folder.shutil.rmtree", killed)
     with pytest.raises(KeyboardInterrupt):
         prune_checkpoints(tmp_path, keep_last=1)
-    monkeypatch.setattr("k3cli.checkpoint.shutil.rmtree", real_rmtree)
+    monkeypatch.setattr("k3cli.checkpoint.folder.shutil.rmtree", real_rmtree)
     assert [p for _, p in list_checkpoints(tmp_path)] == paths[1:]   # no half folder under a step name
     assert all(is_complete(p) for p in paths[1:])
     save_checkpoint(tmp_path, 4, model)   # this process's own leftover: deleted by its next save
@@ -269,7 +269,7 @@ def test_cuda_round_trip_restores_device_state_and_rng(tmp_path):
 
 
 def test_checkpoint_with_numpy_rng_array_from_older_versions_still_loads(tmp_path, monkeypatch):
-    import k3cli.checkpoint as ck
+    import k3cli.checkpoint.single as ck
 
     def old_rng_state():  # the format written before the RNG key became a tensor
         return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}

@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from k3cli.cli import app
 from k3cli.config import load_config
-from k3cli.layout import param_counts
+from k3cli.models.layout import param_counts
 
 runner = CliRunner()
 PRESETS = ["kda-toy", "k3-toy", "k3-0.5b"]

@@ -14,10 +14,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from k3cli.checkpoint import find_latest_checkpoint
+from k3cli.checkpoint import latest as find_latest_checkpoint
 from k3cli.cli import app
-from k3cli.compile import compile_model
 from k3cli.config import load_config
+from k3cli.distributed.compile import compile_model
 from k3cli.models.causal_lm import CausalLM
 from k3cli.testing import TINY_MODEL, TINY_TRAIN, write_corpus
 from k3cli.train import train
@@ -144,7 +144,7 @@ def test_exact_resume_with_compile_on(tmp_path, monkeypatch, one_thread):
 
 COMPILE_ONCE = """
 import json, sys, torch
-from k3cli.compile import compile_model, use_compile_cache
+from k3cli.distributed.compile import compile_model, use_compile_cache
 from k3cli.config import load_config
 from k3cli.testing import TINY_MODEL
 from k3cli.train import build_model

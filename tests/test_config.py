@@ -155,7 +155,7 @@ def test_preset_header_parameter_counts_are_true(preset):
     import re
 
     from k3cli.config import preset_dir
-    from k3cli.layout import param_counts
+    from k3cli.models.layout import param_counts
 
     header = "".join(line for line in (preset_dir() / f"{preset}.yaml").read_text().splitlines(True)
                      if line.startswith("#"))

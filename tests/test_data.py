@@ -17,7 +17,6 @@ from k3cli.data import (
     DataError,
     Document,
     PackedLoader,
-    corpus_fingerprint,
     load_documents,
     load_tokenizer,
     pack_documents,
@@ -27,6 +26,7 @@ from k3cli.data import (
     train_tokenizer,
     val_batches,
 )
+from k3cli.data.tokenizer import corpus_fingerprint
 
 needs_datasets = pytest.mark.skipif(importlib.util.find_spec("datasets") is None,
                                     reason="`datasets` is not installed")
@@ -295,7 +295,7 @@ def test_stdlib_source_capped(tmp_path):
 
 
 def test_single_txt_file_is_cut_into_documents_at_blank_lines(tmp_path):
-    from k3cli.data import TXT_PIECE_BYTES
+    from k3cli.data.sources import TXT_PIECE_BYTES
     paras = [f"paragraph {i} " + "word " * 300 for i in range(40)]
     f = tmp_path / "book.txt"
     f.write_text("\n\n".join(paras))

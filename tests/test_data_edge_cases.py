@@ -13,7 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from k3cli.cli import app
-from k3cli.data import TOKENIZER_MAX_RUN, Document, _bounded_runs, train_tokenizer
+from k3cli.data import Document, train_tokenizer
+from k3cli.data.tokenizer import TOKENIZER_MAX_RUN, _bounded_runs
 from k3cli.testing import TINY_MODEL, TINY_TRAIN, WORDS, write_corpus
 
 runner = CliRunner()

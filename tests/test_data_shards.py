@@ -1,4 +1,4 @@
-"""Prepared token shards (`k3 data prepare`, k3cli/shards.py): the manifest round trip, the streams
+"""Prepared token shards (`k3 data prepare`, k3cli/data/): the manifest round trip, the streams
 against one-process tokenization, reuse, a SIGKILLed prepare, the loader over shard boundaries and
 the refusals of `k3 train --data DIR` / `k3 data info`. Tiny corpora written to tmp_path."""
 import json
@@ -18,8 +18,9 @@ from typer.testing import CliRunner
 from k3cli.cli import app
 from k3cli.config import DataConfig
 from k3cli.data import EOT_ID, PackedLoader, load_documents, pack_documents, prepare_data, split_documents
-from k3cli.parallel import shard_batch
-from k3cli.shards import MANIFEST, SLOW_ENV, TokenStream, open_prepared, prepare_shards
+from k3cli.data.prepare import SLOW_ENV, prepare_shards
+from k3cli.data.shards import MANIFEST, TokenStream, open_prepared
+from k3cli.distributed import shard_batch
 from k3cli.testing import TINY_MODEL, TINY_TRAIN, one_error_line, write_corpus
 
 runner = CliRunner()
@@ -199,16 +200,16 @@ def test_train_on_prepared_dir_and_its_refusals(corpus, tmp_path):
 
 def test_prepare_logs_progress_off_a_terminal(corpus, tmp_path, monkeypatch):
     """Off a terminal (logs, Slurm: CliRunner is none) a progress line every PREPARE_LOG_EVERY_S seconds."""
-    import k3cli.report
+    import k3cli.console
 
     args = ["data", "prepare", "--data", str(corpus), "--vocab-size", "300", "--val-fraction", "0.2"]
-    monkeypatch.setattr(k3cli.report, "PREPARE_LOG_EVERY_S", 0.0)
+    monkeypatch.setattr(k3cli.console, "PREPARE_LOG_EVERY_S", 0.0)
     r = runner.invoke(app, [*args, "--out", str(tmp_path / "a")])
     assert r.exit_code == 0, r.output
     lines = [line for line in r.stderr.splitlines() if line.startswith("prepare: ")]
     assert lines and re.fullmatch(r"prepare: 30/30 documents, [\d,]+ tokens, [\d.]+/[\d.]+ MiB \(100%\), "
                                   r"[\d.]+ MB/s, about 0 s left", lines[-1]), r.stderr
-    monkeypatch.setattr(k3cli.report, "PREPARE_LOG_EVERY_S", 3600.0)   # a prepare shorter than the interval
+    monkeypatch.setattr(k3cli.console, "PREPARE_LOG_EVERY_S", 3600.0)   # a prepare shorter than the interval
     r = runner.invoke(app, [*args, "--out", str(tmp_path / "b")])
     assert r.exit_code == 0 and "prepare: " not in r.stderr, r.output
 

@@ -76,7 +76,7 @@ def recording():
     """Inside, every training micro-batch this process trains on (its rank's rows of the loader's global
     batch, as the loop takes them from its input pipeline: not those made ahead and never used), every
     global loss (`all_reduce_mean` in the loop) and every router-bias update is recorded."""
-    import k3cli.parallel as par
+    import k3cli.distributed as par
     from k3cli.layers.moe import LatentMoE
     from k3cli.train import Prefetcher
 
@@ -174,7 +174,7 @@ def test_one_process_fsdp_run_resumes_without_parallel(corpus, tmp_path):
     """A 1-process fsdp run (group of one) writes sharded checkpoints; it resumes as a plain run
     (train.parallel may change) and the loss curve is the plain run's; eval, export and generate
     read the sharded checkpoint on one device."""
-    from k3cli.dist_checkpoint import is_dcp
+    from k3cli.checkpoint import is_sharded as is_dcp
 
     ref = train_here(tiny_cfg(corpus), tmp_path / "ref")
     run = tmp_path / "run"
@@ -394,8 +394,8 @@ def test_a_killed_rank_stops_the_run_and_resume_auto_continues(corpus, tmp_path)
     assert "error: rank 1 was killed by SIGKILL" in err, err
     assert "--resume auto" in err
 
+    from k3cli.checkpoint import latest as find_latest
     from k3cli.checkpoint import list_checkpoints
-    from k3cli.dist_checkpoint import find_latest
 
     last = find_latest(run)
     done = int(last.name.split("_")[1])
@@ -430,7 +430,7 @@ def test_an_exception_on_one_rank_is_one_line_naming_it(corpus, tmp_path):
     assert proc.returncode != 0 and time.time() - t < 120
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error: rank 1:")]
     assert lines == ["error: rank 1: RuntimeError: injected failure (test)"], proc.stderr[-3000:]
-    from k3cli.dist_checkpoint import find_latest
+    from k3cli.checkpoint import latest as find_latest
 
     assert find_latest(tmp_path / "ranks" / "run").name == "step_00000002"
 
@@ -470,7 +470,7 @@ def test_eval_export_generate_of_a_two_rank_fsdp_checkpoint(corpus, tmp_path):
 # ---- the ranks' side -----------------------------------------------------------------------------
 
 def _worker(out: Path) -> None:
-    from k3cli.parallel import destroy, init_distributed
+    from k3cli.distributed import destroy, init_distributed
 
     torch.set_num_threads(1)
     info = init_distributed("cpu", timeout_s=120)

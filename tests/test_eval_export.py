@@ -11,9 +11,10 @@ import pytest
 import safetensors.torch
 from typer.testing import CliRunner
 
-from k3cli.checkpoint import MARKER, MODEL_FILE, _sha256
+from k3cli.checkpoint import MARKER, MODEL_FILE
 from k3cli.cli import app
 from k3cli.config import dump_config, load_config
+from k3cli.files import sha256_file as _sha256
 from k3cli.testing import TINY_MODEL, TINY_TRAIN, WORDS, one_error_line, write_corpus
 
 runner = CliRunner()

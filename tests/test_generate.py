@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 from k3cli.cli import app
 from k3cli.config import load_config
 from k3cli.data import EOT_ID
-from k3cli.generate import generate, generate_ids, sample_next
+from k3cli.evaluation.generate import generate, generate_ids, sample_next
 from k3cli.models import CausalLM
 from k3cli.testing import TINY_MODEL, TINY_TRAIN, write_corpus
 from k3cli.train import train

@@ -15,15 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from k3cli.checkpoint import (
-    MARKER,
-    MODEL_FILE,
-    STATE_FILE,
-    CheckpointError,
-    find_latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
+from k3cli.checkpoint import MARKER, MODEL_FILE, STATE_FILE, CheckpointError
+from k3cli.checkpoint import latest as find_latest_checkpoint
+from k3cli.checkpoint import load as load_checkpoint
+from k3cli.checkpoint.single import save as save_checkpoint
 from k3cli.cli import app
 from k3cli.config import ConfigError, RunConfig, config_to_dict, dump_config, flatten, load_config
 

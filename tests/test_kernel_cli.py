@@ -30,7 +30,7 @@ def test_verify_json_rows():
 
 @needs_triton  # in-process: the interpreter must be on before any kernel module was imported
 def test_verify_failure_exits_4(monkeypatch):
-    import k3cli.kernels as kernels
+    import k3cli.bench.kernels as kernels
 
     monkeypatch.setattr(kernels, "run_verify", lambda ks, shapes, dt: [
         ("chunk_kda", "case/o", 1e-3, 1e-3, 5e-3, True), ("chunk_kda", "case/dq", 0.5, 1.0, 8e-3, False)])
@@ -43,7 +43,7 @@ def test_verify_failure_exits_4(monkeypatch):
 def test_verify_table_puts_each_tolerance_beside_the_error_it_bounds(monkeypatch):
     """The tolerance bounds the relative RMS error: it stands beside that column, and the max abs error is
     labelled as unbounded (before: the tolerance stood beside the max abs error)."""
-    import k3cli.kernels as kernels
+    import k3cli.bench.kernels as kernels
 
     monkeypatch.setattr(kernels, "run_verify", lambda ks, shapes, dt: [
         ("chunk_kda", "case/o", 1.25e-3, 7.5e-1, 5e-3, True)])
@@ -59,7 +59,7 @@ def test_verify_table_puts_each_tolerance_beside_the_error_it_bounds(monkeypatch
 
 def _gpu_rows(kernel: str, fla: bool) -> list[dict]:
     """Rows with the widest values a GPU run gives (k3 shapes, H200 times), every column of --wide filled."""
-    from k3cli.kernels import BENCH_COLUMNS, BENCH_COLUMNS_NARROW
+    from k3cli.bench.kernels import BENCH_COLUMNS, BENCH_COLUMNS_NARROW
 
     ints = {"B": 256, "N": 20, "T": 32768, "H": 32, "HV": 32, "K": 128, "L": 31, "D": 4096, "C": 1024, "norm_dim": 128}
     floats = {".3f": 21.243, ".4f": 0.0123, ".1f": 123.4, ".0f": 4812.0, ".1%": 0.987, ".0%": 0.987, ".2f": 12.34,
@@ -78,8 +78,8 @@ def _gpu_rows(kernel: str, fla: bool) -> list[dict]:
 @pytest.mark.parametrize("fla", [False, True])
 def test_bench_table_fits_100_columns_and_wide_shows_every_column(monkeypatch, fla):
     """At GPU widths (before: 22 columns cut to 'first_ca…'), with and without fla timed in the run."""
-    import k3cli.kernels as kernels
-    from k3cli.kernels import BENCH_COLUMNS, BENCH_KERNELS
+    import k3cli.bench.kernels as kernels
+    from k3cli.bench.kernels import BENCH_COLUMNS, BENCH_KERNELS
 
     results = {k: _gpu_rows(k, fla) for k in BENCH_KERNELS}
     monkeypatch.setattr(kernels, "run_bench", lambda ks, shapes, against, custom=None: results)
@@ -168,7 +168,7 @@ def test_bench_chunk_row_has_both_host_times():
     """Each chunk_kda row carries the host's enqueue time of both passes (None off CUDA), and the table shows them."""
     import torch
 
-    from k3cli.kernels import BENCH_COLUMNS
+    from k3cli.bench.kernels import BENCH_COLUMNS
     from k3cli.ops.kda.bench import _bench_chunk
     row = _bench_chunk((1, 16, 1, 1, 16), torch.device("cpu"), against_fla=False)
     assert "host_fwd_ms" in row and "host_fwd_bwd_ms" in row and row["fwd_bwd_ms"] > 0

@@ -1,4 +1,4 @@
-"""Multi-process training pieces (k3cli.parallel, k3cli.dist_checkpoint) on CPU with gloo.
+"""Multi-process training pieces (k3cli.distributed, k3cli.checkpoint) on CPU with gloo.
 
 Quick cases run in this process. The `slow` ones start 2 ranks with torchrun (this file is the
 worker script: `python -m torch.distributed.run ... tests/test_parallel.py SCENARIO OUT`) and compare
@@ -29,9 +29,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3cli import dist_checkpoint as dc
-from k3cli.checkpoint import CheckpointError, save_checkpoint
-from k3cli.parallel import (
+from k3cli import checkpoint
+from k3cli.checkpoint import CheckpointError
+from k3cli.checkpoint import sharded as dc
+from k3cli.checkpoint.single import save as save_checkpoint
+from k3cli.distributed import (
     DistInfo,
     all_reduce_mean,
     all_reduce_moe_loads,
@@ -196,17 +198,17 @@ def test_one_process_fsdp_and_ddp_write_the_sharded_format(tmp_path, monkeypatch
             opt, sched = optimizer_for(model)
             train_steps(module, model, opt, sched, batches(2))
             assert_state_close(full_params(model), plain.state_dict(), TOL_SAME_GROUPS, f"1-process {mode}:")
-            path = dc.save_dcp(tmp_path / mode, 2, module, opt, sched, {"epoch": 0, "position": 2})
-            assert dc.is_dcp_complete(path) and dc.find_latest(tmp_path / mode) == path
+            path = dc.save(tmp_path / mode, 2, module, opt, sched, {"epoch": 0, "position": 2})
+            assert checkpoint.is_sharded(path) and checkpoint.is_complete(path) and checkpoint.latest(tmp_path / mode) == path
         saved = full_params(model)
     finally:
-        from k3cli.parallel import destroy
+        from k3cli.distributed import destroy
 
         destroy()
     assert not is_distributed()
     for mode in ("ddp", "fsdp"):
         fresh = tiny_model(seed=4)
-        dc.load_dcp_model_into(tmp_path / mode / "checkpoints" / "step_00000002", fresh)
+        dc.load_weights(tmp_path / mode / "checkpoints" / "step_00000002", fresh)
         assert_state_close(fresh.state_dict(), plain.state_dict(), TOL_SAME_GROUPS, f"{mode} checkpoint:")
     assert_state_close(fresh.state_dict(), saved, 0.0, "fsdp checkpoint = its weights")
 
@@ -223,8 +225,8 @@ def test_dcp_one_process_round_trip_and_exact_resume(tmp_path):
     model, opt, sched = trained()
     loader = {"epoch": 0, "position": 5}
     torch.manual_seed(7)
-    path = dc.save_dcp(tmp_path, 2, model, opt, sched, loader, extra={"val_loss": 1.5})
-    assert path.name == "step_00000002" and dc.is_dcp(path) and dc.is_dcp_complete(path)
+    path = dc.save(tmp_path, 2, model, opt, sched, loader, extra={"val_loss": 1.5})
+    assert path.name == "step_00000002" and checkpoint.is_sharded(path) and checkpoint.is_complete(path)
     marker = __import__("json").loads((path / "COMPLETE").read_text())
     assert marker["format"] == "dcp" and marker["world_size"] == 1 and marker["step"] == 2
     assert {".metadata", "state.pt", "__0_0.distcp"} <= set(marker["files"])
@@ -232,7 +234,7 @@ def test_dcp_one_process_round_trip_and_exact_resume(tmp_path):
 
     model2 = tiny_model(seed=1)
     opt2, sched2 = optimizer_for(model2)
-    state = dc.load_dcp(path, model2, opt2, sched2)
+    state = dc.load(path, model2, opt2, sched2)
     assert state["step"] == 2 and state["loader"] == loader and state["extra"] == {"val_loss": 1.5}
     assert torch.equal(torch.rand(3), rng_after_save)                  # RNG restored to the save's
     assert_state_close(model2.state_dict(), model.state_dict(), 0.0, "weights")
@@ -244,64 +246,64 @@ def test_dcp_one_process_round_trip_and_exact_resume(tmp_path):
     assert_state_close(model2.state_dict(), model.state_dict(), 0.0, "after resume")
 
     with pytest.raises(CheckpointError, match="already exists"):
-        dc.save_dcp(tmp_path, 2, model, opt, sched, loader)
+        dc.save(tmp_path, 2, model, opt, sched, loader)
 
 
 def test_temp_and_damaged_folders_are_never_picked(tmp_path):
     model, opt, sched = trained(steps=1)
-    good = dc.save_dcp(tmp_path, 1, model, opt, sched, {})
-    later = dc.save_dcp(tmp_path, 2, model, opt, sched, {})
+    good = dc.save(tmp_path, 1, model, opt, sched, {})
+    later = dc.save(tmp_path, 2, model, opt, sched, {})
     # an interrupted save of step 3: complete-looking files, but under its temp name
     shutil.copytree(later, tmp_path / "checkpoints" / "step_00000003.tmp-99-1")
-    assert dc.find_latest(tmp_path) == later
+    assert checkpoint.latest(tmp_path) == later
     # a shard of step 2 changed after its marker was written: not complete any more
     shard = later / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
-    assert not dc.is_dcp_complete(later) and dc.is_dcp_complete(later, verify=False)
-    assert dc.find_latest(tmp_path) == good
+    assert not checkpoint.is_complete(later) and checkpoint.is_sharded(later) and checkpoint.is_complete(later, verify=False)
+    assert checkpoint.latest(tmp_path) == good
     with pytest.raises(CheckpointError, match="not a complete"):
-        dc.load_dcp(later, tiny_model())
+        dc.load(later, tiny_model())
     with pytest.raises(CheckpointError, match="not a complete"):
-        dc.load_dcp_model_into(tmp_path / "checkpoints" / "step_00000003.tmp-99-1", tiny_model())
+        dc.load_weights(tmp_path / "checkpoints" / "step_00000003.tmp-99-1", tiny_model())
 
 
 def test_both_formats_list_find_and_prune_together(tmp_path):
     model, opt, sched = trained(steps=1)
     single = [save_checkpoint(tmp_path, s, model, opt, sched, {}) for s in (1, 2)]
-    sharded = [dc.save_dcp(tmp_path, s, model, opt, sched, {}) for s in (3, 4)]
-    assert dc.find_latest(tmp_path) == sharded[-1]
-    assert all(dc.is_checkpoint_complete(p) for p in single + sharded)
-    assert not dc.is_dcp(single[0]) and dc.is_dcp(sharded[0])
-    assert dc.prune(tmp_path, keep_last=2, newest=sharded[-1]) == single
-    assert dc.prune(tmp_path, keep_last=1) == sharded[:1]
+    sharded = [dc.save(tmp_path, s, model, opt, sched, {}) for s in (3, 4)]
+    assert checkpoint.latest(tmp_path) == sharded[-1]
+    assert all(checkpoint.is_complete(p) for p in single + sharded)
+    assert not checkpoint.is_sharded(single[0]) and checkpoint.is_sharded(sharded[0])
+    assert checkpoint.prune(tmp_path, keep_last=2, newest=sharded[-1]) == single
+    assert checkpoint.prune(tmp_path, keep_last=1) == sharded[:1]
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_00000004"]
 
 
 def test_export_and_model_only_loads_without_a_process_group(tmp_path):
     model, opt, sched = trained(steps=1)
-    sharded = dc.save_dcp(tmp_path, 1, model, opt, sched, {})
+    sharded = dc.save(tmp_path, 1, model, opt, sched, {})
     single = save_checkpoint(tmp_path / "single", 1, model, opt, sched, {})
     want = model.state_dict()
     for path in (sharded, single):
-        assert_state_close(dc.load_full_model_state(path), want, 0.0, f"full state of {path.name}")
+        assert_state_close(checkpoint.load_full_model_state(path), want, 0.0, f"full state of {path.name}")
     fresh = tiny_model(seed=5)
-    assert dc.load_dcp_model_into(sharded, fresh) == {"step": 1, "loader": {}, "extra": {}, "path": sharded}
+    assert dc.load_weights(sharded, fresh) == {"step": 1, "loader": {}, "extra": {}, "path": sharded}
     assert_state_close(fresh.state_dict(), want, 0.0, "model only")
-    out = dc.export_consolidated(sharded, tmp_path / "export")
+    out = checkpoint.export_consolidated(sharded, tmp_path / "export")
     import safetensors.torch
 
     assert_state_close(safetensors.torch.load_file(str(out)), want, 0.0, "export")
     with pytest.raises(CheckpointError, match="already exists"):
-        dc.export_consolidated(sharded, tmp_path / "export")
+        checkpoint.export_consolidated(sharded, tmp_path / "export")
     from k3cli.config import load_config
     from k3cli.models.causal_lm import CausalLM
     from k3cli.testing import TINY_MODEL
 
     other = CausalLM(load_config("k3-toy", overrides=TINY_MODEL + ["model.hidden_size=48"]).model)
     with pytest.raises(CheckpointError, match="shape"):
-        dc.load_dcp_model_into(sharded, other)
+        dc.load_weights(sharded, other)
 
 
 # ---- slow: 2 ranks under torchrun ----------------------------------------------------------------
@@ -332,7 +334,7 @@ def test_two_ranks_fsdp_ddp_checkpoints(tmp_path):
     opt, sched = optimizer_for(ref)
     ref_loads = train_steps(ref, ref, opt, sched, data[:STEPS])
     single = save_checkpoint(tmp_path / "single", STEPS, ref, opt, sched, {"epoch": 0, "position": 3})
-    single_dcp = dc.save_dcp(tmp_path / "single_dcp", STEPS, ref, opt, sched, {"epoch": 0, "position": 3})
+    single_dcp = dc.save(tmp_path / "single_dcp", STEPS, ref, opt, sched, {"epoch": 0, "position": 3})
     ref_params, ref_biases, ref_optim = ref.state_dict(), biases(ref), full_optim_state(ref, opt)
 
     grouped = tiny_model()
@@ -358,11 +360,11 @@ def test_two_ranks_fsdp_ddp_checkpoints(tmp_path):
     assert not is_distributed()
     saved = res[0]["fsdp"]["params"]
     plain = tiny_model(seed=9)
-    dc.load_dcp_model_into(ckpt, plain)
+    dc.load_weights(ckpt, plain)
     assert_state_close(plain.state_dict(), saved, 0.0, "2-rank DCP -> 1 process (model only)")
     resumed = tiny_model(seed=9)
     opt1, sched1 = optimizer_for(resumed)
-    state = dc.resume_checkpoint(ckpt, resumed, opt1, sched1)
+    state = checkpoint.load(ckpt, resumed, opt1, sched1)
     assert state["step"] == STEPS and state["loader"] == {"epoch": 0, "position": 3}
     assert_state_close(resumed.state_dict(), saved, 0.0, "2-rank DCP -> 1 process")
     assert_state_close(full_optim_state(resumed, opt1), res[0]["fsdp"]["optim"], 0.0, "optimizer 2 -> 1")
@@ -377,7 +379,7 @@ def test_two_ranks_fsdp_ddp_checkpoints(tmp_path):
     assert all(r["failed_save_raised"] for r in res)
     assert not (tmp_path / "run" / "checkpoints" / "step_00000099").exists()
     assert not list((tmp_path / "run" / "checkpoints").glob("step_00000099.tmp-*"))
-    assert dc.find_latest(tmp_path / "run") == ckpt
+    assert checkpoint.latest(tmp_path / "run") == ckpt
 
     # 1-process checkpoints of both formats into 2-rank FSDP and DDP: weights, optimizer, schedule equal
     for name in ("single_fsdp", "single_ddp", "single_dcp_fsdp", "single_dcp_ddp"):
@@ -448,7 +450,7 @@ def _scenario_main(info: DistInfo, out: Path) -> dict:
             res["marker_while_writing"] = any((out / "run" / "checkpoints").rglob("COMPLETE"))
 
     with _write_hooked(slow_rank1):
-        path = dc.save_dcp(out / "run", STEPS, module, opt, sched, {"epoch": 0, "position": 3},
+        path = dc.save(out / "run", STEPS, module, opt, sched, {"epoch": 0, "position": 3},
                            extra={"train_loss": 1.0})
     res["shard_mtime"] = (path / f"__{rank}_0.distcp").stat().st_mtime_ns
     res["marker_mtime"] = (path / "COMPLETE").stat().st_mtime_ns
@@ -459,7 +461,7 @@ def _scenario_main(info: DistInfo, out: Path) -> dict:
 
     with _write_hooked(failing_rank1):
         try:
-            dc.save_dcp(out / "run", 99, module, opt, sched, {})
+            dc.save(out / "run", 99, module, opt, sched, {})
             res["failed_save_raised"] = False
         except CheckpointError:
             res["failed_save_raised"] = True
@@ -472,7 +474,7 @@ def _scenario_main(info: DistInfo, out: Path) -> dict:
             model = tiny_model(seed=3)
             module = parallelize(model, mode, info.device)
             opt, sched = optimizer_for(model)
-            state = dc.resume_checkpoint(dc.find_latest(out / name), module, opt, sched)
+            state = checkpoint.load(checkpoint.latest(out / name), module, opt, sched)
             res[f"{name}_{mode}"] = {"step": state["step"], "params": full_params(model),
                                      "optim": full_optim_state(model, opt), "lr": sched.get_last_lr()}
     return res
@@ -497,7 +499,7 @@ def _worker(scenario: str, out: Path) -> None:
         torch.save(res, out / f"rank{info.rank}.pt")
         barrier()
     finally:
-        from k3cli.parallel import destroy
+        from k3cli.distributed import destroy
 
         destroy()
 

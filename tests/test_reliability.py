@@ -20,17 +20,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from k3cli.checkpoint import (
-    CheckpointError,
-    find_latest_checkpoint,
-    is_complete,
-    list_checkpoints,
-    load_checkpoint,
-    save_checkpoint,
-    tensor_bytes,
-)
+from k3cli.checkpoint import CheckpointError, is_complete, list_checkpoints, tensor_bytes
+from k3cli.checkpoint import latest as find_latest_checkpoint
+from k3cli.checkpoint import load as load_checkpoint
+from k3cli.checkpoint.sharded import save as save_dcp
+from k3cli.checkpoint.single import save as save_checkpoint
 from k3cli.config import load_config
-from k3cli.dist_checkpoint import save_dcp
 from k3cli.testing import TINY_MODEL, TINY_TRAIN, write_corpus
 from k3cli.train import StopSignals, build_model
 
@@ -233,7 +228,7 @@ def test_a_save_that_cannot_fit_is_refused_before_writing(tmp_path, monkeypatch)
     for save, name in ((save_checkpoint, "one"), (save_dcp, "dcp")):
         run = tmp_path / name
         first = save(run, 1, model, opt)
-        monkeypatch.setattr("k3cli.checkpoint.shutil.disk_usage", lambda p: SimpleNamespace(free=need // 2))
+        monkeypatch.setattr("k3cli.checkpoint.folder.shutil.disk_usage", lambda p: SimpleNamespace(free=need // 2))
         with pytest.raises(CheckpointError) as e:
             save(run, 2, model, opt)
         monkeypatch.undo()

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from k3cli.checkpoint import list_checkpoints
 from k3cli.cli import app
 from k3cli.config import load_config
-from k3cli.stats import interp, paired_interval, t_critical, t_two_sided_mass
-from k3cli.study import verdict
+from k3cli.study.stats import interp, paired_interval, t_critical, t_two_sided_mass
+from k3cli.study.study import verdict
 from k3cli.testing import TINY_MODEL, TINY_TRAIN, write_corpus
 from k3cli.train import build_model
 
@@ -270,7 +270,7 @@ with open(out / "metrics.jsonl", "a") as f:
 def test_study_progress_has_an_eta(tmp_path, monkeypatch):
     """Each running run's step and time left at its rate so far, and the study's (runs: a stand-in for
     `k3 train` that writes a metrics line every 0.2 s)."""
-    import k3cli.study as st
+    import k3cli.study.study as st
 
     monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path / "cache"))
     corpus = write_corpus(tmp_path)

@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from k3cli.checkpoint import find_latest_checkpoint, list_checkpoints
+from k3cli.checkpoint import latest as find_latest_checkpoint
+from k3cli.checkpoint import list_checkpoints
 from k3cli.cli import app
 from k3cli.config import load_config
 from k3cli.models.causal_lm import CausalLM
@@ -161,7 +162,7 @@ def test_eval_errors(tmp_path):
 
 
 def test_compare_runs_reports_metrics_and_config_diff(corpus, tmp_path):
-    from k3cli.compare import compare_runs
+    from k3cli.study.compare import compare_runs
 
     train(tiny_cfg(corpus), tmp_path / "a", log=lambda m: None)
     train(tiny_cfg(corpus, "train.lr=0.001"), tmp_path / "b", log=lambda m: None, stop_at=3)
@@ -330,8 +331,9 @@ def test_uncompiled_runs_the_modules_own_forwards_and_restores_the_compiled_ones
     compiled form, each unit's compiled forward (parallelize's ddp / fsdp units) set aside for
     the duration and put back afterwards, also when the evaluation raises. Nothing is compiled here:
     torch.compile wraps lazily."""
-    from k3cli.compile import uncompiled
-    from k3cli.parallel import _compile_forward, fsdp_units
+    from k3cli.distributed import fsdp_units
+    from k3cli.distributed.compile import compile_forward as _compile_forward
+    from k3cli.distributed.compile import uncompiled
     model = CausalLM(load_config("k3-toy", overrides=TINY_MODEL, attnres="block").model)
     units = fsdp_units(model)
     for u in units:

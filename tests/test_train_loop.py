@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import k3cli.train.loop as loop_mod
-from k3cli.checkpoint import find_latest_checkpoint, list_checkpoints
+from k3cli.checkpoint import latest as find_latest_checkpoint
+from k3cli.checkpoint import list_checkpoints
 from k3cli.cli import app
 from k3cli.config import load_config
 from k3cli.data import DataError, PackedLoader, prepare_data

@@ -161,7 +161,7 @@ def test_training_step_has_no_host_sync_on_cuda(mode, documents):
 def test_bench_train_variants():
     """Each mode timed gets its triton/torch counterpart in the same run (CUDA only: the torch ops are the
     CPU path anyway)."""
-    from k3cli.bench_train import plan_variants
+    from k3cli.bench.train import plan_variants
 
     def names(backend, compile, masked=False):
         return [(v.name, v.backend, v.compiled, v.masked) for v in plan_variants(backend, compile, masked)]

@@ -20,6 +20,7 @@ from torch import nn
 from k3cli.layers.linear import fused_linear
 from k3cli.layers.norm import RMSNorm, l2norm
 from k3cli.layers.segments import Segments
+from k3cli.ops.backend import kda_triton_op
 
 
 def _dt_bias_init(n: int, dt_min: float = 1e-3, dt_max: float = 0.1) -> torch.Tensor:
@@ -241,14 +242,4 @@ class KDAAttention(nn.Module):
         return o.view(B, T, *o.shape[2:])
 
     def _triton_op(self, q: torch.Tensor, name: str = "chunk_kda"):
-        """The Triton op `name` (chunk_kda | fused_recurrent_kda | short_conv: entry points of the k3:: custom
-        ops, opaque nodes under torch.compile), or None for the torch path."""
-        if self.backend == "torch" or (self.backend == "auto" and not q.is_cuda):
-            return None
-        try:
-            from k3cli.ops import kda
-            return getattr(kda, name)
-        except ImportError as e:
-            if self.backend == "triton":
-                raise RuntimeError(f"kda.backend=triton but the Triton {name} is unavailable: {e}") from None
-            return None
+        return kda_triton_op(self.backend, q.device, name)

@@ -10,9 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-
-class ConfigError(ValueError):
-    """A user-caused configuration error; its message is one line naming the key or file."""
+from k3cli.errors import ConfigError
+from k3cli.ops.backend import BACKENDS
 
 
 def _check(cond: bool, key: str, msg: str) -> None:
@@ -37,7 +36,7 @@ class KDALayerConfig:
     lower_bound: float = -5.0  # gate g ∈ (lower_bound, 0)
     backend: str = "auto"  # auto: Triton on CUDA, torch (torch_chunk_kda) on CPU
 
-    CHOICES: ClassVar[dict] = {"backend": ("auto", "triton", "torch")}
+    CHOICES: ClassVar[dict] = {"backend": BACKENDS}
 
     def validate(self, p: str) -> None:
         for name in ("num_heads", "num_v_heads", "head_k_dim", "head_v_dim", "chunk_size"):

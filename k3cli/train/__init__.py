@@ -14,7 +14,15 @@ from k3cli.train.build import (
 )
 from k3cli.train.loop import TrainResult, require_wandb, train
 from k3cli.train.metrics import Throughput, peak_memory_bytes
-from k3cli.train.rundir import RESUMABLE_KEYS, RUN_MARKER, check_out, check_resume, check_resume_config
+from k3cli.train.rundir import (
+    RESUMABLE_KEYS,
+    RUN_MARKER,
+    check_out,
+    check_resume,
+    check_resume_config,
+    new_run_dir,
+    newest_run,
+)
 from k3cli.train.step import TrainStep, moe_imbalance
 from k3cli.train.stops import StopSignals, TrainingInterrupted, TrainingStopped
 from k3cli.train.validation import evaluate_loss
@@ -23,6 +31,6 @@ __all__ = [
     "Batch", "Prefetcher", "document_segments", "host_batch", "build_model", "build_optimizer", "check_parallel",
     "flush_denormals", "lr_lambda", "param_groups", "resolve_device", "TrainResult", "require_wandb", "train",
     "Throughput", "peak_memory_bytes", "RESUMABLE_KEYS", "RUN_MARKER",
-    "check_out", "check_resume", "check_resume_config", "TrainStep", "moe_imbalance",
+    "check_out", "check_resume", "check_resume_config", "new_run_dir", "newest_run", "TrainStep", "moe_imbalance",
     "StopSignals", "TrainingInterrupted", "TrainingStopped", "evaluate_loss",
 ]

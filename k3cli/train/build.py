@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from k3cli import parallel as par
+from k3cli import distributed as par
 from k3cli.config import RunConfig
 from k3cli.models.causal_lm import CausalLM
 

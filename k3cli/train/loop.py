@@ -8,7 +8,7 @@ in one transfer. A non-finite loss or gradient norm skips that step's update on 
 the run at the next read, naming the step where it first happened.
 
 Under torchrun every rank runs `train`: the same global batches in the same order (each rank
-trains on its slice, `k3cli.parallel`), gradient accumulation sized so that an optimiser step sees
+trains on its slice, `k3cli.distributed`), gradient accumulation sized so that an optimiser step sees
 `train.global_batch_size` sequences at any world size; rank 0 alone writes the run's files, logs
 and reports, and the logged loss, gradient norm and MoE imbalance are the global ones.
 """
@@ -24,12 +24,13 @@ from pathlib import Path
 
 import torch
 
-from k3cli import parallel as par
-from k3cli.checkpoint import CheckpointError, save_checkpoint
-from k3cli.compile import CompileWatch, use_compile_cache
+from k3cli import checkpoint
+from k3cli import distributed as par
 from k3cli.config import RunConfig, config_to_dict, dump_config
-from k3cli.data import cache_root, check_token_ids, first_line, write_text_atomic
-from k3cli.dist_checkpoint import find_latest, prune, save_dcp
+from k3cli.data import cache_root, check_token_ids
+from k3cli.distributed.compile import CompileWatch, use_compile_cache
+from k3cli.errors import CheckpointError, first_line
+from k3cli.files import write_text_atomic
 from k3cli.train.batches import Prefetcher
 from k3cli.train.build import build_model, build_optimizer, check_parallel, flush_denormals, resolve_device
 from k3cli.train.metrics import StepRecords, Throughput, format_record, rounded
@@ -121,17 +122,13 @@ class Run:
 
     def save(self, step: int, loader_state: dict, extra: dict) -> Path:
         try:
-            if self.mode == "none":
-                path = save_checkpoint(self.run_dir, step, self.model, self.step_fn.opt, self.sched, loader_state,
-                                       extra=extra)
-            else:   # every rank writes its shards
-                path = save_dcp(self.run_dir, step, self.forward, self.step_fn.opt, self.sched, loader_state,
-                                extra=extra)
-        except CheckpointError as e:   # save_dcp raises on every rank alike, so all can look together
-            last = find_latest(self.run_dir)
+            path = checkpoint.save(self.run_dir, step, self.forward, self.step_fn.opt, self.sched, loader_state,
+                                   extra=extra)
+        except CheckpointError as e:   # a sharded save raises on every rank alike, so all can look together
+            last = checkpoint.latest(self.run_dir)
             raise type(e)(f"{e}. Last complete checkpoint: {last or 'none'}; make room or fix the folder, "
                           "then continue with --resume auto") from None
-        prune(self.run_dir, self.cfg.train.keep_last, newest=path)
+        checkpoint.prune(self.run_dir, self.cfg.train.keep_last, newest=path)
         self.log(f"checkpoint: {path}")
         return path
 
@@ -189,7 +186,7 @@ class Run:
                 if bad is not None:
                     self._write(metrics_path, wb, rows[:rows.index(bad)])
                     key, what = ("loss", "loss") if not math.isfinite(bad["loss"]) else ("grad_norm", "gradient norm")
-                    last_ckpt = find_latest(run_dir)   # every rank stops here together (the scalars are global)
+                    last_ckpt = checkpoint.latest(run_dir)   # every rank stops here together (the scalars are global)
                     raise TrainingStopped(f"non-finite {what} ({bad[key]}) at step {bad['step']}; stopped before its "
                                           f"update. Last good checkpoint: {last_ckpt or 'none'}")
                 row, loss = rows[-1], rows[-1]["loss"]

@@ -11,12 +11,12 @@ import json
 import time
 from pathlib import Path
 
-from k3cli import parallel as par
-from k3cli.checkpoint import EXPORT_MARKER, list_checkpoints, remove_leftovers
+from k3cli import distributed as par
+from k3cli.checkpoint import EXPORT_MARKER, latest, list_checkpoints, load, remove_leftovers
 from k3cli.config import RunConfig, config_to_dict, dump_config, flatten, load_config
-from k3cli.data import PreparedData, load_tokenizer, prepare_data, save_tokenizer, write_text_atomic
-from k3cli.dist_checkpoint import SharedCheckpointError, find_latest, resume_checkpoint
-from k3cli.shards import MANIFEST
+from k3cli.data import MANIFEST, PreparedData, load_tokenizer, prepare_data, save_tokenizer
+from k3cli.errors import RunDirError, SharedCheckpointError
+from k3cli.files import write_text_atomic
 
 RUN_MARKER, RUN_FORMAT = "run.json", 1
 # keys a resumed run may change; anything else would silently not apply (optimiser and loader
@@ -25,12 +25,6 @@ RUN_MARKER, RUN_FORMAT = "run.json", 1
 RESUMABLE_KEYS = ("train.steps", "train.device", "train.log_every", "train.eval_every", "train.ckpt_every",
                   "train.keep_last", "train.time_limit_s", "train.compile", "train.activation_checkpointing",
                   "train.peak_tflops", "train.parallel", "train.micro_batch_size", "eval.")
-
-
-class RunDirError(ValueError):
-    """--out cannot be trained into; every rank finds the same (it checks before any rank writes)."""
-
-    on_every_rank = True
 
 
 def is_run(run_dir: Path) -> bool:
@@ -91,10 +85,9 @@ def check_resume_config(saved: RunConfig, new: RunConfig) -> None:
     changed = [k for k in sorted(a) if a[k] != b.get(k) and not k.startswith(RESUMABLE_KEYS)]
     if changed:
         shown = ", ".join(f"{k} ({a[k]!r} -> {b.get(k)!r})" for k in changed[:4])
-        raise ValueError(f"cannot resume with a changed {shown}{' …' if len(changed) > 4 else ''}; only "
-                         "train.steps/device/log_every/eval_every/ckpt_every/keep_last/time_limit_s/compile*/"
-                         "activation_checkpointing/peak_tflops/parallel/micro_batch_size (and the number of "
-                         "processes) and eval.* may change. Train into a new --out instead")
+        may = ", ".join(k + "*" if k.endswith((".", "compile")) else k for k in RESUMABLE_KEYS)
+        raise ValueError(f"cannot resume with a changed {shown}{' …' if len(changed) > 4 else ''}; only {may} "
+                         "(and the number of processes) may change. Train into a new --out instead")
 
 
 def check_resume(run_dir: Path, cfg: RunConfig) -> None:
@@ -133,15 +126,15 @@ def restore(run_dir: Path, model, opt, sched, loader, main: bool, log) -> dict |
     are set aside (kept)."""
     if main and (removed := remove_leftovers(run_dir)):
         log("left by interrupted saves / prunes: " + ", ".join(f"{p.name} ({how})" for p, how in removed.items()))
-    ckpt = find_latest(run_dir)
+    ckpt = latest(run_dir)
     if ckpt is None and par.broadcast_object(bool(list_checkpoints(run_dir))):
         raise SharedCheckpointError(f"{run_dir} has checkpoint folders but none verifies; nothing was changed. "
                                     "Move them aside to start over, or resume from a copy that is intact")
     if ckpt is None:
         log(f"no checkpoint in {run_dir} yet; starting from step 0")
         return None
-    # either format, saved at any world size; just verified by find_latest
-    state = resume_checkpoint(ckpt, model, opt, sched, verify=False)
+    # either format, saved at any world size; just verified by latest
+    state = load(ckpt, model, opt, sched, verify=False)
     loader.load_state_dict(state["loader"])
     if main:
         _set_aside_unverified(run_dir, state["step"], log)
@@ -173,3 +166,23 @@ def truncate_metrics(path: Path, step: int) -> None:
         except (json.JSONDecodeError, KeyError, TypeError):  # a line cut by a crash mid-write
             continue
     write_text_atomic(path, "".join(line + "\n" for line in keep))
+
+
+def new_run_dir(preset: str, mode: str) -> Path:
+    """runs/PRESET-MODE-TIMESTAMP, created here so that two runs started together never share one."""
+    base = Path("runs") / f"{preset}-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+    for i in range(1000):
+        path = base if i == 0 else base.with_name(f"{base.name}-{i}")
+        try:
+            path.mkdir(parents=True, exist_ok=False)
+            return path
+        except FileExistsError:
+            continue
+    raise RunDirError(f"could not create a fresh run directory next to {base}")
+
+
+def newest_run(preset: str, mode: str | None) -> Path | None:
+    """The newest runs/PRESET-MODE-* folder (any mode when None): what `--resume auto` without --out continues."""
+    pattern = f"{Path(preset).stem}-{mode or '*'}-*"
+    runs = sorted(Path("runs").glob(pattern), key=lambda p: p.stat().st_mtime)
+    return runs[-1] if runs else None

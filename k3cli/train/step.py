@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from k3cli import parallel as par
+from k3cli import distributed as par
 from k3cli.layers.moe import max_over_mean
 from k3cli.train.batches import Batch
 

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from k3cli import parallel as par
+from k3cli import distributed as par
 
 
 class TrainingStopped(RuntimeError):

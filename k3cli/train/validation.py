@@ -5,8 +5,8 @@ import contextlib
 
 import torch
 
-from k3cli import parallel as par
-from k3cli.compile import uncompiled
+from k3cli import distributed as par
+from k3cli.distributed.compile import uncompiled
 from k3cli.models.causal_lm import CausalLM
 from k3cli.ops.transfer import to_device
 from k3cli.train.batches import document_segments

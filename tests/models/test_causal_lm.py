@@ -6,8 +6,8 @@ import torch.nn.functional as F
 
 from k3cli.config import load_config
 from k3cli.layers.block import DecoderBlock, build_attn, build_ffn
-from k3cli.layout import param_counts
 from k3cli.models import CausalLM
+from k3cli.models.layout import param_counts
 from k3cli.testing import assert_close
 
 # max |a − b| / max(1, max |b|), fp64

@@ -38,9 +38,9 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 from k3cli.config import load_config
 from k3cli.layers.moe import grouped_mm_runs, tile_rows
 from k3cli.layers.norm import RMSNorm
-from k3cli.layout import param_counts
 from k3cli.models import flops as fl
 from k3cli.models.causal_lm import CausalLM
+from k3cli.models.layout import param_counts
 from k3cli.testing import TINY_MODEL
 
 aten = torch.ops.aten

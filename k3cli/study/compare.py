@@ -69,7 +69,7 @@ def compare_runs(run_dirs: list[Path]) -> dict:
 def plot_runs(data: dict, path: Path) -> Path:
     """The study's loss plot for any runs (`compare_runs` output): each run its own line, the first
     run the baseline of the difference panel. ImportError without matplotlib."""
-    from k3cli.plot import plot_loss
+    from k3cli.study.plot import plot_loss
 
     labels = [Path(r["run"]).name or r["run"] for r in data["runs"]]
     labels = [f"{i + 1}: {name}" if labels.count(name) > 1 else name for i, name in enumerate(labels)]

@@ -1,21 +1,15 @@
-"""Token shards on disk: tokenize a corpus once (`k3 data prepare`), then memory-map it to train.
-
-A prepared directory holds
-
-    tokenizer.json
-    train-00000.npy, train-00001.npy, ...   packed token ids (uint16 while the vocabulary fits, else uint32)
-    val-00000.npy, ...
-    manifest.json                          written last: without it nothing in the folder is read
-
-Each split's stream is what `data.pack_documents` gives for that split's documents (every document's
-ids followed by `<|endoftext|>`), cut into shards at document ends once a shard holds `shard_tokens`
-tokens. Documents go to train / val by the same stable name hash as `data.split_documents`.
+"""Preparing data: a corpus tokenized once into a prepared folder (`k3 data prepare`, `shards.py`'s format),
+and `prepare_data`, the one entry point training and evaluation call.
 
 Preparing reads the source twice, streaming both times: a scan (fingerprint, split, tokenizer
 sample) and the encoding pass, in worker processes, whose fingerprint must match the scan's. Shards
 are written as temporary files and renamed; the manifest replaces an old one only after every shard
 is in place, and an old manifest is deleted before the first shard is touched, so a killed prepare
 leaves a folder that `train` refuses and that the next prepare clears and writes again.
+
+`prepare_data` opens a prepared folder as it is; any other source is prepared into the cache first
+(`$K3_CACHE_DIR`, default `~/.cache/k3`: `tokenizers/<key>.json`, `shards/<key>/`), its tokenizer
+trained on a bounded sample of the train split. Nothing here prints; progress goes to a callback.
 """
 
 from __future__ import annotations
@@ -31,224 +25,50 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 from tokenizers import Tokenizer
 
-from k3cli.checkpoint import _sha256
-from k3cli.data import (
+from k3cli.data.loader import PackedLoader, val_batches
+from k3cli.data.shards import (
+    FORMAT,
+    MANIFEST,
+    SPLITS,
+    VERSION,
+    _ours,
+    is_prepared,
+    looks_like_partial,
+    open_prepared,
+)
+from k3cli.data.sources import Document, _unit_hash, iter_documents
+from k3cli.data.tokenizer import (
     EOT_ID,
     TOKENIZER_FULL_MAX_BYTES,
     TOKENIZER_SAMPLE_BYTES,
-    DataError,
-    Document,
-    _unit_hash,
-    iter_documents,
+    _ready,
     load_tokenizer,
+    tokenizer_sha256,
     train_tokenizer,
-    write_text_atomic,
 )
+from k3cli.errors import DataError
+from k3cli.files import sha256_file, write_text_atomic
 
-MANIFEST = "manifest.json"
-FORMAT = "k3-token-shards"
-VERSION = 1
-SPLITS = ("train", "val")
 # 32 Mi tokens (64 MiB as uint16): what prepare holds in memory per split before writing a shard
 SHARD_TOKENS = 2**25
+
+
 # text handed to one encode call / worker task: large enough to amortise pickling, small for memory
 CHUNK_BYTES = 2**20
+
+
 SLOW_ENV = "K3_PREPARE_SLOW_S"  # tests: seconds to wait between writing a shard's temp file and renaming it
 
 
-def tokenizer_sha256(tok: Tokenizer) -> str:
-    return hashlib.sha256(tok.to_str().encode("utf-8")).hexdigest()
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The cache folder: `cache_dir`, else $K3_CACHE_DIR, else ~/.cache/k3."""
+    return Path(cache_dir or os.environ.get("K3_CACHE_DIR") or Path.home() / ".cache" / "k3")
 
 
-def is_prepared(path: str | os.PathLike) -> bool:
-    return (Path(path).expanduser() / MANIFEST).is_file()
-
-
-def looks_like_partial(path: Path) -> bool:
-    """A folder a prepare started in but did not finish: its files, no manifest."""
-    if not path.is_dir() or (path / MANIFEST).exists():
-        return False
-    return any(_ours(p.name) for p in path.iterdir())
-
-
-def _ours(name: str) -> bool:
-    return (name == "tokenizer.json" or name == ".lock" or ".tmp-" in name
-            or (name.endswith(".npy") and name.split("-")[0] in SPLITS))
-
-
-# ---- the token stream of a split -----------------------------------------------------------------
-
-class TokenStream:
-    """The concatenation of a split's shards, memory-mapped: `len`, slices `[a:b]` (a copy, possibly
-    across shards) and `np.asarray` (the whole stream; for the small val split)."""
-
-    def __init__(self, arrays: list[np.ndarray]):
-        self.arrays = arrays
-        self.offsets = np.cumsum([0] + [len(a) for a in arrays])  # [S + 1]
-        self.dtype = arrays[0].dtype if arrays else np.dtype(np.uint16)
-
-    def __len__(self) -> int:
-        return int(self.offsets[-1])
-
-    def __getitem__(self, key):
-        if not isinstance(key, slice) or key.step not in (None, 1):
-            raise TypeError("TokenStream supports contiguous slices only")
-        start, stop, _ = key.indices(len(self))
-        if stop <= start:
-            return np.empty(0, self.dtype)
-        first = int(np.searchsorted(self.offsets, start, side="right")) - 1
-        parts = []
-        for s in range(first, len(self.arrays)):
-            lo = int(self.offsets[s])
-            if lo >= stop:
-                break
-            parts.append(self.arrays[s][max(start - lo, 0):stop - lo])
-        return parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
-
-    def __array__(self, dtype=None, copy=None):
-        out = self[0:len(self)]
-        return out if dtype is None else out.astype(dtype)
-
-
-# ---- the manifest ---------------------------------------------------------------------------------
-
-@dataclass
-class Prepared:
-    """An opened prepared directory."""
-    path: Path
-    manifest: dict
-    tokenizer: Tokenizer
-    streams: dict  # split -> TokenStream
-
-    def split(self, name: str) -> dict:
-        return self.manifest["splits"][name]
-
-
-def _bad(path: Path, why: str) -> DataError:
-    return DataError(f"{path}: {why}; prepare it again with `k3 data prepare`")
-
-
-def read_manifest(path: str | os.PathLike) -> dict:
-    root = Path(path).expanduser()
-    if not root.exists():
-        raise DataError(f"{root} does not exist")
-    if not root.is_dir():
-        raise DataError(f"{root} is not a prepared data directory (not a folder)")
-    if looks_like_partial(root):
-        raise DataError(f"{root} has no {MANIFEST}: a prepare there did not finish; "
-                        "run `k3 data prepare` again (it starts clean)")
-    try:
-        m = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise DataError(f"{root} is not a prepared data directory (no {MANIFEST})") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _bad(root / MANIFEST, f"unreadable ({str(e).splitlines()[0][:120]})") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise _bad(root / MANIFEST, f"not a {FORMAT} manifest")
-    if m.get("version") != VERSION:
-        raise _bad(root / MANIFEST, f"format version {m.get('version')}, this k3 reads {VERSION}")
-    if (problem := _manifest_problem(m)) is not None:
-        raise _bad(root / MANIFEST, f"malformed ({problem})")
-    return m
-
-
-def _count(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-# every manifest field a reader uses, with its kind (a type, or a check: counts are non-negative ints)
-_FIELDS = {"": {"dtype": str, "eot_id": _count},
-           "source.": {"spec": str, "fingerprint": str, "documents": _count, "bytes": _count, "val_fraction": _number},
-           "tokenizer.": {"sha256": str, "vocab_size": _count}}
-_SPLIT_FIELDS = {"documents": _count, "tokens": _count, "text_bytes": _count, "shards": list}
-_SHARD_FIELDS = {"file": str, "documents": _count, "tokens": _count, "text_bytes": _count, "bytes": _count,
-                 "sha256": str}
-
-
-def _fields_problem(node, fields: dict, where: str) -> str | None:
-    for name, kind in fields.items():
-        ok = isinstance(node, dict) and name in node and (
-            isinstance(node[name], kind) if isinstance(kind, type) else kind(node[name]))
-        if not ok:
-            return f"{where}{name} is missing or not a {kind.__name__.lstrip('_')}"
-    return None
-
-
-def _manifest_problem(m: dict) -> str | None:
-    """What in a manifest is missing or of the wrong kind, or None."""
-    sections = [(m if not where else m.get(where[:-1]), fields, where) for where, fields in _FIELDS.items()]
-    splits = m.get("splits") if isinstance(m.get("splits"), dict) else {}
-    sections += [(splits.get(split), _SPLIT_FIELDS, f"splits.{split}.") for split in SPLITS]
-    for node, fields, where in sections:
-        if problem := _fields_problem(node, fields, where):
-            return problem
-    for split in SPLITS:
-        for i, shard in enumerate(splits[split]["shards"]):
-            if problem := _fields_problem(shard, _SHARD_FIELDS, f"splits.{split}.shards[{i}]."):
-                return problem
-    try:
-        np.dtype(m["dtype"])
-    except TypeError:
-        return f"dtype {m['dtype']!r} is not a numpy dtype"
-    prepared = m.get("prepared", {})
-    if not isinstance(prepared, dict) or not _number(prepared.get("seconds", 0)):
-        return "prepared.seconds is not a number"
-    return None
-
-
-def open_prepared(path: str | os.PathLike, verify: bool = False) -> Prepared:
-    """Memory-map the shards of a prepared directory after checking them against the manifest:
-    each file's size (a truncated or replaced shard is refused), dtype and length, and with
-    `verify` its SHA-256; the tokenizer must be the one the manifest names."""
-    root = Path(path).expanduser()
-    m = read_manifest(root)
-    tok = load_tokenizer(root / "tokenizer.json")
-    if tokenizer_sha256(tok) != m["tokenizer"]["sha256"]:
-        raise _bad(root, "tokenizer.json is not the tokenizer its manifest names (SHA-256 differs)")
-    dtype = np.dtype(m["dtype"])
-    streams = {}
-    for split in SPLITS:
-        arrays = []
-        for s in m["splits"][split]["shards"]:
-            f = root / s["file"]
-            if Path(s["file"]).name != s["file"]:
-                raise _bad(root / MANIFEST, f"shard name {s['file']!r} is not a plain file name")
-            try:
-                size = f.stat().st_size
-            except OSError:
-                raise _bad(root, f"shard {s['file']} is missing") from None
-            if size != s["bytes"]:
-                raise _bad(root, f"shard {s['file']} has {size:,} bytes, the manifest says {s['bytes']:,} "
-                                 "(truncated or replaced)")
-            if verify and _sha256(f) != s["sha256"]:
-                raise _bad(root, f"shard {s['file']} does not match its SHA-256 in the manifest")
-            try:
-                # allow_pickle=False: a planted object array is refused (unpickling could run code)
-                arr = np.load(f, mmap_mode="r", allow_pickle=False)
-            except (ValueError, OSError, EOFError) as e:
-                raise _bad(root, f"shard {s['file']} is unreadable ({str(e).strip()[:100]})") from None
-            if arr.dtype != dtype or arr.shape != (s["tokens"],):
-                raise _bad(root, f"shard {s['file']} holds {arr.dtype} {arr.shape}, the manifest says "
-                                 f"{dtype} ({s['tokens']},)")
-            arrays.append(arr)
-        streams[split] = TokenStream(arrays)
-    for split in SPLITS:
-        if len(streams[split]) == 0:
-            raise _bad(root, f"the {split} split is empty")
-    return Prepared(root, m, tok, streams)
-
-
-def disk_bytes(m: dict) -> int:
-    return sum(s["bytes"] for split in SPLITS for s in m["splits"][split]["shards"])
-
-
-# ---- scanning the source --------------------------------------------------------------------------
 
 @dataclass
 class Scan:
@@ -343,8 +163,6 @@ def _init_worker(tok_json: str, dtype: str) -> None:
     global _worker_tok, _worker_dtype
     # one process per worker already: the tokenizer's own thread pool would only oversubscribe the cores
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from k3cli.data import _ready
-
     _worker_tok, _worker_dtype = _ready(Tokenizer.from_str(tok_json)), np.dtype(dtype)
 
 
@@ -414,7 +232,7 @@ class _ShardWriter:
         os.replace(tmp, self.root / name)
         self.shards.append({"file": name, "documents": self.docs, "tokens": self.tokens,
                             "text_bytes": self.text_bytes, "bytes": (self.root / name).stat().st_size,
-                            "sha256": _sha256(self.root / name)})
+                            "sha256": sha256_file(self.root / name)})
         self.total_docs += self.docs
         self.total_tokens += self.tokens
         self.total_text_bytes += self.text_bytes
@@ -617,3 +435,103 @@ def _prepare_locked(source, root, tokenizer, vocab_size, workers, val_fraction, 
     _fsync_write(tmp, lambda f: f.write((json.dumps(manifest, indent=1) + "\n").encode()))
     os.replace(tmp, root / MANIFEST)  # last: from here on the folder is complete
     return PrepareResult(root, manifest, False, seconds, scan_s)
+
+
+@dataclass
+class PreparedData:
+    tokenizer: Tokenizer
+    train_tokens: np.ndarray  # [N_train] packed stream: memory-mapped shards (`shards.TokenStream`)
+    val_tokens: np.ndarray  # [N_val]
+    fingerprint: str
+    seq_len: int
+    n_train_docs: int
+    n_val_docs: int
+    train_bytes: int
+    val_bytes: int
+    # UTF-8 bytes of val text per token of the val stream (EOT separators included, as eval's mean
+    # loss includes them): bits/byte = loss_nats_per_token / ln 2 / bytes_per_token_val
+    bytes_per_token_val: float
+    tokenizer_cached: bool
+    tokens_cached: bool
+    path: Path | None = None  # the prepared directory the streams are mapped from
+
+    def train_loader(self, batch_size: int, seed: int = 0, rows_per_step: int | None = None,
+                     rank: int = 0, world_size: int = 1) -> PackedLoader:
+        return PackedLoader(self.train_tokens, self.seq_len, batch_size, seed, rows_per_step, rank, world_size)
+
+    def val_batches(self, n: int, batch_size: int) -> list[torch.Tensor]:
+        return val_batches(self.val_tokens, self.seq_len, n, batch_size)
+
+
+def prepare_data(data_cfg, vocab_size: int, seq_len: int, cache_dir: str | os.PathLike | None = None,
+                 progress: Callable[[str], None] | None = None, tokenizer=None) -> PreparedData:
+    """The token streams of `data_cfg.source` (a `DataConfig`) for training, memory-mapped.
+
+    A prepared directory (`k3 data prepare`) is opened as it is. Any other source is prepared into
+    the cache first (`shards/<key>/`, reused while the source and tokenizer settings are the same),
+    its tokenizer trained on a bounded sample and cached as `tokenizers/<key>.json`. With
+    `tokenizer` (e.g. a run's saved one, for resume and eval) no tokenizer is trained, and the
+    streams must have been tokenized by that one."""
+    say = progress or (lambda msg: None)
+    source = data_cfg.source
+    if is_prepared(source) or looks_like_partial(Path(source).expanduser()):
+        prepared = open_prepared(source)
+        say(f"prepared data {prepared.path} (tokenizer {prepared.manifest['tokenizer']['sha256'][:12]})")
+        if tokenizer is not None and tokenizer_sha256(tokenizer) != prepared.manifest["tokenizer"]["sha256"]:
+            raise DataError(f"{prepared.path} was tokenized by another tokenizer than this run's tokenizer.json "
+                            "(SHA-256 differs); prepare the data again with --tokenizer RUN/tokenizer.json, "
+                            "or train into a new --out")
+        tok_vocab = prepared.manifest["tokenizer"]["vocab_size"]
+        if tok_vocab > vocab_size:
+            raise DataError(f"{prepared.path} has a tokenizer of {tok_vocab} tokens, more than model.vocab_size "
+                            f"({vocab_size}); set model.vocab_size={tok_vocab} or prepare with --vocab-size {vocab_size}")
+        return _prepared(prepared, seq_len, prepared.manifest["source"]["fingerprint"], True, True,
+                         tokenizer or prepared.tokenizer)
+
+    say(f"reading {source}")
+    scan = scan_source(source, data_cfg.text_field, data_cfg.max_bytes, data_cfg.val_fraction,
+                              want_sample=tokenizer is None)
+    key = tokenizer_key(scan, vocab_size, data_cfg.min_frequency)
+    say(f"{scan.documents} documents ({scan.nbytes / 2**20:.1f} MiB); fingerprint {key}")
+    root = cache_root(cache_dir)
+    tok_path = root / "tokenizers" / f"{key}.json"
+    tokenizer_cached = tok_path.is_file()
+    if tokenizer is not None:
+        try:
+            same = tokenizer_cached and load_tokenizer(tok_path).to_str() == tokenizer.to_str()
+        except DataError:  # a damaged cache entry: key the streams by the given tokenizer instead
+            same = False
+        tok, tokenizer_cached = tokenizer, True
+        if not same:  # token streams of another tokenizer must not share the cache entry
+            key = f"{key}-{tokenizer_sha256(tok)[:12]}"
+    elif tokenizer_cached:
+        try:
+            tok = load_tokenizer(tok_path)
+            say(f"tokenizer from cache {tok_path}")
+        except DataError as e:  # a damaged cache entry is rebuilt, not trusted
+            say(f"{e}; training it again")
+            tokenizer_cached = False
+    if not tokenizer_cached:
+        sample_mib = sum(d.nbytes for d in scan.sample) / 2**20
+        say(f"training byte-level BPE (vocab {vocab_size}) on {len(scan.sample)} train documents ({sample_mib:.1f} MiB)")
+        tok = train_tokenizer(scan.sample, vocab_size, data_cfg.min_frequency)
+        write_text_atomic(tok_path, tok.to_str())
+    res = prepare_shards(source, root / "shards" / key, tok, val_fraction=data_cfg.val_fraction,
+                                text_field=data_cfg.text_field, max_bytes=data_cfg.max_bytes,
+                                min_frequency=data_cfg.min_frequency, say=say, scan=scan,
+                                wait=True)   # runs started together (`k3 study --parallel`) share the entry
+    if not res.reused:
+        say(f"tokenized into {res.path} in {res.seconds:.1f} s")
+    return _prepared(open_prepared(res.path), seq_len, key, tokenizer_cached, res.reused, tok)
+
+
+def _prepared(p, seq_len: int, fingerprint: str, tokenizer_cached: bool, tokens_cached: bool,
+              tok: Tokenizer) -> PreparedData:
+    train, val = p.split("train"), p.split("val")
+    if len(p.streams["train"]) < seq_len:
+        raise DataError(f"the train split has {len(p.streams['train'])} tokens, fewer than train.seq_len "
+                        f"({seq_len}); use more data or a shorter seq_len")
+    return PreparedData(tok, p.streams["train"], p.streams["val"], fingerprint, seq_len, train["documents"],
+                        val["documents"], train["text_bytes"], val["text_bytes"],
+                        val["text_bytes"] / val["tokens"], tokenizer_cached, tokens_cached, p.path)
+

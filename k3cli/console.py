@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from k3cli.layout import human
+from k3cli.models.layout import human
 
 
 def print_layout(console: Console, data: dict, title: str) -> None:
@@ -78,7 +78,7 @@ BENCH_WIDTH = 100
 def print_bench(console: Console, results: dict[str, list[dict]], wide: bool = False) -> None:
     """One table per kernel: the main columns in BENCH_WIDTH characters (those empty in every row left out, and
     fla's published figures where fla was timed), or with `wide` every column at whatever width that takes."""
-    from k3cli.kernels import BENCH_COLUMNS, BENCH_COLUMNS_NARROW, BENCH_INSTEAD
+    from k3cli.bench.kernels import BENCH_COLUMNS, BENCH_COLUMNS_NARROW, BENCH_INSTEAD
 
     for kernel, rows in results.items():
         if not rows:

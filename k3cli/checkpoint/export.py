@@ -24,9 +24,11 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from k3cli.checkpoint import EXPORT_MARKER, MODEL_FILE, CheckpointError, _fsync_dir, _fsync_file, _sha256
+from k3cli.checkpoint.api import export_consolidated
+from k3cli.checkpoint.folder import EXPORT_MARKER, MODEL_FILE
 from k3cli.config import load_config
-from k3cli.dist_checkpoint import export_consolidated
+from k3cli.errors import CheckpointError
+from k3cli.files import fsync_dir, fsync_file, sha256_file
 from k3cli.models.causal_lm import CausalLM
 
 __all__ = ["EXPORT_MARKER", "is_export", "export_checkpoint", "check_fits", "load_export_into"]
@@ -61,19 +63,19 @@ def export_checkpoint(run_dir: str | os.PathLike, ckpt: str | os.PathLike, out: 
             shutil.copyfile(run_dir / name, tmp / name)
         files = {}
         for name in (MODEL_FILE, *RUN_FILES):
-            _fsync_file(tmp / name)
-            files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+            fsync_file(tmp / name)
+            files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
         step = json.loads((ckpt / "COMPLETE").read_text()).get("step")
         marker = {"step": step, "source": str(ckpt.resolve()), "files": files}
         with open(tmp / EXPORT_MARKER, "w") as f:
             json.dump(marker, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if out.is_dir():
             out.rmdir()   # the empty folder checked above
         os.rename(tmp, out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -105,7 +107,7 @@ def _marker(path: Path, verify: bool) -> dict:
     ok = isinstance(files, dict) and set(files) == {MODEL_FILE, *RUN_FILES}
     for name, meta in (files or {}).items() if ok else ():
         f = path / name
-        if not f.is_file() or f.stat().st_size != meta.get("bytes") or (verify and _sha256(f) != meta.get("sha256")):
+        if not f.is_file() or f.stat().st_size != meta.get("bytes") or (verify and sha256_file(f) != meta.get("sha256")):
             ok = False
             break
     if not ok:

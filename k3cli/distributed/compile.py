@@ -16,20 +16,31 @@ import torch
 from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
 
-# torch.compile modes `train.compile_mode` accepts (config.py lists the same choices)
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+from k3cli.config import COMPILE_MODES
 
 
-def compile_model(model: nn.Module, mode: str = "default") -> Callable:
-    """The compiled forward of `model`. The module itself stays uncompiled, so its state_dict (and
-    every checkpoint) keeps plain parameter names, without `_orig_mod.` prefixes."""
+def _policy(mode: str) -> dict:
+    """The one compile policy of one process and of every rank: checks `mode`, and returns torch.compile's
+    arguments (one full graph per input shape)."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"unknown compile mode '{mode}'; valid: {', '.join(COMPILE_MODES)}")
     # each model instance, train/eval switch and batch shape is a cache entry of the one forward code
     # object; past the limit Dynamo would quietly run eager, so raise the limit and make hitting it an error
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
     torch._dynamo.config.fail_on_recompile_limit_hit = True
-    return torch.compile(model, mode=mode, fullgraph=True, dynamic=False)
+    return {"mode": mode, "fullgraph": True, "dynamic": False}
+
+
+def compile_model(model: nn.Module, mode: str = "default") -> Callable:
+    """The compiled forward of `model`. The module itself stays uncompiled, so its state_dict (and
+    every checkpoint) keeps plain parameter names, without `_orig_mod.` prefixes."""
+    return torch.compile(model, **_policy(mode))
+
+
+def compile_forward(module: nn.Module, mode: str) -> None:
+    """Compile `module.forward` in place (a DDP / FSDP unit): its parameter names stay plain, and
+    FSDP's unshard / reshard hooks stay eager around it."""
+    module.forward = torch.compile(module.forward, **_policy(mode))
 
 
 @contextlib.contextmanager

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from k3cli.compile import compile_model, use_compile_cache
 from k3cli.config import RunConfig
 from k3cli.data import EOT_ID, PackedLoader, cache_root
+from k3cli.distributed.compile import compile_model, use_compile_cache
 from k3cli.models.flops import device_peak_tflops, flops_per_token
 from k3cli.train import (
     Batch,

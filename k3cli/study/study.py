@@ -30,10 +30,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from k3cli.compare import run_summary
+from k3cli.checkpoint import latest
 from k3cli.config import ConfigError, dump_config, load_config
-from k3cli.dist_checkpoint import find_latest
-from k3cli.stats import interp, mean_std, paired_interval
+from k3cli.study.compare import run_summary
+from k3cli.study.stats import interp, mean_std, paired_interval
 
 STUDY_FILE = "study.json"
 WEIGHTS_FILE = "base_weights.json"
@@ -137,7 +137,7 @@ def prepare_study(out: Path, design: dict) -> None:
             raise ConfigError(f"{out} holds a study with a different {shown}; continue it with the same "
                               "options, or choose another --out (nothing was changed)")
         return
-    from k3cli.data import write_text_atomic
+    from k3cli.files import write_text_atomic
 
     (out / "configs").mkdir(parents=True, exist_ok=True)
     for r in design["runs"]:
@@ -169,7 +169,7 @@ def base_weight_digests(out: Path, design: dict) -> dict:
 
 def check_base_weights(out: Path, design: dict, log: Callable[[str], None] = print) -> dict:
     """The digests of `out/base_weights.json`, computed (and written) the first time."""
-    from k3cli.data import write_text_atomic
+    from k3cli.files import write_text_atomic
 
     path = out / WEIGHTS_FILE
     if path.is_file():
@@ -196,7 +196,7 @@ def prepare_shared_data(out: Path, design: dict, log: Callable[[str], None] = pr
 
 def run_state(run_dir: Path, steps: int) -> int:
     """The step of the run's newest complete checkpoint (0 if none); `steps` means finished."""
-    ckpt = find_latest(run_dir, verify=False) if run_dir.is_dir() else None
+    ckpt = latest(run_dir, verify=False) if run_dir.is_dir() else None
     return min(steps, int(ckpt.name.split("_")[-1])) if ckpt is not None else 0
 
 
@@ -490,12 +490,12 @@ def render_report(summary: dict, plot_error: str | None) -> str:
 
 def write_report(out: Path, summary: dict) -> Path:
     """summary.json, loss.png (when matplotlib is there) and report.md in `out`."""
-    from k3cli.data import write_text_atomic
+    from k3cli.files import write_text_atomic
 
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=1) + "\n")
     plot_error = None
     try:
-        from k3cli.plot import plot_loss
+        from k3cli.study.plot import plot_loss
 
         groups = {m: [summary["runs"][run_name(m, s)]["val_curve"] for s in summary["seeds"]
                       if summary["runs"][run_name(m, s)]["finished"]] for m in summary["modes"]}

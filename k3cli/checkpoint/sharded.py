@@ -1,5 +1,5 @@
-"""Sharded training checkpoints through torch.distributed.checkpoint (DCP), beside the
-single-process format of `k3cli.checkpoint`.
+"""The sharded checkpoint format, through torch.distributed.checkpoint (DCP), beside the single-process
+format of `single.py`, in the same step folders (`folder.py`).
 
 Layout: `run_dir/checkpoints/step_{step:08d}/` (the same folder names as the single-process format)
   .metadata, __<rank>_<i>.distcp   DCP files of {"model", "optimizer"}: every rank writes its own
@@ -18,6 +18,7 @@ Names inside are plain parameter names (`get_state_dict` strips DDP's `module.` 
 checkpoint of N ranks loads under M ranks, into a plain model in one process, or into nothing but a
 state dict (`load_full_model_state`, `export_consolidated`, no process group needed).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,52 +28,36 @@ import pickle
 import shutil
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
-import safetensors.torch
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from k3cli.checkpoint import (
+from k3cli.checkpoint.folder import (
     _NUMPY_SAFE,
     MARKER,
-    MODEL_FILE,
     STATE_FILE,
     TEMP_TAG,
-    CheckpointError,
-    _fsync_dir,
-    _fsync_file,
     _rng_state,
     _set_rng_state,
-    _sha256,
     _unwrap,
     check_free_space,
-    delete_checkpoint,
+    hash_files,
     is_complete,
-    list_checkpoints,
-    load_checkpoint,
     raise_interrupt,
     remove_leftovers,
     state_error,
     tensor_bytes,
     write_failure,
 )
-
-__all__ = ["DCP_FORMAT", "DCP_METADATA", "SharedCheckpointError", "save_dcp", "load_dcp", "is_dcp", "is_dcp_complete",
-           "is_checkpoint_complete", "find_latest", "prune", "resume_checkpoint", "load_dcp_model_into",
-           "load_full_model_state", "export_consolidated"]
+from k3cli.errors import CheckpointError, SharedCheckpointError, last_line
+from k3cli.files import fsync_dir
 
 DCP_FORMAT, DCP_METADATA = "dcp", ".metadata"
+
 
 
 def _group() -> tuple[int, int, bool]:
@@ -112,18 +97,10 @@ def _all_gather(obj) -> list:
     return out
 
 
-class SharedCheckpointError(CheckpointError):
-    """A CheckpointError every rank raises with the same message (the CLI prints it once)."""
-
-    on_every_rank = True
-
-
 def _raise_if(error: str | None) -> None:
     if error:
         raise SharedCheckpointError(error)
 
-
-# ---- markers -------------------------------------------------------------------------------------
 
 def _dcp_marker(path: Path) -> dict | None:
     try:
@@ -135,63 +112,14 @@ def _dcp_marker(path: Path) -> dict | None:
     return marker
 
 
-def is_dcp(path: str | os.PathLike) -> bool:
+def is_sharded(path: str | os.PathLike) -> bool:
     """`path` is a DCP checkpoint folder (complete or not): its marker says so, or it has DCP's
     .metadata file (a folder whose save did not finish)."""
     path = Path(path)
     return _dcp_marker(path) is not None or (path / DCP_METADATA).is_file()
 
 
-def is_dcp_complete(path: str | os.PathLike, verify: bool = True) -> bool:
-    """True when `path` is a sharded checkpoint whose COMPLETE marker matches its files (sizes and,
-    with verify, sha256) and is not a save's temp folder; `checkpoint.is_complete` does the check."""
-    return _dcp_marker(Path(path)) is not None and is_complete(path, verify)
-
-
-def is_checkpoint_complete(path: str | os.PathLike, verify: bool = True) -> bool:
-    """Complete in either format (single-process k3cli.checkpoint, or DCP), and not a temp folder."""
-    return is_complete(path, verify)
-
-
-def find_latest(run_dir: str | os.PathLike, verify: bool = True) -> Path | None:
-    """The newest complete checkpoint of `run_dir` in either format, or None; temp folders and
-    folders without a matching marker are skipped. Under a process group rank 0 looks (and hashes)
-    and every rank gets its answer."""
-    rank, _, _ = _group()
-    found = None
-    if rank == 0:
-        found = next((p for _, p in reversed(list_checkpoints(run_dir)) if is_checkpoint_complete(p, verify)), None)
-    found = _broadcast(None if found is None else str(found))
-    return None if found is None else Path(found)
-
-
-def prune(run_dir: str | os.PathLike, keep_last: int, newest: Path | None = None) -> list[Path]:
-    """`k3cli.checkpoint.prune_checkpoints` over both formats: delete complete checkpoints older than
-    the newest `keep_last` complete ones (at least one kept, and always the newest verified one;
-    `newest`: one just saved, taken as that). Incomplete and temp folders stay. Rank 0 deletes;
-    the other ranks return []."""
-    if _group()[0] != 0:
-        return []
-    complete = [p for _, p in list_checkpoints(run_dir) if is_checkpoint_complete(p, verify=False)]
-    latest = Path(newest) if newest is not None else next(
-        (p for p in reversed(complete) if is_checkpoint_complete(p, verify=True)), None)
-    doomed = [p for p in complete[:-max(1, keep_last)] if p != latest]
-    for p in doomed:
-        delete_checkpoint(p)
-    return doomed
-
-
-# ---- save ----------------------------------------------------------------------------------------
-
-def _hash_files(folder: Path, names: list[str]) -> dict:
-    out = {}
-    for name in names:
-        _fsync_file(folder / name)
-        out[name] = {"bytes": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}
-    return out
-
-
-def save_dcp(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer=None, scheduler=None,
+def save(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer=None, scheduler=None,
              loader_state: dict | None = None, extra: dict | None = None) -> Path:
     """Write checkpoint `step` of `run_dir` in the DCP format, on every rank (a collective: all
     ranks call it with the same step), and return its folder. `model`: the wrapped or plain model
@@ -235,11 +163,11 @@ def save_dcp(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer=
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise SharedCheckpointError(f"cannot write checkpoint {final}: the save failed on rank(s) "
-                                    f"{sorted(e.failures)} ({_first_line(e)})") from None
+                                    f"{sorted(e.failures)} ({last_line(e, 200)})") from None
 
     rng, hashes, error = _rng_state(), {}, None
     try:
-        hashes = _hash_files(tmp, sorted(n for n in os.listdir(tmp) if n.startswith(f"__{rank}_")))
+        hashes = hash_files(tmp, sorted(n for n in os.listdir(tmp) if n.startswith(f"__{rank}_")))
     except OSError as e:
         error = f"{final}: rank {rank} cannot read back its files ({e})"
     gathered = _all_gather((hashes, rng, loader_state, error))
@@ -261,14 +189,14 @@ def save_dcp(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer=
                     "extra": extra or {}, "has_optimizer": optimizer is not None,
                 }, f)
             files = {name: meta for g in gathered for name, meta in g[0].items()}
-            files.update(_hash_files(tmp, sorted(n for n in os.listdir(tmp) if n not in files)))
+            files.update(hash_files(tmp, sorted(n for n in os.listdir(tmp) if n not in files)))
             with open(tmp / MARKER, "w") as f:
                 json.dump({"step": step, "format": DCP_FORMAT, "world_size": world, "files": files}, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             os.rename(tmp, final)
-            _fsync_dir(parent)
+            fsync_dir(parent)
         except CheckpointError as e:
             error = str(e)
         except (OSError, RuntimeError) as e:
@@ -283,8 +211,6 @@ def save_dcp(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer=
     return final
 
 
-# ---- load ----------------------------------------------------------------------------------------
-
 def _read_state(path: Path) -> dict:
     try:
         with torch.serialization.safe_globals(_NUMPY_SAFE):
@@ -297,7 +223,7 @@ def _check_complete(path: Path, verify: bool, dcp_only: bool = False) -> None:
     """Raise on every rank unless rank 0 finds `path` complete (only rank 0 hashes)."""
     ok = None
     if _group()[0] == 0:
-        ok = is_dcp_complete(path, verify) if dcp_only else is_checkpoint_complete(path, verify)
+        ok = (_dcp_marker(path) is not None or not dcp_only) and is_complete(path, verify)
     if not _broadcast(ok):
         raise SharedCheckpointError(f"{path} is not a complete checkpoint (missing or mismatched {MARKER})")
 
@@ -309,7 +235,7 @@ def _restore_rng(state: dict) -> None:
     _set_rng_state(ranks[rank] if len(ranks) == world else state["rng"])
 
 
-def load_dcp(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=None,
+def load(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=None,
              restore_rng: bool = True, verify: bool = True) -> dict:
     """Load a DCP checkpoint into `model` (FSDP2, DDP or plain; any world size, resharded by DCP)
     and, when given, the optimizer and scheduler; restore the RNG. A collective under a process
@@ -333,7 +259,7 @@ def load_dcp(path: str | os.PathLike, model: nn.Module, optimizer=None, schedule
         with _single_process_ok():
             dcp.load(target, storage_reader=dcp.FileSystemReader(str(path)), no_dist=_no_dist())
     except (dcp.CheckpointException, RuntimeError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{path}: does not fit this model / optimizer ({_first_line(e)})") from None
+        raise CheckpointError(f"{path}: does not fit this model / optimizer ({last_line(e, 200)})") from None
     set_state_dict(model, optimizers, model_state_dict=model_sd,
                    optim_state_dict=optim_sd if optimizer is not None else {})
     if scheduler is not None:
@@ -342,69 +268,6 @@ def load_dcp(path: str | os.PathLike, model: nn.Module, optimizer=None, schedule
         _restore_rng(state)
     return {**state, "path": path}
 
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return (text.splitlines() or [type(e).__name__])[-1].strip()[:200]
-
-
-def _has_dtensor(model: nn.Module) -> bool:
-    return any(type(p).__name__ == "DTensor" for p in model.parameters())
-
-
-def _full_optimizer_state(model: nn.Module, optimizer, saved: dict) -> dict:
-    """A single-process `optimizer.state_dict()` (parameters by position) → the FQN-keyed form
-    `set_optimizer_state_dict` takes. Positions follow the param groups as this optimizer has them,
-    so it must be built the same way (same groups, same order) as the one that was saved."""
-    names = {p: n for n, p in _unwrap(model).named_parameters()}
-    groups, saved_groups = optimizer.param_groups, saved["param_groups"]
-    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in saved_groups]:
-        raise CheckpointError("the saved optimizer's parameter groups do not match this optimizer's "
-                              f"({[len(g['params']) for g in saved_groups]} vs {[len(g['params']) for g in groups]})")
-    fqn = {i: names[p] for g, sg in zip(groups, saved_groups) for i, p in zip(sg["params"], g["params"])}
-    return {"state": {fqn[i]: s for i, s in saved["state"].items()},
-            "param_groups": [{**sg, "params": [fqn[i] for i in sg["params"]]} for sg in saved_groups]}
-
-
-def resume_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=None,
-                      restore_rng: bool = True, verify: bool = True) -> dict:
-    """Resume from a checkpoint of either format into a model of any parallel mode and world size.
-    Returns {'step', 'loader', 'extra', 'path'} as `k3cli.checkpoint.load_checkpoint` does.
-
-    - DCP: `load_dcp` (model and optimizer resharded by DCP; each rank its own RNG when the world
-      size is unchanged, else rank 0's);
-    - single-process, plain or DDP model: `load_checkpoint` on every rank (full weights each);
-    - single-process into FSDP2: the full weights and the full optimizer state are read on every
-      rank and each keeps its shards (`set_*_state_dict(full_state_dict=True)`); the optimizer must
-      be built with the same param groups in the same order as the saved one (train.param_groups)."""
-    path = Path(path)
-    _check_complete(path, verify)
-    if is_dcp(path):
-        state = load_dcp(path, model, optimizer, scheduler, restore_rng, verify=False)
-        return {"step": state["step"], "loader": state["loader"], "extra": state["extra"], "path": path}
-    if not _has_dtensor(model):
-        return load_checkpoint(path, model, optimizer, scheduler, restore_rng=restore_rng, verify=False)
-    state = _read_state(path)
-    full = safetensors.torch.load_file(str(path / MODEL_FILE))
-    try:
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=True))
-    except (RuntimeError, KeyError, ValueError) as e:
-        raise CheckpointError(f"{path}: weights do not fit this model ({_first_line(e)})") from None
-    if optimizer is not None:
-        if state["optimizer"] is None:
-            raise CheckpointError(f"{path} holds no optimizer state")
-        set_optimizer_state_dict(model, optimizer, _full_optimizer_state(model, optimizer, state["optimizer"]),
-                                 options=StateDictOptions(full_state_dict=True))
-    if scheduler is not None:
-        if state["scheduler"] is None:
-            raise CheckpointError(f"{path} holds no scheduler state")
-        scheduler.load_state_dict(state["scheduler"])
-    if restore_rng:
-        _set_rng_state(state["rng"])
-    return {"step": state["step"], "loader": state["loader"], "extra": state["extra"], "path": path}
-
-
-# ---- one process, no process group ---------------------------------------------------------------
 
 def _model_entries(path: Path) -> dict[str, tuple[str, object]]:
     """{parameter name: (DCP key, tensor metadata)} of the model part of a DCP checkpoint."""
@@ -417,28 +280,13 @@ def _model_entries(path: Path) -> dict[str, tuple[str, object]]:
     return out
 
 
-def load_full_model_state(path: str | os.PathLike, verify: bool = True) -> dict[str, torch.Tensor]:
-    """{name: full CPU tensor} of a complete checkpoint of either format, read in this process
-    alone (no process group, no collective even if one is up)."""
-    path = Path(path)
-    if not is_checkpoint_complete(path, verify):
-        raise CheckpointError(f"{path} is not a complete checkpoint (missing or mismatched {MARKER})")
-    if not is_dcp(path):
-        return safetensors.torch.load_file(str(path / MODEL_FILE))
-    entries = _model_entries(path)
-    sd = {name: torch.empty(md.size, dtype=md.properties.dtype) for name, (_, md) in entries.items()}
-    with _single_process_ok():
-        dcp.load({"model": sd}, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
-    return sd
-
-
-def load_dcp_model_into(path: str | os.PathLike, model: nn.Module, verify: bool = True) -> dict:
+def load_weights(path: str | os.PathLike, model: nn.Module, verify: bool = True) -> dict:
     """Load only the weights of a DCP checkpoint (any world size) into a plain, unwrapped model
     (on any device, in place) in this process alone (no process group needed; none used if one is
     up): for eval, generate and export. Names and shapes must match exactly. Returns {'step',
-    'loader', 'extra', 'path'} as `k3cli.checkpoint.load_checkpoint` does; no RNG is touched."""
+    'loader', 'extra', 'path'} as `single.load` does; no RNG is touched."""
     path = Path(path)
-    if not is_dcp_complete(path, verify):
+    if _dcp_marker(path) is None or not is_complete(path, verify):
         raise CheckpointError(f"{path} is not a complete DCP checkpoint (missing or mismatched {MARKER})")
     target = _unwrap(model)
     sd = target.state_dict()
@@ -456,26 +304,3 @@ def load_dcp_model_into(path: str | os.PathLike, model: nn.Module, verify: bool 
     state = _read_state(path)
     return {"step": state["step"], "loader": state["loader"], "extra": state["extra"], "path": path}
 
-
-def export_consolidated(path: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bool = False,
-                        check: Callable[[dict[str, torch.Tensor]], None] | None = None) -> Path:
-    """Write the weights of checkpoint `path` (DCP or single-process) as one `out_dir/model.safetensors`
-    (full tensors, plain names; metadata: step, source format), atomically. No process group needed.
-    Refuses to replace an existing file unless `overwrite`. `check`: called with the loaded weights
-    before anything is written (it raises to write nothing). Returns the file."""
-    path, out_dir = Path(path), Path(out_dir)
-    out = out_dir / MODEL_FILE
-    if out.exists() and not overwrite:
-        raise CheckpointError(f"{out} already exists; refusing to overwrite it")
-    sd = load_full_model_state(path)
-    if check is not None:
-        check(sd)
-    step = json.loads((path / MARKER).read_text()).get("step")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / f".{MODEL_FILE}.tmp-{os.getpid()}"
-    safetensors.torch.save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp),
-                                metadata={"step": str(step), "source_format": DCP_FORMAT if is_dcp(path) else "single"})
-    _fsync_file(tmp)
-    os.replace(tmp, out)
-    _fsync_dir(out_dir)
-    return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from k3cli.stats import interp
+from k3cli.study.stats import interp
 
 
 def _pyplot():
