@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from k3cli.checkpoint import find_latest_checkpoint, is_complete, list_checkpoints
-from k3cli.dist_checkpoint import load_full_model_state
+from k3cli.checkpoint import is_complete, list_checkpoints, load_full_model_state
+from k3cli.checkpoint import latest as find_latest_checkpoint
 from k3cli.testing import TINY_MODEL, TINY_TRAIN, write_corpus
 
 RESUMED = re.compile(r"resumed from (\S+) at step (\d+)")

@@ -1,6 +1,6 @@
 """Where a training step spends device time, by component (CUDA, bf16 autocast).
 
-The step is `k3 bench-train`'s (k3cli/bench_train.py: forward, backward, clipping, fused AdamW, MoE balancing on synthetic
+The step is `k3 bench-train`'s (k3cli/bench/train.py: forward, backward, clipping, fused AdamW, MoE balancing on synthetic
 tokens), eager or compiled. For each AttnRes overlay: warm-up steps (compilation), then torch.profiler
 over `--steps` steps. Prints the step's wall time (the profiler lengthens it, by about a quarter for a
 compiled k3-toy step), kernels per
@@ -22,7 +22,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from k3cli.bench_train import Variant, build_variant, timed_step
+from k3cli.bench.train import Variant, build_variant, timed_step
 from k3cli.config import load_config
 from k3cli.train import Batch, resolve_device
 

@@ -2,7 +2,7 @@
 
 Each variant is `OVERLAY` or `OVERLAY:IMPL` (IMPL: fused = the Triton kernels, two_phase = the torch form,
 auto = what the model picks); every one runs `k3 bench-train`'s step and interleaved rounds (`time_variants` in
-k3cli/bench_train.py: forward, backward, clipping, fused AdamW, MoE balancing on synthetic tokens), compiled with --compile. Prints the median step, its spread, the
+k3cli/bench/train.py: forward, backward, clipping, fused AdamW, MoE balancing on synthetic tokens), compiled with --compile. Prints the median step, its spread, the
 ratio to the first variant and tokens/s. The rule `wants_kernels` (k3cli/layers/attnres.py) follows from it:
 
     .venv/bin/python scripts/time_attnres_forms.py --preset k3-toy --batch 512 --compile \\
@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from k3cli.bench_train import Variant, time_variants
+from k3cli.bench.train import Variant, time_variants
 from k3cli.config import load_config
 from k3cli.train import Batch, resolve_device
 

@@ -223,7 +223,7 @@ def test_non_finite_gradient_stops_before_the_update(corpus, tmp_path, monkeypat
 
 
 def test_default_run_dirs_never_collide(tmp_path, monkeypatch):
-    from k3cli.cli import _new_run_dir
+    from k3cli.train import new_run_dir as _new_run_dir
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("time.strftime", lambda fmt: "20260101-000000")

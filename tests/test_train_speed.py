@@ -208,7 +208,7 @@ def test_throughput_leaves_out_evaluation_and_checkpoints(corpus, tmp_path, monk
             return fn(*a, **k)
         return wrapped
     monkeypatch.setattr(train_mod, "evaluate_loss", slow(train_mod.evaluate_loss))
-    monkeypatch.setattr(train_mod, "save_checkpoint", slow(train_mod.save_checkpoint))
+    monkeypatch.setattr(train_mod.checkpoint, "save", slow(train_mod.checkpoint.save))
     cfg = load_config("k3-toy", overrides=TINY_MODEL + TINY_TRAIN + [f"data.source={corpus}", "train.eval_every=2",
                                                                     "train.log_every=2", "train.ckpt_every=2"])
     train(cfg, tmp_path / "run", log=lambda m: None)

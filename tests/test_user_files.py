@@ -122,7 +122,7 @@ def test_compare_names_a_metrics_line_it_cannot_read(tmp_path, line):
 
 
 def test_a_study_stopped_before_its_design_file_continues(corpus, tmp_path, monkeypatch):
-    from k3cli import study
+    from k3cli.study import study
 
     out = tmp_path / "study"
     (out / "configs").mkdir(parents=True)
