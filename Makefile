@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)" "$(TRITON)"
-	$(PY) -m pip install -q -e ".[dev,plot,wandb]"
+	$(PY) -m pip install -q -e ".[dev,plot,wandb,eval]"
 	touch $@
 
 # TRITON_INTERPRET must be set before Python starts: @triton.jit decides at import time.

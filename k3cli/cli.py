@@ -652,14 +652,33 @@ def eval_cmd(
     batch_size: Annotated[Optional[int], typer.Option(min=1, help="Sequences per batch (default: eval.batch_size).")] = None,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON to stdout.")] = False,
+    tasks: Annotated[Optional[str], typer.Option(
+        help="Run lm-evaluation-harness tasks instead, comma-separated (e.g. hellaswag,arc_easy,lambada_openai); "
+             "needs the eval extra. Results: a table, and JSON in RUN/eval/.")] = None,
+    num_fewshot: Annotated[Optional[int], typer.Option(
+        "--num-fewshot", min=0, help="Few-shot examples per prompt (default: each task's own).")] = None,
+    limit: Annotated[Optional[float], typer.Option(
+        min=0, help="Examples per task (below 1: a fraction of each task); for quick checks, not for figures.")] = None,
+    include_path: Annotated[Optional[Path], typer.Option(
+        "--include-path", help="A folder of task YAMLs of your own (their data may be local json/jsonl files).")] = None,
+    output: Annotated[Optional[Path], typer.Option(
+        help="Where the tasks' JSON goes (default: RUN/eval/TASKS-TIME.json).")] = None,
 ):
-    """Validation loss, perplexity, bits per byte and tokens/s of a trained run.
+    """Validation loss, perplexity, bits per byte and tokens/s of a trained run; or, with --tasks, benchmark
+    tasks through lm-evaluation-harness.
 
     --run uses the newest checkpoint that verifies and names a newer one that fails (an error when
     none verifies). The JSON records the data evaluated and the batches used."""
     from k3cli.console import print_eval
     from k3cli.evaluation.evaluate import evaluate_run
 
+    if tasks is not None:
+        return _eval_tasks(run, ckpt, tasks, num_fewshot, limit, batch_size, include_path, device, output, as_json,
+                           data=data, batches=batches)
+    harness_only = {"--num-fewshot": num_fewshot, "--limit": limit, "--include-path": include_path, "--output": output}
+    given = [k for k, v in harness_only.items() if v is not None]
+    if given:
+        fail(f"{', '.join(given)} go with --tasks")
     try:
         res = evaluate_run(run, ckpt, batches, batch_size, device, data,
                            log=lambda m: err_console.print(m, highlight=False))
@@ -669,6 +688,32 @@ def eval_cmd(
         sys.stdout.write(json.dumps(res, indent=2) + "\n")
     else:
         print_eval(console, res)
+
+
+def _eval_tasks(run, ckpt, tasks: str, num_fewshot, limit, batch_size, include_path, device, output, as_json,
+                data, batches) -> None:
+    from k3cli.console import print_tasks
+
+    if data is not None or batches is not None:
+        fail("--data and --batches measure the validation loss; leave them out with --tasks")
+    names = [n.strip() for n in tasks.split(",") if n.strip()]
+    if not names:
+        fail("--tasks needs at least one task name")
+    try:
+        from k3cli.evaluation.harness import evaluate_tasks, result_rows
+
+        results, path = evaluate_tasks(run, ckpt, names, num_fewshot, limit, batch_size,
+                                       str(include_path) if include_path else None, device, output,
+                                       log=lambda m: err_console.print(m, highlight=False))
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        fail(str(e))
+    except Exception as e:   # the harness's own errors (a task that needs the Hub offline, a bad task YAML)
+        fail(f"lm-evaluation-harness: {type(e).__name__}: {first_line(e, 300)}")
+    if as_json:
+        sys.stdout.write(json.dumps({"results": results.get("results", {}), "file": str(path)}, indent=2,
+                                    default=str) + "\n")
+    else:
+        print_tasks(console, result_rows(results), path)
 
 
 @app.command("export")

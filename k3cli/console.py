@@ -278,3 +278,14 @@ def print_data_info(console: Console, path, m: dict, disk: int) -> None:
     console.print(f"disk: {disk / 1e6:,.1f} MB in {sum(len(m['splits'][s]['shards']) for s in ('train', 'val'))} "
                   f"shards; prepared {prep.get('at', '?')} with {prep.get('workers', '?')} worker(s) in "
                   f"{prep.get('seconds', 0):.1f} s", highlight=False)
+
+
+def print_tasks(console: Console, rows: list[tuple], path) -> None:
+    """`k3 eval --tasks`: one row per task and metric, as lm-evaluation-harness reports them."""
+    table = Table(title="lm-evaluation-harness")
+    for name in ("task", "metric", "value", "± stderr"):
+        table.add_column(name, justify="left" if name in ("task", "metric") else "right")
+    for task, metric, value, stderr in rows:
+        table.add_row(task, metric, f"{value:.4f}", "" if stderr is None else f"{stderr:.4f}")
+    console.print(table)
+    console.print(f"results: {path}", highlight=False, soft_wrap=True)

@@ -75,9 +75,10 @@ def _sync(device: torch.device) -> None:
 @torch.inference_mode()   # no autograd bookkeeping at all: ~10 % off a CPU decode step vs no_grad
 def generate_ids(model: CausalLM, prompt_ids: list[int], max_new_tokens: int, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 on_token: Callable[[int], None] | None = None) -> tuple[list[int], bool, float, float]:
-    """Sample up to max_new_tokens after prompt_ids (one sequence). Returns (new ids without EOT,
-    stopped at EOT, prefill seconds, decode seconds)."""
+                 on_token: Callable[[int], None] | None = None,
+                 stop_when: Callable[[list[int]], bool] | None = None) -> tuple[list[int], bool, float, float]:
+    """Sample up to max_new_tokens after prompt_ids (one sequence), or until `stop_when(new ids)` holds.
+    Returns (new ids without EOT, stopped at EOT, prefill seconds, decode seconds)."""
     check_sampling(temperature, top_k, top_p)
     if not prompt_ids:
         raise ValueError("the prompt must hold at least one token")
@@ -100,7 +101,7 @@ def generate_ids(model: CausalLM, prompt_ids: list[int], max_new_tokens: int, te
         new.append(tok)
         if on_token is not None:
             on_token(tok)
-        if len(new) == max_new_tokens:
+        if len(new) == max_new_tokens or (stop_when is not None and stop_when(new)):
             break
         logits = model.decode_step(next_id.view(1, 1), cache)
         next_id = sample_next(logits[:, -1], temperature, top_k, top_p, gen)
