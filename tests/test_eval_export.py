@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import safetensors.torch
+import torch
 from typer.testing import CliRunner
 
 from k3cli.checkpoint import MARKER, MODEL_FILE
@@ -190,3 +191,23 @@ def test_eval_warns_when_the_split_holds_fewer_batches_than_asked(run):
     one, stderr = eval_json("--run", str(run), "--batches", "1", "--batch-size", "2")
     assert one["batches"] == one["batches_asked"] == 1 and one["tokens"] == 2 * 32
     assert "warning:" not in stderr
+
+
+def test_public_load_reads_a_run_a_checkpoint_and_an_export_alike(run, tmp_path):
+    import k3cli
+    from k3cli.evaluation.generate import generate
+
+    r = runner.invoke(app, ["export", "--run", str(run), "--out", str(tmp_path / "export")])
+    assert r.exit_code == 0, r.output
+    loaded = [k3cli.load(p, device="cpu") for p in (run, run / "checkpoints" / "step_00000006", tmp_path / "export")]
+    ids = loaded[0].encode("the state decays")
+    assert ids[0, 0].item() == 0 and ids.shape[1] > 2   # <|endoftext|> first
+    logits = [m.model(ids).logits for m in loaded]
+    assert all(torch.equal(x, logits[0]) for x in logits)
+    assert [m.step for m in loaded] == [6, 6, 6] and not loaded[0].model.training
+    assert loaded[0].config.model.hidden_size == 32
+    text = loaded[0].generate("the state decays", max_new_tokens=5)
+    assert text == generate(loaded[0].model, loaded[0].tokenizer, "the state decays", 5, temperature=0.0).text
+    for bad, says in ((tmp_path / "missing", "no such folder"), (tmp_path, "is not a k3 run directory")):
+        with pytest.raises(ValueError, match=says):
+            k3cli.load(bad)

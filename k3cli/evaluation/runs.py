@@ -4,12 +4,13 @@ checkpoint that verifies), a checkpoint folder, or an export, loaded into one pr
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from k3cli.checkpoint import latest, list_checkpoints, load_weights, why_incomplete
+from k3cli.checkpoint import MARKER, latest, list_checkpoints, load_weights, why_incomplete
 from k3cli.checkpoint.export import is_export, load_export_into
 from k3cli.config import RunConfig, load_config
 from k3cli.data import load_tokenizer
@@ -86,3 +87,42 @@ def open_run(run: str | None, ckpt: str | None, device: str = "auto",
     cfg, model, step = load_model(run_dir, ckpt_dir, dev, verify=run is None or is_export(ckpt_dir))
     return OpenedRun(run_dir, ckpt_dir, dev, cfg, model, step, tok)
 
+
+
+@dataclass
+class Loaded:
+    """A trained model ready to use from Python: what `k3cli.load` returns."""
+
+    model: CausalLM       # eval mode, on `device`
+    tokenizer: object     # tokenizers.Tokenizer; id 0 is <|endoftext|>
+    config: RunConfig
+    step: int             # the optimiser step of the checkpoint
+    path: Path            # the checkpoint (or export) folder read
+    device: torch.device
+
+    def encode(self, text: str) -> torch.Tensor:
+        """input_ids [1, T] of `text` on the model's device, <|endoftext|> first, as in training."""
+        from k3cli.data import EOT_ID
+
+        return torch.tensor([[EOT_ID] + self.tokenizer.encode(text).ids], device=self.device)
+
+    def generate(self, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0) -> str:
+        """The continuation of `prompt` (greedy at temperature 0), as `k3 generate` samples it."""
+        from k3cli.evaluation.generate import generate
+
+        return generate(self.model, self.tokenizer, prompt, max_new_tokens, temperature, top_k, top_p, seed).text
+
+
+def load(path: str | Path, device: str = "auto") -> Loaded:
+    """A run directory (its newest checkpoint that verifies), a checkpoint folder or an export, loaded."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ConfigError(f"no such folder: {path}")
+    if is_export(p) or (p / "config.yaml").is_file():
+        opened = open_run(str(p), None, device)
+    elif (p / MARKER).is_file():
+        opened = open_run(None, str(p), device)
+    else:
+        raise ConfigError(f"{path} is not a k3 run directory, checkpoint folder or export")
+    return Loaded(opened.model, opened.tokenizer, opened.cfg, opened.step, opened.ckpt_dir, opened.device)
