@@ -716,18 +716,28 @@ def _eval_tasks(run, ckpt, tasks: str, num_fewshot, limit, batch_size, include_p
         print_tasks(console, result_rows(results), path)
 
 
+class ExportFormat(str, Enum):
+    k3 = "k3"
+    hf = "hf"
+
+
 @app.command("export")
 def export_cmd(
     out: Annotated[Path, typer.Option(help="New folder for the model (must not exist, or be empty).")],
     run: Annotated[Optional[str], typer.Option(help="Run directory (its newest complete checkpoint, or --ckpt's).")] = None,
     ckpt: Annotated[Optional[str], typer.Option(help="A checkpoint directory (runs/X/checkpoints/step_N).")] = None,
+    fmt: Annotated[ExportFormat, typer.Option(
+        "--format", help="k3: the folder k3 reads; hf: a folder Hugging Face transformers loads "
+                         "(trust_remote_code=True; its modeling file needs k3cli installed).")] = ExportFormat.k3,
 ):
     """Write one checkpoint (sharded DCP at any world size, or single-process) as a consolidated folder.
 
     OUT gets model.safetensors (full tensors, plain names), the run's config.yaml and tokenizer.json
     and a checksummed EXPORT marker; `k3 eval` and `k3 generate` read it with --run OUT or --ckpt OUT
     on one device. Weights only: training does not resume from it. Every tensor's name, shape and
-    dtype is checked against the model config.yaml builds first; a mismatch writes nothing."""
+    dtype is checked against the model config.yaml builds first; a mismatch writes nothing.
+    --format hf writes config.json (with an auto_map), modeling_k3.py, model.safetensors and the
+    tokenizer files for AutoModelForCausalLM / AutoTokenizer instead."""
     from k3cli.checkpoint.export import export_checkpoint, is_export
     from k3cli.evaluation.runs import locate
 
@@ -740,7 +750,12 @@ def export_cmd(
             run_dir, ckpt_dir = locate(run, ckpt, warn=_log)
         if is_export(ckpt_dir):
             raise ConfigError(f"{ckpt_dir} is an export already (weights, config and tokenizer); copy the folder instead")
-        marker = export_checkpoint(run_dir, ckpt_dir, out)
+        if fmt is ExportFormat.hf:
+            from k3cli.checkpoint.hf import export_hf
+
+            marker = export_hf(run_dir, ckpt_dir, out)
+        else:
+            marker = export_checkpoint(run_dir, ckpt_dir, out)
     except (ConfigError, ValueError, FileNotFoundError) as e:  # CheckpointError is a ValueError
         fail(str(e))
     console.print(f"exported {ckpt_dir} (step {marker['step']}) to {out}: "

@@ -361,6 +361,16 @@ def _load_config(preset, config_file, overrides, attnres, flags) -> RunConfig:
         _validate_keys(data, source)
         merged = _deep_merge(merged, data)
 
+    return _from_merged(merged)
+
+
+def config_from_dict(data: dict, source: str = "config") -> RunConfig:
+    """A RunConfig from a resolved config's dict (a run's config.yaml, parsed), checked as a file is."""
+    _validate_keys(data, source)
+    return _from_merged(data)
+
+
+def _from_merged(merged: dict) -> RunConfig:
     model_data = dict(merged.get("model") or {})
     arch = model_data.get("arch", "k3")
     if arch not in MODEL_CLASSES:
