@@ -751,7 +751,7 @@ def export_cmd(
         if is_export(ckpt_dir):
             raise ConfigError(f"{ckpt_dir} is an export already (weights, config and tokenizer); copy the folder instead")
         if fmt is ExportFormat.hf:
-            from k3cli.checkpoint.hf import export_hf
+            from k3cli.evaluation.hf import export_hf
 
             marker = export_hf(run_dir, ckpt_dir, out)
         else:
