@@ -168,7 +168,7 @@ def result_rows(results: dict) -> list[tuple[str, str, float, float | None]]:
     for task, metrics in results.get("results", {}).items():
         for key, value in metrics.items():
             name, _, filt = key.partition(",")
-            if name in ("alias", "samples") or name.endswith("_stderr") or not isinstance(value, (int, float)):
+            if name in ("alias", "samples", "sample_len") or name.endswith("_stderr") or not isinstance(value, (int, float)):
                 continue
             stderr = metrics.get(f"{name}_stderr,{filt}")
             rows.append((task, name if filt in ("", "none") else f"{name} ({filt})", float(value),
