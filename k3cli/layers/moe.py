@@ -6,6 +6,12 @@ Routing: sigmoid scores on x in fp32; top-k on scores + a load-balancing bias (a
 gradient); weights p = the UNbiased scores of the chosen k, normalised by their sum (K3 /
 DeepSeek-V3). Balancing is auxiliary-loss-free: `update_bias()` after each optimiser step.
 
+Options (each off by default, docs/math.md §4): the weights scaled by `routed_scaling_factor` and left
+unnormalised (`renormalize=False`); grouped routing (`num_expert_groups` G, `topk_groups`: top-k only
+within the best groups, DeepSeek-V3); the experts' gated activation (`expert_act`: situ | silu); routed
+experts at full width on x (`latent=False`: no W_↓, RMSNorm, W_↑). Kimi Linear's MoE is G groups, silu,
+latent off.
+
 Shape-suffix legend (torchtitan style): T tokens (B·T flattened), D hidden, L latent ℓ,
 F expert hidden d_ff, E routed experts, K top-k, S = T·K token-slots, C per-expert capacity.
 """
@@ -15,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3cli.layers.ffn import SiTUExpert, situ_glu
+from k3cli.layers.ffn import EXPERT_ACTS, SiTUExpert
 from k3cli.layers.linear import fused_linear, summed_linear
 from k3cli.layers.norm import RMSNorm
 
@@ -101,29 +107,45 @@ def max_over_mean(counts: torch.Tensor) -> torch.Tensor:
 class LatentMoE(nn.Module):
     """Parameters: n_s shared SiTUExpert(D, d_ff); router D→n_r; down_proj D→ℓ; stacked routed
     w_gate [n_r, ℓ, d_ff], w_up [n_r, ℓ, d_ff], w_down [n_r, d_ff, ℓ]; u_norm [ℓ]; up_proj ℓ→D.
+    With latent=False: no down_proj, u_norm, up_proj, and the routed weights have D in place of ℓ.
     Buffers: router_bias [n_r] (persistent), load_counts [n_r] (token-slots since the last update).
     """
 
     def __init__(self, hidden_size: int, num_routed_experts: int, top_k: int, num_shared_experts: int,
                  d_ff: int, latent_dim: int, dispatch: str = "grouped", bias_update_rate: float = 1e-3,
-                 norm_eps: float = 1e-6, init_std: float = 0.02):
+                 norm_eps: float = 1e-6, init_std: float = 0.02, routed_scaling_factor: float = 1.0,
+                 renormalize: bool = True, num_expert_groups: int = 1, topk_groups: int = 1,
+                 expert_act: str = "situ", latent: bool = True):
         super().__init__()
         if dispatch not in DISPATCH_MODES:
             raise ValueError(f"unknown MoE dispatch '{dispatch}'; valid: {', '.join(DISPATCH_MODES)}")
-        D, E, L = hidden_size, num_routed_experts, latent_dim
+        if expert_act not in EXPERT_ACTS:
+            raise ValueError(f"unknown MoE expert_act '{expert_act}'; valid: {', '.join(EXPERT_ACTS)}")
+        G = num_expert_groups
+        if G < 1 or num_routed_experts % G or (G > 1 and num_routed_experts // G < 2):
+            raise ValueError(f"num_expert_groups={G} must divide num_routed_experts={num_routed_experts} "
+                             "into groups of at least 2 experts")
+        if not 1 <= topk_groups <= G or top_k > num_routed_experts // G * topk_groups:
+            raise ValueError(f"topk_groups={topk_groups} must lie in [1, num_expert_groups={G}] and keep at "
+                             f"least top_k={top_k} experts")
+        D, E, L = hidden_size, num_routed_experts, latent_dim if latent else hidden_size
         self.num_experts, self.top_k, self.dispatch = E, top_k, dispatch
         self.bias_update_rate = bias_update_rate
-        self.shared = nn.ModuleList(SiTUExpert(D, d_ff) for _ in range(num_shared_experts))
+        self.routed_scaling_factor, self.renormalize = routed_scaling_factor, renormalize
+        self.num_expert_groups, self.topk_groups = G, topk_groups
+        self.expert_act, self.latent = expert_act, latent
+        self.act = EXPERT_ACTS[expert_act]
+        self.shared = nn.ModuleList(SiTUExpert(D, d_ff, expert_act) for _ in range(num_shared_experts))
         self.router = nn.Linear(D, E, bias=False)
         self.register_buffer("router_bias", torch.zeros(E))
         # integer counts: exact, and untouched by model.to(dtype)
         self.register_buffer("load_counts", torch.zeros(E, dtype=torch.long), persistent=False)
-        self.down_proj = nn.Linear(D, L, bias=False)
+        self.down_proj = nn.Linear(D, L, bias=False) if latent else None
         self.w_gate = nn.Parameter(torch.randn(E, L, d_ff) * init_std)
         self.w_up = nn.Parameter(torch.randn(E, L, d_ff) * init_std)
         self.w_down = nn.Parameter(torch.randn(E, d_ff, L) * init_std)
-        self.u_norm = RMSNorm(L, norm_eps)
-        self.up_proj = nn.Linear(L, D, bias=False)
+        self.u_norm = RMSNorm(L, norm_eps) if latent else None
+        self.up_proj = nn.Linear(L, D, bias=False) if latent else None
 
     def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (ids [T, K] long, weights [T, K] fp32, or fp64 for fp64 x)."""
@@ -132,9 +154,22 @@ class LatentMoE(nn.Module):
         with torch.autocast(x_TD.device.type, enabled=False):
             scores_TE = torch.sigmoid(F.linear(x_TD.to(wd), self.router.weight.to(wd)))
         # the bias only picks experts; it never enters the weights and gets no gradient
-        ids_TK = torch.topk(scores_TE.detach() + self.router_bias.to(wd), self.top_k, dim=-1).indices
+        choice_TE = scores_TE.detach() + self.router_bias.to(wd)
+        if self.num_expert_groups > 1:
+            # a group's score: the sum of its 2 best biased scores; experts outside the best topk_groups
+            # groups cannot be chosen
+            G, E = self.num_expert_groups, self.num_experts
+            group_TG = choice_TE.view(-1, G, E // G).topk(2, dim=-1).values.sum(-1)
+            best_TG = group_TG.topk(self.topk_groups, dim=-1).indices
+            keep_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(1, best_TG, True)
+            choice_TE = choice_TE.masked_fill(~keep_TG.repeat_interleave(E // G, dim=1), float("-inf"))
+        ids_TK = torch.topk(choice_TE, self.top_k, dim=-1).indices
         top_TK = scores_TE.gather(1, ids_TK)
-        return ids_TK, top_TK / top_TK.sum(-1, keepdim=True)
+        if self.renormalize:
+            top_TK = top_TK / top_TK.sum(-1, keepdim=True)
+        if self.routed_scaling_factor != 1.0:
+            top_TK = top_TK * self.routed_scaling_factor
+        return ids_TK, top_TK
 
     def forward(self, x: torch.Tensor, dispatch: str | None = None) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]. `dispatch` overrides the configured mode.
@@ -150,8 +185,11 @@ class LatentMoE(nn.Module):
         if self.training and not _recomputing():
             with torch.no_grad():   # scatter_add, not bincount: its output size would depend on the data
                 self.load_counts.scatter_add_(0, ids_TK.flatten(), torch.ones_like(ids_TK.flatten()))
-        # x's projections (the latent, each shared expert's gate and up) as one matmul (layers/linear.py)
-        z_TL, *gate_up = fused_linear(x_TD, self.down_proj, *(p for e in self.shared for p in (e.gate_proj, e.up_proj)))
+        # x's projections (the latent, each shared expert's gate and up) as one matmul (layers/linear.py);
+        # without the latent the routed experts read x itself
+        projs = [*([self.down_proj] if self.latent else []), *(p for e in self.shared for p in (e.gate_proj, e.up_proj))]
+        outs = fused_linear(x_TD, *projs) if projs else ()
+        z_TL, gate_up = (outs[0], outs[1:]) if self.latent else (x_TD, outs)
         mode = dispatch or self.dispatch
         if dispatch is None and mode in ("grouped", "tiled") and x_TD.shape[0] <= self.num_experts:
             mode = "dense"
@@ -168,13 +206,18 @@ class LatentMoE(nn.Module):
         else:
             raise ValueError(f"unknown MoE dispatch '{mode}'; valid: {', '.join(DISPATCH_MODES)}")
         # W_↑ on the routed sum and each shared expert's down-projection, summed inside one matmul
-        h_shared = [situ_glu(g, u) for g, u in zip(gate_up[0::2], gate_up[1::2])]
-        y_TD = summed_linear([self.u_norm(u_TL), *h_shared], [self.up_proj, *(e.down_proj for e in self.shared)])
+        h_shared = [self.act(g, u) for g, u in zip(gate_up[0::2], gate_up[1::2])]
+        if self.latent:
+            y_TD = summed_linear([self.u_norm(u_TL), *h_shared], [self.up_proj, *(e.down_proj for e in self.shared)])
+        elif self.shared:
+            y_TD = u_TL + summed_linear(h_shared, [e.down_proj for e in self.shared])
+        else:
+            y_TD = u_TL
         return y_TD.view(shape)
 
     def _experts(self, z_ECL: torch.Tensor) -> torch.Tensor:
         """All routed experts at once, each on its own rows: [E, N, L] -> [E, N, L]."""
-        h_ECF = situ_glu(torch.bmm(z_ECL, self.w_gate), torch.bmm(z_ECL, self.w_up))
+        h_ECF = self.act(torch.bmm(z_ECL, self.w_gate), torch.bmm(z_ECL, self.w_up))
         return torch.bmm(h_ECF, self.w_down)
 
     def _grouped(self, z_TL, ids_TK, w_TK):
@@ -192,7 +235,7 @@ class LatentMoE(nn.Module):
         ends_E = torch.cumsum(counts_E, 0).to(torch.int32)                           # expert e's rows end here
         # slot s = t·K + k belongs to token t
         z_SL = gather_rows(z_TL, order_S // self.top_k, row_S.view(T, self.top_k))  # (S, L), expert order
-        h_SF = situ_glu(torch._grouped_mm(z_SL, self.w_gate.to(dt), offs=ends_E),
+        h_SF = self.act(torch._grouped_mm(z_SL, self.w_gate.to(dt), offs=ends_E),
                         torch._grouped_mm(z_SL, self.w_up.to(dt), offs=ends_E))
         out_SL = torch._grouped_mm(h_SF, self.w_down.to(dt), offs=ends_E)
         out_SL = gather_rows(out_SL, row_S, order_S[:, None])                       # (S, L), slot order
@@ -231,7 +274,7 @@ class LatentMoE(nn.Module):
         z_pad = gather_rows(z_TL, slot_PR // K, row_tok_S.view(T, K)).view(P, R, L)   # (P, R, L)
         # tile p belongs to the first expert whose tiles end after p (trailing empty tiles: the last)
         expert_P = torch.searchsorted(tile_end_E, torch.arange(P, device=z_TL.device), right=True).clamp_max(E - 1)
-        h_PRF = situ_glu(torch.bmm(z_pad, gather_experts(self.w_gate, expert_P)),
+        h_PRF = self.act(torch.bmm(z_pad, gather_experts(self.w_gate, expert_P)),
                          torch.bmm(z_pad, gather_experts(self.w_up, expert_P)))
         out_PRL = torch.bmm(h_PRF, gather_experts(self.w_down, expert_P))
         out_SL = gather_rows(out_PRL.reshape(P * R, L), row_tok_S, slot_PR[:, None])  # (S, L)
@@ -244,7 +287,7 @@ class LatentMoE(nn.Module):
             tok, slot = (ids_TK == e).nonzero(as_tuple=True)
             if tok.numel() == 0:
                 continue
-            h = situ_glu(z_TL[tok] @ self.w_gate[e], z_TL[tok] @ self.w_up[e]) @ self.w_down[e]
+            h = self.act(z_TL[tok] @ self.w_gate[e], z_TL[tok] @ self.w_up[e]) @ self.w_down[e]
             u_TL = u_TL.index_add(0, tok, h * w_TK[tok, slot, None].to(h.dtype))
         return u_TL
 

@@ -70,8 +70,14 @@ class MoEConfig:
     latent_dim: int = 0  # ℓ; 0 = hidden_size // 2
     bias_update_rate: float = 1e-3  # γ of the auxiliary-loss-free balancing
     dispatch: str = "grouped"  # grouped | tiled | loop | dense
+    routed_scaling_factor: float = 1.0  # the routed weights × this, after the renormalisation (if any)
+    renormalize: bool = True  # weights = chosen scores / their sum; False: the chosen sigmoid scores as they are
+    num_expert_groups: int = 1  # G: top-k only among the best topk_groups of G equal groups (DeepSeek-V3); 1 = off
+    topk_groups: int = 1  # groups a token may choose experts from
+    expert_act: str = "situ"  # shared and routed experts' gated activation: situ (bounded) | silu (SwiGLU)
+    latent: bool = True  # False: routed experts at full width on x, no W_↓ / RMSNorm / W_↑ (Kimi Linear)
 
-    CHOICES: ClassVar[dict] = {"dispatch": ("grouped", "tiled", "loop", "dense")}
+    CHOICES: ClassVar[dict] = {"dispatch": ("grouped", "tiled", "loop", "dense"), "expert_act": ("situ", "silu")}
 
     def validate(self, p: str) -> None:
         _check(self.num_routed_experts >= 1, f"{p}.num_routed_experts", "must be >= 1")
@@ -81,6 +87,15 @@ class MoEConfig:
         _check(self.d_ff >= 1, f"{p}.d_ff", "must be >= 1")
         _check(self.latent_dim >= 0, f"{p}.latent_dim", "must be >= 0 (0 = hidden_size // 2)")
         _check(self.bias_update_rate >= 0, f"{p}.bias_update_rate", "must be >= 0")
+        _check(self.routed_scaling_factor > 0, f"{p}.routed_scaling_factor", "must be > 0")
+        E, G = self.num_routed_experts, self.num_expert_groups
+        _check(G >= 1, f"{p}.num_expert_groups", "must be >= 1 (1 = no grouping)")
+        _check(E % G == 0, f"{p}.num_expert_groups", f"must divide num_routed_experts={E}")
+        _check(G == 1 or E // G >= 2, f"{p}.num_expert_groups",
+               f"leaves {E // G} expert per group; a group's score sums its best 2, so at least 2 are needed")
+        _check(1 <= self.topk_groups <= G, f"{p}.topk_groups", f"must lie in [1, num_expert_groups={G}]")
+        _check(self.top_k <= E // G * self.topk_groups, f"{p}.top_k",
+               f"must be <= {E // G * self.topk_groups} (experts per group × topk_groups) to find its experts")
 
 
 @dataclass
