@@ -20,6 +20,7 @@ import math
 import re
 
 from k3cli.models.k3_config import ModelConfig
+from k3cli.models.layout import routed_expert_width
 
 # dense bf16 tensor-core peak (no sparsity), TFLOP/s, from the vendors' datasheets; keys are matched as
 # whole words in the device name, longest first ("H100 PCIe" before "H100")
@@ -136,6 +137,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
     width = 2 * mla.kv_lora_rank if mla.absorb else mla.qk_head_dim + mla.v_head_dim
     mla_attention = mla.num_heads * width * pairs
     lat = cfg.moe_latent_dim
+    # with the latent off the routed experts work at width D and there is no W_↓, W_↑
+    routed_width, lat_proj = routed_expert_width(cfg), (2 * D * lat if moe.latent else 0)
     for attn, ffn in cfg.layer_specs():
         if attn == "kda":
             macs["attn_projections"] += _kda_proj_params(cfg)
@@ -147,9 +150,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
             macs["ffn"] += 3 * D * cfg.intermediate_size
         else:
             macs["moe_router"] += D * moe.num_routed_experts
-            macs["moe_latent_proj"] += 2 * D * lat
+            macs["moe_latent_proj"] += lat_proj
             macs["moe_shared_experts"] += moe.num_shared_experts * 3 * D * moe.d_ff
-            macs["moe_routed_experts"] += moe.top_k * 3 * lat * moe.d_ff
+            macs["moe_routed_experts"] += moe.top_k * 3 * routed_width * moe.d_ff
     # a score (w̃ · RMS(source)) and a weighted-sum term per source and mix, D wide each
     macs["attnres"] = 2 * D * attnres_sources(cfg)
     macs["lm_head"] = D * cfg.vocab_size

@@ -37,17 +37,21 @@ def swiglu_params(cfg: ModelConfig) -> int:
     return 3 * cfg.hidden_size * cfg.intermediate_size
 
 
+def routed_expert_width(cfg: ModelConfig) -> int:
+    """The width routed experts read and write: the latent ℓ, or D with `moe.latent` off."""
+    return cfg.moe_latent_dim if cfg.moe.latent else cfg.hidden_size
+
+
 def routed_expert_params(cfg: ModelConfig) -> int:
-    return 3 * cfg.moe_latent_dim * cfg.moe.d_ff
+    return 3 * routed_expert_width(cfg) * cfg.moe.d_ff
 
 
 def moe_params(cfg: ModelConfig) -> int:
     D, m, lat = cfg.hidden_size, cfg.moe, cfg.moe_latent_dim
     return (m.num_shared_experts * 3 * D * m.d_ff  # shared SiTU-GLU experts on x
             + D * m.num_routed_experts  # router (its balancing bias is a buffer)
-            + D * lat  # W_down
             + m.num_routed_experts * routed_expert_params(cfg)
-            + lat + lat * D)  # u_norm, W_up
+            + ((D * lat + lat + lat * D) if m.latent else 0))  # W_down, u_norm, W_up
 
 
 ATTN_PARAMS = {"kda": kda_params, "mla": mla_params}
