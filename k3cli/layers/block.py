@@ -36,7 +36,7 @@ def build_attn(config: ModelConfig, kind: str) -> nn.Module:
         return KDAAttention(D, c.num_heads, c.num_v_heads, c.head_k_dim, c.head_v_dim,
                             short_conv=c.short_conv, output_gate=c.output_gate,
                             lower_bound=c.lower_bound, chunk_size=c.chunk_size, backend=c.backend,
-                            norm_eps=config.norm_eps)
+                            norm_eps=config.norm_eps, gate=c.gate)
     if kind == "mla":
         c = config.mla
         return GatedMLA(D, c.num_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_head_dim, c.v_head_dim,

@@ -77,6 +77,9 @@ class KDACache:
     conv_v: torch.Tensor | None = None
 
 
+GATES = ("lower_bound", "softplus")
+
+
 class KDAAttention(nn.Module):
     """Kimi Delta Attention layer with GVA (HV = G·H value heads). No linear biases.
 
@@ -89,13 +92,15 @@ class KDAAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_v_heads: int, head_k_dim: int,
                  head_v_dim: int, short_conv: int = 4, output_gate: bool = True,
                  lower_bound: float = -5.0, chunk_size: int = 64, backend: str = "auto",
-                 norm_eps: float = 1e-6):
+                 norm_eps: float = 1e-6, gate: str = "lower_bound"):
         super().__init__()
         D, H, HV, K, V = hidden_size, num_heads, num_v_heads, head_k_dim, head_v_dim
         if HV % H:
             raise ValueError(f"num_v_heads ({HV}) must be a multiple of num_heads ({H})")
         self.num_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim = H, HV, K, V
-        self.lower_bound, self.chunk_size, self.backend = lower_bound, chunk_size, backend
+        if gate not in GATES:
+            raise ValueError(f"unknown KDA gate '{gate}'; valid: {', '.join(GATES)}")
+        self.lower_bound, self.chunk_size, self.backend, self.gate = lower_bound, chunk_size, backend, gate
         self.q_proj = nn.Linear(D, H * K, bias=False)
         self.k_proj = nn.Linear(D, H * K, bias=False)
         self.v_proj = nn.Linear(D, HV * V, bias=False)
@@ -155,7 +160,10 @@ class KDAAttention(nn.Module):
         g_raw = self.f_b(small[0]).view(B, T, HV, K)                               # (B, T, HV, K)
         beta = torch.sigmoid(small[1])                                             # (B, T, HV)
         fused = None if cache is None or cache.state is None else self._triton_op(q, "fused_recurrent_kda")
-        if fused is not None:
+        if fused is not None and self.gate == "softplus":   # the kernel's in-kernel gate is the lower-bound one
+            o = fused(q, k, v, self._gate(g_raw), beta, initial_state=cache.state, inplace_state=True,
+                      use_qk_l2norm_in_kernel=True)[0]
+        elif fused is not None:
             # decode on the Triton backend: L2 norm, gate, recurrence and read in one launch
             o = fused(q, k, v, g_raw, beta, initial_state=cache.state, inplace_state=True,
                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=self.A_log,
@@ -181,12 +189,12 @@ class KDAAttention(nn.Module):
         from k3cli.ops.kda.naive import naive_chunk_kda, naive_kda_gate, naive_recurrent_kda
 
         if cache is not None and cache.state is not None:
-            g = naive_kda_gate(g_raw, self.A_log, dt_bias, self.lower_bound)       # (B, T, HV, K) fp32
+            g = self._gate(g_raw)                                                  # (B, T, HV, K) fp32
             o, cache.state = naive_recurrent_kda(q, k, v, g, beta, initial_state=cache.state,
                                                  output_final_state=True)
             return o
-        if segments is not None:
-            return self._kda_packed(q, k, v, g_raw, beta, segments)
+        if segments is not None or self.gate == "softplus":
+            return self._kda_packed(q, k, v, g_raw, beta, segments, cache)
         # prefill also returns the final state
         extra = {} if cache is None else {"output_final_state": True}
         chunk_kda = self._triton_op(q)
@@ -215,30 +223,48 @@ class KDAAttention(nn.Module):
 
         varlen_layout(segments.cu_seqlens, self.chunk_size, device)
 
-    def _kda_packed(self, q, k, v, g_raw, beta, segments: Segments) -> torch.Tensor:
+    def _gate(self, g_raw: torch.Tensor) -> torch.Tensor:
+        """g [B, T, HV, K] fp32 from the raw gate projection, by the layer's gate kind."""
+        from k3cli.ops.kda.naive import naive_kda_gate, naive_kda_softplus_gate
+
+        dt_bias = self.dt_bias.view(self.num_v_heads, self.head_k_dim)
+        if self.gate == "softplus":
+            return naive_kda_softplus_gate(g_raw, self.A_log, dt_bias)
+        return naive_kda_gate(g_raw, self.A_log, dt_bias, self.lower_bound)
+
+    def _kda_packed(self, q, k, v, g_raw, beta, segments: Segments | None, cache: KDACache | None = None) -> torch.Tensor:
         """_kda over packed documents: the batch flattened to one row that segments.cu_seqlens cuts, so each
-        document starts from a zero state (docs/math.md §10)."""
+        document starts from a zero state (docs/math.md §10). Also the softplus gate's path, whose decay has
+        no lower bound (the chunked Triton kernel's numerics need g > −5 per step: docs/math.md §2.3): its
+        rows are the documents (segments None) and it runs the torch chunked form, exact for any decay,
+        returning each row's final state into `cache` for a prefill."""
         B, T = q.shape[:2]
         HV, K = self.num_v_heads, self.head_k_dim
         dt_bias = self.dt_bias.view(HV, K)
         row = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g_raw, beta)]
-        chunk_kda = self._triton_op(q)
+        cu_seqlens = segments.cu_seqlens if segments is not None else torch.arange(B + 1, dtype=torch.int32) * T
+        chunk_kda = self._triton_op(q) if self.gate == "lower_bound" else None
+        final = cache is not None
         if chunk_kda is not None:
             o, _ = chunk_kda(*row, use_gate_in_kernel=True, A_log=self.A_log, dt_bias=dt_bias,
-                             lower_bound=self.lower_bound, chunk_size=self.chunk_size, cu_seqlens=segments.cu_seqlens)
+                             lower_bound=self.lower_bound, chunk_size=self.chunk_size, cu_seqlens=cu_seqlens)
         else:
-            from k3cli.ops.kda import naive_chunk_kda_varlen, naive_kda_gate, torch_chunk
+            from k3cli.ops.kda import naive_chunk_kda_varlen, torch_chunk
             from k3cli.ops.kda.chunk import chunk_kda_varlen_op
-            row[3] = naive_kda_gate(row[3], self.A_log, dt_bias, self.lower_bound)
+            row[3] = self._gate(row[3])
+            checked = self.gate == "lower_bound" and torch_chunk.covers_gate(self.lower_bound, self.chunk_size)
             if torch.compiler.is_compiling():
                 # the op's torch implementation: opaque to the compiler, which cannot trace the torch path's
                 # cu_seqlens-dependent shapes
-                o, _ = chunk_kda_varlen_op(*row, None, segments.cu_seqlens, K ** -0.5, self.chunk_size, False, True)
-            elif torch_chunk.covers_gate(self.lower_bound, self.chunk_size):
-                o, _ = torch_chunk.torch_chunk_kda_varlen(*row, segments.cu_seqlens, chunk_size=self.chunk_size,
-                                                          reach_checked=True)
+                o, state = chunk_kda_varlen_op(*row, None, cu_seqlens, K ** -0.5, self.chunk_size, final, True)
+            elif checked or self.gate == "softplus":   # softplus: the reach is checked on the data, with a fallback
+                o, state = torch_chunk.torch_chunk_kda_varlen(*row, cu_seqlens, chunk_size=self.chunk_size,
+                                                              output_final_state=final, reach_checked=checked)
             else:
-                o, _ = naive_chunk_kda_varlen(*row, segments.cu_seqlens, chunk_size=self.chunk_size)
+                o, state = naive_chunk_kda_varlen(*row, cu_seqlens, chunk_size=self.chunk_size,
+                                                  output_final_state=final)
+            if final:
+                cache.state = state
         return o.view(B, T, *o.shape[2:])
 
     def _triton_op(self, q: torch.Tensor, name: str = "chunk_kda"):

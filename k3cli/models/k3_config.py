@@ -35,8 +35,9 @@ class KDALayerConfig:
     output_gate: bool = True
     lower_bound: float = -5.0  # gate g ∈ (lower_bound, 0)
     backend: str = "auto"  # auto: Triton on CUDA, torch (torch_chunk_kda) on CPU
+    gate: str = "lower_bound"  # lower_bound: L·σ(·) ∈ (L, 0); softplus: −e^A·softplus(·), unbounded (Kimi Linear)
 
-    CHOICES: ClassVar[dict] = {"backend": BACKENDS}
+    CHOICES: ClassVar[dict] = {"backend": BACKENDS, "gate": ("lower_bound", "softplus")}
 
     def validate(self, p: str) -> None:
         for name in ("num_heads", "num_v_heads", "head_k_dim", "head_v_dim", "chunk_size"):

@@ -74,6 +74,19 @@ def naive_kda_gate(g_raw, A_log, dt_bias=None, lower_bound=-5.0):
     return lower_bound * torch.sigmoid(A_log.to(wd).exp()[:, None] * x)
 
 
+def naive_kda_softplus_gate(g_raw, A_log, dt_bias=None):
+    """Softplus gate (Kimi Linear's, docs/math.md §2.3): −exp(A_log) * softplus(g_raw + dt_bias) in fp32
+    (fp64 when any input is fp64). No lower bound: one step may decay by far more than e^−5.
+
+    Args: g_raw [B, T, HV, K]; A_log [HV]; dt_bias [HV, K] or None.  Returns g [B, T, HV, K].
+    """
+    wd = _work_dtype(g_raw, A_log, dt_bias)
+    x = g_raw.to(wd)
+    if dt_bias is not None:
+        x = x + dt_bias.to(wd)
+    return -A_log.to(wd).exp()[:, None] * torch.nn.functional.softplus(x)
+
+
 def _intra_scores(a, b, G, sub):
     """M[i, j] = sum_d a_id b_jd exp(G_id - G_jd) for j <= i inside each chunk, else 0.
 
