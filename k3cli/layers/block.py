@@ -40,7 +40,9 @@ def build_attn(config: ModelConfig, kind: str) -> nn.Module:
     if kind == "mla":
         c = config.mla
         return GatedMLA(D, c.num_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_head_dim, c.v_head_dim,
-                        absorb=c.absorb, norm_eps=config.norm_eps, init_std=config.initializer_range)
+                        absorb=c.absorb, norm_eps=c.latent_norm_eps or config.norm_eps,
+                        init_std=config.initializer_range, qk_rope_head_dim=c.qk_rope_head_dim,
+                        output_gate=c.output_gate)
     raise ValueError(f"unknown attention kind '{kind}'; valid: {', '.join(ATTN_KINDS)}")
 
 

@@ -51,15 +51,21 @@ class KDALayerConfig:
 @dataclass
 class MLAConfig:
     num_heads: int = 8
-    q_lora_rank: int = 64
-    kv_lora_rank: int = 32  # r: the only KV cache, r numbers per token
+    q_lora_rank: int = 64  # 0 = a direct query projection (no bottleneck, no q norm)
+    kv_lora_rank: int = 32  # r: the KV cache, r (+ qk_rope_head_dim) numbers per token
     qk_head_dim: int = 16  # d_q
     v_head_dim: int = 16  # d_v
     absorb: bool = False  # training path: absorbed (True) or decompressed (False); decode is absorbed
+    qk_rope_head_dim: int = 0  # d_r: a key part shared by all heads, not normalised nor rotated (Kimi Linear)
+    output_gate: bool = True  # sigmoid gate on the attention output before o_proj
+    latent_norm_eps: float = 0.0  # eps of q_norm and kv_norm; 0 = the model's norm_eps
 
     def validate(self, p: str) -> None:
-        for name in ("num_heads", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "v_head_dim"):
+        for name in ("num_heads", "kv_lora_rank", "qk_head_dim", "v_head_dim"):
             _check(getattr(self, name) >= 1, f"{p}.{name}", "must be >= 1")
+        _check(self.q_lora_rank >= 0, f"{p}.q_lora_rank", "must be >= 0 (0 = a direct query projection)")
+        _check(self.qk_rope_head_dim >= 0, f"{p}.qk_rope_head_dim", "must be >= 0 (0 = off)")
+        _check(self.latent_norm_eps >= 0, f"{p}.latent_norm_eps", "must be >= 0 (0 = model.norm_eps)")
 
 
 @dataclass
