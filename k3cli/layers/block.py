@@ -55,7 +55,10 @@ def build_ffn(config: ModelConfig, kind: str) -> nn.Module:
         c = config.moe
         return LatentMoE(D, c.num_routed_experts, c.top_k, c.num_shared_experts, c.d_ff,
                          config.moe_latent_dim, dispatch=c.dispatch, bias_update_rate=c.bias_update_rate,
-                         norm_eps=config.norm_eps, init_std=config.initializer_range)
+                         norm_eps=config.norm_eps, init_std=config.initializer_range,
+                         routed_scaling_factor=c.routed_scaling_factor, renormalize=c.renormalize,
+                         num_expert_groups=c.num_expert_groups, topk_groups=c.topk_groups,
+                         expert_act=c.expert_act, latent=c.latent)
     raise ValueError(f"unknown FFN kind '{kind}'; valid: {', '.join(FFN_KINDS)}")
 
 

@@ -150,7 +150,9 @@ class CausalLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def num_active_parameters(self) -> int:
-        """Parameters one token touches: total − (n_r − k)·3·ℓ·d_ff per MoE layer."""
+        """Parameters one token touches: total − (n_r − k) routed experts' weights per MoE layer."""
+        from k3cli.models.layout import routed_expert_params
+
         m = self.config.moe
-        per_layer = (m.num_routed_experts - m.top_k) * 3 * self.config.moe_latent_dim * m.d_ff
+        per_layer = (m.num_routed_experts - m.top_k) * routed_expert_params(self.config)
         return self.num_parameters() - per_layer * len(self.moe_layers())
