@@ -92,10 +92,13 @@ def _kda_proj_params(cfg: ModelConfig) -> int:
 
 
 def _mla_proj_params(cfg: ModelConfig) -> int:
-    """MLA weights used in products per token: q down/up, kv down, W_UK, W_UV, gate, o_proj."""
+    """MLA weights used in products per token: q down/up (or the direct q_proj), kv down (latent and shared
+    key), W_UK, W_UV, gate (when on), o_proj."""
     D, c = cfg.hidden_size, cfg.mla
-    H, qr, r, dq, dv = c.num_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_head_dim, c.v_head_dim
-    return D * qr + qr * H * dq + D * r + H * dq * r + H * dv * r + 2 * D * H * dv
+    H, qr, r, dq, dv, dr = (c.num_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_head_dim, c.v_head_dim,
+                            c.qk_rope_head_dim)
+    q = D * qr + qr * H * (dq + dr) if qr else D * H * (dq + dr)
+    return q + D * (r + dr) + H * dq * r + H * dv * r + (2 if c.output_gate else 1) * D * H * dv
 
 
 def attnres_sources(cfg: ModelConfig) -> int:
@@ -134,8 +137,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
                                                               kda.head_v_dim).values()) / T
     # causal: query t sees t keys, (T + 1) / 2 on average
     pairs = (T + 1) / 2
-    width = 2 * mla.kv_lora_rank if mla.absorb else mla.qk_head_dim + mla.v_head_dim
-    mla_attention = mla.num_heads * width * pairs
+    # scores over [c | k_r] (r + d_r) and the latent sum (r), or per-head keys (d_q + d_r) and values (d_v)
+    dr = mla.qk_rope_head_dim
+    mla_width = 2 * mla.kv_lora_rank + dr if mla.absorb else mla.qk_head_dim + dr + mla.v_head_dim
+    mla_attention = mla.num_heads * mla_width * pairs
     lat = cfg.moe_latent_dim
     # with the latent off the routed experts work at width D and there is no W_↓, W_↑
     routed_width, lat_proj = routed_expert_width(cfg), (2 * D * lat if moe.latent else 0)

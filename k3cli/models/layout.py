@@ -27,10 +27,12 @@ def kda_params(cfg: ModelConfig) -> int:
 def mla_params(cfg: ModelConfig) -> int:
     D, c = cfg.hidden_size, cfg.mla
     H, qr, r, dq, dv = c.num_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_head_dim, c.v_head_dim
-    return (D * qr + qr + qr * H * dq  # q_down, q_norm, q_up
-            + D * r + r  # kv_down, kv_norm
+    dqk = dq + c.qk_rope_head_dim  # query width per head (the shared key part included)
+    q = D * qr + qr + qr * H * dqk if qr else D * H * dqk  # q_down, q_norm, q_up | q_proj
+    return (q
+            + D * (r + c.qk_rope_head_dim) + r  # kv_down (latent and shared key), kv_norm
             + H * dq * r + H * dv * r  # W_UK, W_UV
-            + D * H * dv + H * dv * D)  # gate, o_proj
+            + (D * H * dv if c.output_gate else 0) + H * dv * D)  # gate, o_proj
 
 
 def swiglu_params(cfg: ModelConfig) -> int:
