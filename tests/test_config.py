@@ -190,3 +190,14 @@ def test_document_mask_on_for_new_runs_and_off_for_runs_written_before_it(tmp_pa
     assert load_config(str(tmp_path / "config.yaml")).data.document_mask is True
     (run / "config.yaml").write_text(dump_config(load_config("k3-toy", overrides=["data.document_mask=true"])))
     assert load_config(str(run / "config.yaml")).data.document_mask is True
+
+
+def test_mla_layers_and_first_dense_layers_set_the_pattern():
+    cfg = load_config("k3-toy", overrides=['model.mla_layers="1, 3"', "model.first_dense_layers=1"])
+    assert cfg.model.layer_specs() == [("kda", "swiglu"), ("mla", "moe"), ("kda", "moe"), ("mla", "moe")]
+    assert load_config("k3-toy").model.layer_specs() == [("kda", "moe")] * 3 + [("mla", "moe")]
+    for bad, says in (('model.mla_layers="1,x"', "comma-separated block indices"),
+                      ('model.mla_layers="4"', "distinct blocks below num_hidden_layers=4"),
+                      ('model.mla_layers="1,1"', "distinct blocks"), ("model.first_dense_layers=5", "must lie in")):
+        with pytest.raises(ConfigError, match=says):
+            load_config("k3-toy", overrides=[bad])

@@ -128,6 +128,8 @@ class ModelConfig:
     norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
+    mla_layers: str = ""  # k3: 0-based blocks that are MLA, e.g. "3,7,11" ("" = every 4th and the last)
+    first_dense_layers: int = 0  # k3: the first N blocks' FFN is a dense SwiGLU (intermediate_size), not the MoE
     kda: KDALayerConfig = field(default_factory=KDALayerConfig)
     mla: MLAConfig = field(default_factory=MLAConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -154,6 +156,15 @@ class ModelConfig:
         _check(self.num_hidden_layers <= MAX_LAYERS, f"{p}.num_hidden_layers", f"must be <= {MAX_LAYERS:,}")
         _check(self.norm_eps >= 0, f"{p}.norm_eps", "must be >= 0")
         _check(self.initializer_range > 0, f"{p}.initializer_range", "must be > 0")
+        _check(0 <= self.first_dense_layers <= self.num_hidden_layers, f"{p}.first_dense_layers",
+               f"must lie in [0, num_hidden_layers={self.num_hidden_layers}]")
+        if self.mla_layers.strip():
+            parts = [s.strip() for s in self.mla_layers.split(",")]
+            _check(all(s.isdigit() for s in parts), f"{p}.mla_layers",
+                   f"must be comma-separated block indices from 0, got {self.mla_layers!r}")
+            idx = [int(s) for s in parts]
+            _check(all(i < self.num_hidden_layers for i in idx) and len(set(idx)) == len(idx), f"{p}.mla_layers",
+                   f"must name distinct blocks below num_hidden_layers={self.num_hidden_layers}")
         self.kda.validate(f"{p}.kda")
         self.mla.validate(f"{p}.mla")
         self.moe.validate(f"{p}.moe")
@@ -175,17 +186,21 @@ class KDAConfig(ModelConfig):
 
 @dataclass
 class K3Config(ModelConfig):
-    """Hybrid K3: MLA at 0-based blocks i % 4 == 3 and always at the last block; every FFN LatentMoE."""
+    """Hybrid K3: MLA at 0-based blocks i % 4 == 3 and always at the last block (or at `mla_layers`); every FFN
+    LatentMoE (but the first `first_dense_layers`, dense SwiGLU)."""
 
     arch: str = "k3"
 
     def layer_types(self) -> list[str]:
+        if self.mla_layers.strip():
+            mla = {int(s) for s in self.mla_layers.split(",")}
+            return ["mla" if i in mla else "kda" for i in range(self.num_hidden_layers)]
         types = ["mla" if i % 4 == 3 else "kda" for i in range(self.num_hidden_layers)]
         types[-1] = "mla"
         return types
 
     def layer_specs(self) -> list[tuple[str, str]]:
-        return [(kind, "moe") for kind in self.layer_types()]
+        return [(kind, "swiglu" if i < self.first_dense_layers else "moe") for i, kind in enumerate(self.layer_types())]
 
 
 MODEL_CLASSES: dict[str, type[ModelConfig]] = {"k3": K3Config, "kda": KDAConfig}
