@@ -35,6 +35,8 @@ config_app = typer.Typer(help="Inspect resolved configurations.", no_args_is_hel
 app.add_typer(config_app, name="config")
 data_app = typer.Typer(help="Tokenize a corpus once into memory-mapped shards, and inspect them.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
+import_app = typer.Typer(help="Bring released models into k3 as run directories.", no_args_is_help=True)
+app.add_typer(import_app, name="import")
 
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)   # log lines stay whole lines, whatever the width
@@ -760,6 +762,26 @@ def export_cmd(
         fail(str(e))
     console.print(f"exported {ckpt_dir} (step {marker['step']}) to {out}: "
                   + ", ".join(sorted(marker["files"])), highlight=False, soft_wrap=True)
+
+
+@import_app.command("hf")
+def import_hf(
+    src: Annotated[Path, typer.Argument(help="A Hugging Face folder of a kimi_linear model (config.json, "
+                                             "model.safetensors or a sharded index, tokenizer.json if any).")],
+    out: Annotated[Path, typer.Option(help="New run directory (must not exist, or be empty).")],
+    preset: Annotated[str, typer.Option(
+        "--preset", "-p", help="Whose training settings (train.*, data.*, eval.*) the run's config.yaml takes.")] = "k3-toy",
+):
+    """Import Moonshot's Kimi Linear (model type kimi_linear) as a k3 run: config.yaml with k3's layers set to
+    Kimi Linear's options, the tokenizer when the folder has a tokenizer.json, and checkpoint step 0, which
+    k3 eval, k3 generate, k3 export and `k3cli.load` read. Weights are read shard by shard."""
+    from k3cli.evaluation.kimi_linear import import_kimi_linear
+
+    try:
+        ckpt = import_kimi_linear(src, out, preset, log=_log)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        fail(str(e))
+    console.print(f"imported {src} into {out}: checkpoint {ckpt}", highlight=False, soft_wrap=True)
 
 
 @app.command("generate")

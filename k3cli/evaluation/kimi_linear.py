@@ -1,0 +1,241 @@
+"""`k3 import hf`: a Hugging Face `kimi_linear` folder (Moonshot's Kimi Linear) as a k3 run directory.
+
+Kimi Linear is KDA and MLA 3:1 with a MoE, as K3 is; its components are options of k3's own layers:
+- KDA: `kda.gate=softplus` (−exp(A_log)·softplus(·), no lower bound), value heads = query heads, K = V;
+- MLA: `mla.q_lora_rank` 0 for a direct query projection, `mla.qk_rope_head_dim` for the key part shared by all
+  heads (not rotated: Kimi Linear uses no positions), no output gate, latent norms at eps 1e-6;
+- MoE: full-width experts (`moe.latent=false`) with SwiGLU (`moe.expert_act=silu`), grouped top-k routing over
+  sigmoid scores with the correction bias, renormalised and scaled weights, shared experts;
+- the layer pattern (`model.mla_layers`) and dense first blocks (`model.first_dense_layers`).
+
+Weights are read shard by shard and renamed, split or stacked into k3's layout; each tensor is held once. The
+run directory gets run.json, config.yaml (the preset's training settings, this model), the tokenizer when the
+folder has a tokenizer.json, and checkpoint step 0 in the single-process format.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import yaml
+
+from k3cli.checkpoint import single
+from k3cli.config import config_from_dict, dump_config, load_config
+from k3cli.errors import ConfigError, UserError
+from k3cli.files import write_text_atomic
+from k3cli.models.causal_lm import CausalLM
+from k3cli.train import RUN_MARKER
+
+LATENT_NORM_EPS = 1e-6   # Kimi Linear's q_a_layernorm and kv_a_layernorm keep the norm class's default
+
+
+def _get(hf: dict, *names, default=None):
+    for n in names:
+        if n in hf and hf[n] is not None:
+            return hf[n]
+    return default
+
+
+def _layer_types(hf: dict) -> list[str]:
+    n = hf["num_hidden_layers"]
+    if hf.get("layer_types"):
+        return list(hf["layer_types"])
+    lin = hf.get("linear_attn_config") or {}
+    if lin.get("full_attn_layers") is not None:   # 1-based block numbers in the released configs
+        full = {int(i) - 1 for i in lin["full_attn_layers"]}
+        return ["full_attention" if i in full else "linear_attention" for i in range(n)]
+    raise UserError("config.json gives neither layer_types nor linear_attn_config.full_attn_layers")
+
+
+def model_config(hf: dict) -> dict:
+    """k3's `model` section for a kimi_linear config.json (its dict); one UserError naming anything k3 lacks."""
+    if hf.get("model_type") != "kimi_linear":
+        raise UserError(f"not a kimi_linear model (model_type {hf.get('model_type')!r}); k3 imports kimi_linear only")
+    unsupported = [(k, v) for k, v, ok in (
+        ("attention_bias", hf.get("attention_bias", False), lambda v: not v),
+        ("hidden_act", hf.get("hidden_act", "silu"), lambda v: v == "silu"),
+        ("num_key_value_heads", hf.get("num_key_value_heads"),
+         lambda v: v in (None, hf.get("num_attention_heads"))),
+    ) if not ok(v)]
+    if unsupported:
+        k, v = unsupported[0]
+        raise UserError(f"config.json {k}={v!r} is not supported by k3's layers")
+    lin = hf.get("linear_attn_config") or {}
+    types = _layer_types(hf)
+    mlp = list(hf.get("mlp_layer_types") or [])
+    if not mlp:
+        dense = int(_get(hf, "first_k_dense_replace", default=1))
+        mlp = ["dense" if i < dense else "sparse" for i in range(hf["num_hidden_layers"])]
+    first_dense = next((i for i, t in enumerate(mlp) if t != "dense"), len(mlp))
+    if any(t == "dense" for t in mlp[first_dense:]):
+        raise UserError(f"config.json mlp_layer_types {mlp} has dense blocks after MoE ones; k3 takes dense blocks "
+                        "first only")
+    heads = int(_get(hf, "linear_num_heads", default=lin.get("num_heads")))
+    head_dim = int(_get(hf, "linear_head_dim", default=lin.get("head_dim")))
+    return {
+        "arch": "k3", "vocab_size": hf["vocab_size"], "hidden_size": hf["hidden_size"],
+        "num_hidden_layers": hf["num_hidden_layers"], "intermediate_size": hf["intermediate_size"],
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "tie_word_embeddings": False,
+        "initializer_range": float(hf.get("initializer_range", 0.02)),
+        "mla_layers": ",".join(str(i) for i, t in enumerate(types) if t == "full_attention"),
+        "first_dense_layers": first_dense,
+        "kda": {"num_heads": heads, "num_v_heads": heads, "head_k_dim": head_dim, "head_v_dim": head_dim,
+                "short_conv": int(_get(hf, "linear_conv_kernel_dim", default=lin.get("short_conv_kernel_size", 4))),
+                "output_gate": True, "gate": "softplus"},
+        "mla": {"num_heads": hf["num_attention_heads"], "q_lora_rank": int(hf.get("q_lora_rank") or 0),
+                "kv_lora_rank": hf["kv_lora_rank"], "qk_head_dim": hf["qk_nope_head_dim"],
+                "v_head_dim": hf["v_head_dim"], "qk_rope_head_dim": int(hf.get("qk_rope_head_dim") or 0),
+                "output_gate": False, "latent_norm_eps": LATENT_NORM_EPS},
+        "moe": {"num_routed_experts": int(_get(hf, "num_experts", "num_local_experts")),
+                "top_k": int(_get(hf, "num_experts_per_token", "num_experts_per_tok")),
+                "num_shared_experts": int(_get(hf, "num_shared_experts", "n_shared_experts", default=0)),
+                "d_ff": hf["moe_intermediate_size"], "latent": False, "expert_act": "silu",
+                "num_expert_groups": int(_get(hf, "num_expert_group", "n_group", default=1)),
+                "topk_groups": int(_get(hf, "topk_group", default=1)),
+                "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+                "renormalize": bool(_get(hf, "moe_renormalize", "norm_topk_prob", default=True))},
+        "attnres": {"mode": "off"},
+    }
+
+
+# ---- weights ------------------------------------------------------------------------------------------------
+
+_EXPERT = re.compile(r"^blocks\.(\d+)\.ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+
+
+def _rename(name: str) -> str:
+    """A kimi_linear tensor name (as saved: the Hub's names, or transformers' in-memory ones) in k3's words."""
+    name = re.sub(r"^model\.", "", name)
+    name = re.sub(r"^layers\.(\d+)\.", r"blocks.\1.", name)
+    for a, b in ((".input_layernorm.", ".attn_norm."), (".post_attention_layernorm.", ".ffn_norm."),
+                 (".self_attn.", ".attn."), (".block_sparse_moe.", ".ffn."), (".mlp.", ".ffn."),
+                 (".forget_gate.", "."), (".f_a_proj.", ".f_a."), (".f_b_proj.", ".f_b."), (".g_a_proj.", ".g_a."),
+                 (".g_b_proj.", ".g_b."), (".q_conv1d.", ".q_conv."), (".k_conv1d.", ".k_conv."),
+                 (".v_conv1d.", ".v_conv."), (".q_a_proj.", ".q_down."), (".q_a_layernorm.", ".q_norm."),
+                 (".q_b_proj.", ".q_up."), (".kv_a_proj_with_mqa.", ".kv_down."), (".kv_a_layernorm.", ".kv_norm."),
+                 (".gate.e_score_correction_bias", ".router_bias"), (".ffn.gate.weight", ".ffn.router.weight")):
+        name = name.replace(a, b)
+    return name
+
+
+class WeightMapper:
+    """Tensors of a kimi_linear checkpoint in, k3 tensors out; pieces k3 keeps together (a layer's experts)
+    are held until the last arrives."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg.model
+        self.pending: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+
+    def add(self, name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        c = self.cfg
+        k = _rename(name)
+        if m := _EXPERT.match(k):
+            layer, e, w = int(m.group(1)), int(m.group(2)), m.group(3)
+            box = self.pending.setdefault((layer, w), {})
+            box[e] = t
+            if len(box) < c.moe.num_routed_experts:
+                return {}
+            del self.pending[(layer, w)]
+            stacked = torch.stack([box[i] for i in range(c.moe.num_routed_experts)])   # [E, out, in]
+            # w1 gate [I, D], w3 up [I, D], w2 down [D, I]; k3 keeps [E, D, I] and [E, I, D]
+            return {f"blocks.{layer}.ffn.{ {'w1': 'w_gate', 'w3': 'w_up', 'w2': 'w_down'}[w] }": stacked.transpose(1, 2)}
+        if k.endswith(".ffn.experts.gate_up_proj"):   # transformers' fused in-memory form [E, 2I, D]
+            i = c.moe.d_ff
+            return {k.replace("experts.gate_up_proj", "w_gate"): t[:, :i].transpose(1, 2),
+                    k.replace("experts.gate_up_proj", "w_up"): t[:, i:].transpose(1, 2)}
+        if k.endswith(".ffn.experts.down_proj"):   # [E, D, I]
+            return {k.replace("experts.down_proj", "w_down"): t.transpose(1, 2)}
+        if ".ffn.shared_experts." in k:   # one SwiGLU of width n_s·I → n_s experts of width I
+            n, i = c.moe.num_shared_experts, c.moe.d_ff
+            part = k.split(".ffn.shared_experts.")[1]
+            dim = 1 if part.startswith("down_proj") else 0
+            return {k.replace(".ffn.shared_experts.", f".ffn.shared.{j}."): piece
+                    for j, piece in enumerate(t.split(i, dim=dim))} if t.shape[dim] == n * i else {k: t}
+        if k.endswith(".attn.conv1d.weight"):   # q, k, v convs concatenated (transformers' in-memory form)
+            hk = c.kda.num_heads * c.kda.head_k_dim
+            q, kk, v = t.split([hk, hk, t.shape[0] - 2 * hk])
+            base = k[:-len("conv1d.weight")]
+            return {base + "q_conv.weight": q, base + "k_conv.weight": kk, base + "v_conv.weight": v}
+        if k.endswith(".attn.A_log"):
+            return {k: t.reshape(-1)}
+        if k.endswith(".attn.kv_b_proj.weight"):   # (H, d_n + d_v, r): the key and value up-projections
+            H, dn, dv = c.mla.num_heads, c.mla.qk_head_dim, c.mla.v_head_dim
+            w = t.view(H, dn + dv, -1)
+            base = k[:-len("kv_b_proj.weight")]
+            return {base + "W_UK": w[:, :dn], base + "W_UV": w[:, dn:]}
+        return {k: t}
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """`t` in storage of its own: a piece split or viewed out of a larger tensor is copied (a checkpoint file
+    stores each tensor once, so pieces may not share memory)."""
+    t = t.contiguous()
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+
+
+def shard_files(src: Path) -> list[Path]:
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [src / f for f in sorted(set(weight_map.values()))]
+    if (src / "model.safetensors").is_file():
+        return [src / "model.safetensors"]
+    raise UserError(f"{src} holds no model.safetensors nor model.safetensors.index.json")
+
+
+def import_kimi_linear(src: str | Path, out: str | Path, preset: str = "k3-toy",
+                       log: Callable[[str], None] = print) -> Path:
+    """Write the kimi_linear folder `src` as the k3 run directory `out` (new or empty); returns its checkpoint."""
+    from safetensors import safe_open
+
+    src, out = Path(src), Path(out)
+    if not (src / "config.json").is_file():
+        raise UserError(f"{src} has no config.json; give a Hugging Face model folder")
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise UserError(f"{out} already exists; refusing to overwrite it (choose a new --out)")
+    try:
+        hf = json.loads((src / "config.json").read_text())
+    except ValueError as e:
+        raise UserError(f"{src / 'config.json'} is not valid JSON ({e})") from None
+    base = yaml.safe_load(dump_config(load_config(preset)))
+    base["model"] = model_config(hf)
+    try:
+        cfg = config_from_dict(base, f"{src / 'config.json'}")
+    except ConfigError as e:
+        raise UserError(f"{src / 'config.json'}: {e}") from None
+    files = shard_files(src)
+    with torch.device("meta"):
+        model = CausalLM(cfg.model)
+    expected = model.state_dict()
+    mapper, state = WeightMapper(cfg), {}
+    for i, f in enumerate(files, 1):
+        with safe_open(str(f), "pt") as shard:
+            for name in shard.keys():
+                state.update(mapper.add(name, shard.get_tensor(name)))
+        log(f"read {f.name} ({i}/{len(files)})")
+    state = {k: _own(v.to(torch.float32)) for k, v in state.items()}
+    missing = sorted(set(expected) - set(state) - {k for k in expected if k.endswith("load_counts")})
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected or mapper.pending:
+        raise UserError(f"{src}: the weights do not fit the model config.json describes (missing {missing[:3]}, "
+                        f"unexpected {unexpected[:3]})")
+    for k, v in state.items():
+        if tuple(v.shape) != tuple(expected[k].shape):
+            raise UserError(f"{src}: {k} is {tuple(v.shape)}, the config's model wants {tuple(expected[k].shape)}")
+    model.load_state_dict(state, strict=False, assign=True)
+    for m in model.modules():   # buffers that are not saved (the MoE's load counters) start at zero
+        for name, b in list(m.named_buffers(recurse=False)):
+            if b.is_meta:
+                setattr(m, name, torch.zeros(b.shape, dtype=b.dtype))
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / RUN_MARKER, json.dumps({"k3": "run", "format": 1}) + "\n")
+    if (src / "tokenizer.json").is_file():
+        shutil.copyfile(src / "tokenizer.json", out / "tokenizer.json")
+    else:
+        log(f"warning: {src} has no tokenizer.json; k3 eval and k3 generate need one in {out}")
+    write_text_atomic(out / "config.yaml", dump_config(cfg))
+    return single.save(out, 0, model, extra={"imported_from": str(src.resolve())})
