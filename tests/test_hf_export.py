@@ -70,3 +70,12 @@ def test_export_hf_refuses_a_folder_in_use_and_keeps_it(exported, tmp_path):
     err = one_error_line(runner.invoke(app, ["export", "--run", str(damaged), "--out", str(tmp_path / "o"),
                                              "--format", "hf"]))
     assert "does not fit" in err and not (tmp_path / "o").exists()
+
+
+def test_a_transformers_pipeline_reads_it(exported):
+    run, hf = exported
+    pipe = transformers.pipeline("text-generation", model=str(hf), trust_remote_code=True, device="cpu")
+    out = pipe("the delta rule", max_new_tokens=6, do_sample=False)[0]["generated_text"]
+    ours = load(run, device="cpu")
+    want = generate(ours.model, ours.tokenizer, "the delta rule", max_new_tokens=6, temperature=0.0).text
+    assert out.startswith("the delta rule") and out[len("the delta rule"):] == want
