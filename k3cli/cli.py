@@ -721,6 +721,7 @@ def _eval_tasks(run, ckpt, tasks: str, num_fewshot, limit, batch_size, include_p
 class ExportFormat(str, Enum):
     k3 = "k3"
     hf = "hf"
+    kimi_linear = "kimi_linear"
 
 
 @app.command("export")
@@ -730,7 +731,9 @@ def export_cmd(
     ckpt: Annotated[Optional[str], typer.Option(help="A checkpoint directory (runs/X/checkpoints/step_N).")] = None,
     fmt: Annotated[ExportFormat, typer.Option(
         "--format", help="k3: the folder k3 reads; hf: a folder Hugging Face transformers loads "
-                         "(trust_remote_code=True; its modeling file needs k3cli installed).")] = ExportFormat.k3,
+                         "(trust_remote_code=True; its modeling file needs k3cli installed); kimi_linear: "
+                         "transformers' own Kimi Linear format, for models built with its options "
+                         "(k3 import hf).")] = ExportFormat.k3,
 ):
     """Write one checkpoint (sharded DCP at any world size, or single-process) as a consolidated folder.
 
@@ -756,6 +759,10 @@ def export_cmd(
             from k3cli.evaluation.hf import export_hf
 
             marker = export_hf(run_dir, ckpt_dir, out)
+        elif fmt is ExportFormat.kimi_linear:
+            from k3cli.evaluation.kimi_linear import export_kimi_linear
+
+            marker = export_kimi_linear(run_dir, ckpt_dir, out)
         else:
             marker = export_checkpoint(run_dir, ckpt_dir, out)
     except (ConfigError, ValueError, FileNotFoundError) as e:  # CheckpointError is a ValueError

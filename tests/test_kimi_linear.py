@@ -60,11 +60,26 @@ def imported(request, tmp_path_factory):
     cfg = load_config(str(root / "run" / "config.yaml"))
     ours = CausalLM(cfg.model)
     load_weights(root / "run" / "checkpoints" / "step_00000000", ours)
-    return hf, ours.eval()
+    return hf, ours.eval(), root
+
+
+def test_export_back_is_bit_exact_and_transformers_reads_it(imported):
+    from safetensors.torch import load_file
+
+    hf, _, root = imported
+    r = runner.invoke(app, ["export", "--run", str(root / "run"), "--out", str(root / "back"), "--format", "kimi_linear"])
+    assert r.exit_code == 0, r.output
+    original, back = load_file(root / "hf" / "model.safetensors"), load_file(root / "back" / "model.safetensors")
+    assert sorted(back) == sorted(original)
+    assert all(torch.equal(back[k], original[k]) for k in original)
+    again = transformers.AutoModelForCausalLM.from_pretrained(root / "back").eval()
+    ids = torch.randint(0, 97, (1, 17), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, hf(ids).logits)
 
 
 def test_logits_equal_transformers(imported):
-    hf, ours = imported
+    hf, ours, _ = imported
     ids = torch.randint(0, 97, (2, 23), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         want, got = hf(ids).logits, ours(ids).logits
@@ -72,7 +87,7 @@ def test_logits_equal_transformers(imported):
 
 
 def test_loss_gradients_equal_transformers(imported):
-    hf, ours = imported
+    hf, ours, _ = imported
     ids = torch.randint(0, 97, (2, 19), generator=torch.Generator().manual_seed(4))
     hf.zero_grad()
     ours.zero_grad()
@@ -92,7 +107,7 @@ def test_loss_gradients_equal_transformers(imported):
 
 
 def test_greedy_tokens_equal_transformers_generate(imported):
-    hf, ours = imported
+    hf, ours, _ = imported
     prompt = [5, 17, 3, 44, 9]
     out = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None,
                       pad_token_id=0, min_new_tokens=32)
@@ -119,3 +134,13 @@ def test_import_refuses_what_k3_cannot_express(tmp_path):
     (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
     line = one_error_line(runner.invoke(app, ["import", "hf", str(tmp_path / "hf"), "--out", str(tmp_path / "used")]))
     assert "refusing to overwrite" in line and (tmp_path / "used" / "notes.txt").read_text() == "mine"
+
+
+def test_export_refuses_a_model_the_format_cannot_hold():
+    from k3cli.errors import UserError
+    from k3cli.evaluation.kimi_linear import _fits
+
+    with pytest.raises(UserError, match="cannot hold model.kda.gate=lower_bound"):
+        _fits(load_config("k3-toy"))
+    with pytest.raises(UserError, match="cannot hold model.attnres.mode=block"):
+        _fits(load_config("k3-toy", attnres="block"))

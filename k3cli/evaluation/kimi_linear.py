@@ -239,3 +239,127 @@ def import_kimi_linear(src: str | Path, out: str | Path, preset: str = "k3-toy",
         log(f"warning: {src} has no tokenizer.json; k3 eval and k3 generate need one in {out}")
     write_text_atomic(out / "config.yaml", dump_config(cfg))
     return single.save(out, 0, model, extra={"imported_from": str(src.resolve())})
+
+
+# ---- the reverse: a k3 run in the kimi_linear format --------------------------------------------------------
+
+def _fits(cfg) -> None:
+    """One UserError naming the first setting the kimi_linear format cannot hold."""
+    m = cfg.model
+    for ok, what in (
+        (m.arch == "k3", f"model.arch={m.arch} (kimi_linear is the hybrid)"),
+        (m.attnres.mode == "off", f"model.attnres.mode={m.attnres.mode}"),
+        (not m.tie_word_embeddings, "model.tie_word_embeddings=true"),
+        (m.kda.gate == "softplus", f"model.kda.gate={m.kda.gate}"),
+        (m.kda.num_v_heads == m.kda.num_heads and m.kda.head_v_dim == m.kda.head_k_dim,
+         "grouped value heads or head_v_dim != head_k_dim in model.kda"),
+        (m.kda.output_gate and m.kda.short_conv > 0, "model.kda without its output gate or short conv"),
+        (not m.mla.output_gate, "model.mla.output_gate=true"),
+        (m.mla.latent_norm_eps == LATENT_NORM_EPS, f"model.mla.latent_norm_eps={m.mla.latent_norm_eps}"),
+        (not m.moe.latent and m.moe.expert_act == "silu", "model.moe with a latent or SiTU experts"),
+    ):
+        if not ok:
+            raise UserError(f"the kimi_linear format cannot hold {what}")
+
+
+def kimi_config(cfg) -> dict:
+    m = cfg.model
+    types = ["full_attention" if t == "mla" else "linear_attention" for t in m.layer_types()]
+    mlp = ["dense" if f == "swiglu" else "sparse" for _, f in m.layer_specs()]
+    return {
+        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "dtype": "float32",
+        "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_hidden_layers,
+        "intermediate_size": m.intermediate_size, "rms_norm_eps": m.norm_eps, "initializer_range": m.initializer_range,
+        "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0,
+        "layer_types": types, "mlp_layer_types": mlp, "first_k_dense_replace": m.first_dense_layers,
+        "linear_attn_config": {"num_heads": m.kda.num_heads, "head_dim": m.kda.head_k_dim,
+                               "short_conv_kernel_size": m.kda.short_conv,
+                               "full_attn_layers": [i + 1 for i, t in enumerate(types) if t == "full_attention"],
+                               "kda_layers": [i + 1 for i, t in enumerate(types) if t != "full_attention"]},
+        "linear_num_heads": m.kda.num_heads, "linear_head_dim": m.kda.head_k_dim,
+        "linear_conv_kernel_dim": m.kda.short_conv,
+        "num_attention_heads": m.mla.num_heads, "num_key_value_heads": m.mla.num_heads,
+        "q_lora_rank": m.mla.q_lora_rank or None, "kv_lora_rank": m.mla.kv_lora_rank,
+        "qk_nope_head_dim": m.mla.qk_head_dim, "qk_rope_head_dim": m.mla.qk_rope_head_dim,
+        "qk_head_dim": m.mla.qk_head_dim + m.mla.qk_rope_head_dim, "head_dim": m.mla.qk_rope_head_dim,
+        "v_head_dim": m.mla.v_head_dim,
+        "num_experts": m.moe.num_routed_experts, "num_experts_per_token": m.moe.top_k,
+        "num_shared_experts": m.moe.num_shared_experts, "moe_intermediate_size": m.moe.d_ff,
+        "num_expert_group": m.moe.num_expert_groups, "topk_group": m.moe.topk_groups,
+        "routed_scaling_factor": m.moe.routed_scaling_factor, "moe_renormalize": m.moe.renormalize,
+        "use_cache": True,
+    }
+
+
+_K3_TO_KIMI = [(".attn_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attention_layernorm."),
+               (".attn.f_a.", ".attn.f_a_proj."), (".attn.f_b.", ".attn.f_b_proj."), (".attn.g_a.", ".attn.g_a_proj."),
+               (".attn.g_b.", ".attn.g_b_proj."), (".attn.q_conv.", ".attn.q_conv1d."),
+               (".attn.k_conv.", ".attn.k_conv1d."), (".attn.v_conv.", ".attn.v_conv1d."),
+               (".attn.q_down.", ".attn.q_a_proj."), (".attn.q_norm.", ".attn.q_a_layernorm."),
+               (".attn.q_up.", ".attn.q_b_proj."), (".attn.kv_down.", ".attn.kv_a_proj_with_mqa."),
+               (".attn.kv_norm.", ".attn.kv_a_layernorm."), (".ffn.router.weight", ".ffn.gate.weight"),
+               (".ffn.router_bias", ".ffn.gate.e_score_correction_bias"), (".attn.", ".self_attn."),
+               (".ffn.", ".block_sparse_moe.")]
+
+
+def kimi_tensors(cfg, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """k3 tensors under the names and layouts a kimi_linear checkpoint keeps them (the Hub's)."""
+    m, out, done = cfg.model, {}, set()
+    for k, t in state.items():
+        if k in done or k.endswith("load_counts"):
+            continue
+        blk = re.match(r"^blocks\.(\d+)\.(.*)$", k)
+        if blk is None:
+            out[("" if k == "lm_head.weight" else "model.") + k] = t
+            continue
+        i, rest = blk.groups()
+        base = f"model.layers.{i}"
+        if rest in ("ffn.w_gate", "ffn.w_up", "ffn.w_down"):
+            w = {"ffn.w_gate": "w1", "ffn.w_up": "w3", "ffn.w_down": "w2"}[rest]
+            for e in range(t.shape[0]):
+                out[f"{base}.block_sparse_moe.experts.{e}.{w}.weight"] = t[e].T.contiguous()
+            continue
+        if rest in ("attn.W_UK", "attn.W_UV"):
+            uk, uv = state[f"blocks.{i}.attn.W_UK"], state[f"blocks.{i}.attn.W_UV"]
+            out[f"{base}.self_attn.kv_b_proj.weight"] = torch.cat([uk, uv], 1).reshape(-1, uk.shape[-1])
+            done |= {f"blocks.{i}.attn.W_UK", f"blocks.{i}.attn.W_UV"}
+            continue
+        shared = re.match(r"^ffn\.shared\.\d+\.(gate_proj|up_proj|down_proj)\.weight$", rest)
+        if shared:
+            part = shared.group(1)
+            names = [f"blocks.{i}.ffn.shared.{j}.{part}.weight" for j in range(m.moe.num_shared_experts)]
+            out[f"{base}.block_sparse_moe.shared_experts.{part}.weight"] = torch.cat(
+                [state[n] for n in names], 1 if part == "down_proj" else 0)
+            done |= set(names)
+            continue
+        if rest == "attn.A_log":
+            t = t.view(1, 1, -1, 1)
+        name = f".{rest}"
+        for a, b in _K3_TO_KIMI:
+            name = name.replace(a, b)
+        out[base + name] = t
+    return out
+
+
+def export_kimi_linear(run_dir: str | Path, ckpt: str | Path, out: str | Path) -> dict:
+    """Checkpoint `ckpt` of `run_dir` as a kimi_linear folder `out` (new or empty): config.json,
+    model.safetensors, tokenizer.json. Returns {step, files}."""
+    import safetensors.torch
+
+    from k3cli.checkpoint import load_full_model_state
+
+    run_dir, ckpt, out = Path(run_dir), Path(ckpt), Path(out)
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise UserError(f"{out} already exists; refusing to overwrite it (choose a new --out)")
+    cfg = load_config(str(run_dir / "config.yaml"))
+    _fits(cfg)
+    tensors = kimi_tensors(cfg, load_full_model_state(ckpt))
+    out.mkdir(parents=True, exist_ok=True)
+    safetensors.torch.save_file({k: _own(v) for k, v in tensors.items()}, str(out / "model.safetensors"),
+                                metadata={"format": "pt"})
+    write_text_atomic(out / "config.json", json.dumps(kimi_config(cfg), indent=2) + "\n")
+    if (run_dir / "tokenizer.json").is_file():
+        shutil.copyfile(run_dir / "tokenizer.json", out / "tokenizer.json")
+    step = json.loads((ckpt / "COMPLETE").read_text()).get("step")
+    return {"step": step, "files": sorted(p.name for p in out.iterdir())}
