@@ -438,6 +438,10 @@ def train(
     peak_tflops: Annotated[Optional[float], typer.Option(
         "--peak-tflops", min=0, help="Dense peak TFLOP/s for the MFU column (default: the device table; "
                                      "none on CPU).")] = None,
+    init_from: Annotated[Optional[Path], typer.Option(
+        "--init-from", help="Start from the weights of a run (its newest checkpoint), a checkpoint folder, an export "
+                            "or an imported model, with their tokenizer; a fresh optimiser and schedule. The model "
+                            "config must build the same architecture (e.g. --preset SRC/config.yaml).")] = None,
     nproc: Annotated[Optional[int], typer.Option(
         "--nproc", min=1, help="Train on N processes of this machine (one per GPU): starts `torchrun "
                                "--standalone --nproc-per-node N -m k3cli train` with the other options; "
@@ -471,7 +475,7 @@ def train(
                                  lambda: _fresh_run_dir(Path(preset or "k3-toy").stem, cfg.model.attnres.mode))
         except ValueError as e:
             fail(str(e))
-    _run_training(cfg, run_dir, bool(resume), restart, until, wandb, world, rank)
+    _run_training(cfg, run_dir, bool(resume), restart, until, wandb, world, rank, init_from)
 
 
 def _start_rank(world: int, rank: int) -> None:
@@ -522,7 +526,7 @@ def _plan_run(preset, config, sets, attnres, flags: dict, out: Optional[Path], r
 
 
 def _run_training(cfg, run_dir: Path, resume: bool, restart: bool, until: Optional[int], wandb: WandbMode,
-                  world: int, rank: int) -> None:
+                  world: int, rank: int, init_from: Optional[Path] = None) -> None:
     """The training run, each way it can end as one line and an exit code."""
     from k3cli.console import TrainProgress, make_logger
     from k3cli.distributed import PeerFailed
@@ -533,7 +537,7 @@ def _run_training(cfg, run_dir: Path, resume: bool, restart: bool, until: Option
     created = not run_dir.exists()
     try:
         result = run_training(cfg, run_dir, resume=resume, log=make_logger(progress), progress=progress,
-                              wandb_mode=wandb.value, stop_at=until, restart=restart)
+                              wandb_mode=wandb.value, stop_at=until, restart=restart, init_from=init_from)
     except KeyboardInterrupt:
         last = _last_checkpoint(run_dir)
         fail(f"interrupted; last checkpoint: {last or 'none'}"

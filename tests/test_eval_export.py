@@ -211,3 +211,35 @@ def test_public_load_reads_a_run_a_checkpoint_and_an_export_alike(run, tmp_path)
     for bad, says in ((tmp_path / "missing", "no such folder"), (tmp_path, "is not a k3 run directory")):
         with pytest.raises(ValueError, match=says):
             k3cli.load(bad)
+
+
+def test_init_from_starts_a_new_run_from_another_runs_weights_and_tokenizer(run, trained, tmp_path):
+    _, corpus = trained
+    sets = [a for s in TINY_MODEL + TINY_TRAIN + ["train.steps=1", "train.lr=1e-12", "train.warmup_steps=0"]
+            for a in ("--set", s)]
+    new = tmp_path / "tuned"
+    r = runner.invoke(app, ["train", "--preset", "kda-toy", "--data", str(corpus), "--out", str(new),
+                            "--init-from", str(run), *sets])
+    assert r.exit_code == 0, r.output
+    assert "weights: from" in r.output and "step_00000006" in r.output
+    assert (new / "tokenizer.json").read_bytes() == (run / "tokenizer.json").read_bytes()
+    source = safetensors.torch.load_file(run / "checkpoints" / "step_00000006" / "model.safetensors")
+    tuned = safetensors.torch.load_file(new / "checkpoints" / "step_00000001" / "model.safetensors")
+    assert all(torch.allclose(tuned[k], source[k], atol=1e-8) for k in source)   # one step at lr 1e-12 from them
+    fresh = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(line)]
+    first = [json.loads(line)["loss"] for line in (new / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(line)][0]
+    assert first < fresh[0] - 0.1   # it starts where the source ended, not from random weights
+
+
+def test_init_from_refuses_another_architecture_and_a_non_run(run, trained, tmp_path):
+    _, corpus = trained
+    sets = [a for s in TINY_MODEL + TINY_TRAIN for a in ("--set", s)]
+    err = one_error_line(runner.invoke(app, ["train", "--preset", "kda-toy", "--data", str(corpus), "--out",
+                                             str(tmp_path / "a"), "--init-from", str(run), *sets,
+                                             "--set", "model.num_hidden_layers=3"]))
+    assert "do not fit this model" in err or "does not fit" in err or "missing" in err
+    err = one_error_line(runner.invoke(app, ["train", "--preset", "kda-toy", "--data", str(corpus), "--out",
+                                             str(tmp_path / "b"), "--init-from", str(tmp_path), *sets]))
+    assert "not a run directory, checkpoint folder or export" in err

@@ -34,7 +34,14 @@ from k3cli.files import write_text_atomic
 from k3cli.train.batches import Prefetcher
 from k3cli.train.build import build_model, build_optimizer, check_parallel, flush_denormals, resolve_device
 from k3cli.train.metrics import StepRecords, Throughput, format_record, rounded
-from k3cli.train.rundir import check_out, prepare_run_data, restore, truncate_metrics, write_new_run
+from k3cli.train.rundir import (
+    check_out,
+    init_weights,
+    prepare_run_data,
+    restore,
+    truncate_metrics,
+    write_new_run,
+)
 from k3cli.train.step import TrainStep
 from k3cli.train.stops import Stops, StopSignals, TrainingInterrupted, TrainingStopped
 from k3cli.train.validation import evaluate_loss
@@ -49,10 +56,12 @@ class TrainResult:
 
 
 def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[str], None] = print,
-          progress=None, wandb_mode: str = "off", stop_at: int | None = None, restart: bool = False) -> TrainResult:
+          progress=None, wandb_mode: str = "off", stop_at: int | None = None, restart: bool = False,
+          init_from: Path | None = None) -> TrainResult:
     """Train `cfg` into `run_dir`. With `resume`, continue from the newest complete checkpoint; with
     `restart`, start over a run that has no checkpoint yet; with `stop_at`, stop (with a checkpoint)
-    after that step without changing the schedule. `run_dir` must pass `rundir.check_out`.
+    after that step without changing the schedule; with `init_from` (a run, checkpoint or export), a new
+    run starts from those weights and their tokenizer. `run_dir` must pass `rundir.check_out`.
     Under torchrun every rank calls it (it joins the process group, or uses the caller's); only
     rank 0 logs, reports progress and writes the run's files."""
     device = resolve_device(cfg.train.device)
@@ -63,7 +72,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, log: Callable[[st
     try:
         if not info.is_main:
             log, progress = (lambda msg: None), None
-        run = Run(cfg, run_dir, info, mode, accum, log, progress, resume, restart)
+        run = Run(cfg, run_dir, info, mode, accum, log, progress, resume, restart, init_from)
         return run.loop(resume, wandb_mode, stop_at, signals)
     finally:
         signals.restore()
@@ -75,7 +84,7 @@ class Run:
     """One training run's state: built in `__init__` (data, model, optimiser), advanced by `loop`."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, info: par.DistInfo, mode: str, accum: int, log, progress,
-                 resume: bool, restart: bool):
+                 resume: bool, restart: bool, init_from: Path | None = None):
         tc, device = cfg.train, info.device
         self.cfg, self.run_dir, self.info, self.mode, self.log, self.progress = cfg, run_dir, info, mode, log, progress
         # every rank looks before any rank writes, so all find the same and take the same branch
@@ -85,7 +94,7 @@ class Run:
         torch.manual_seed(tc.seed)
         flush_denormals(device)
         # rank 0 first: it fills the data cache (tokenizer, token streams), the others then read it
-        data = par.main_first(lambda: prepare_run_data(cfg, run_dir, self.resuming, log))
+        data = par.main_first(lambda: prepare_run_data(cfg, run_dir, self.resuming, log, init_from))
         if info.is_main and not self.resuming:
             write_new_run(cfg, run_dir, data)
         log(f"run directory: {run_dir}")
@@ -94,6 +103,8 @@ class Run:
 
         self.model = model = build_model(cfg).to(device)   # the same seed on every rank: the same weights
         model.activation_checkpointing = tc.activation_checkpointing
+        if init_from is not None:   # every rank, before any wrapping shards them; a resumed checkpoint overwrites them
+            init_weights(model, init_from, log)
         log(f"model: {cfg.model.arch}, {model.num_parameters():,} parameters "
             f"({model.num_active_parameters():,} active per token), device {device}")
         if mode != "none":

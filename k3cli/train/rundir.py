@@ -12,7 +12,16 @@ import time
 from pathlib import Path
 
 from k3cli import distributed as par
-from k3cli.checkpoint import EXPORT_MARKER, latest, list_checkpoints, load, remove_leftovers
+from k3cli.checkpoint import (
+    EXPORT_MARKER,
+    MARKER,
+    latest,
+    list_checkpoints,
+    load,
+    load_weights,
+    remove_leftovers,
+)
+from k3cli.checkpoint.export import is_export, load_export_into
 from k3cli.config import RunConfig, config_to_dict, dump_config, flatten, load_config
 from k3cli.data import MANIFEST, PreparedData, load_tokenizer, prepare_data, save_tokenizer
 from k3cli.errors import RunDirError, SharedCheckpointError
@@ -100,14 +109,45 @@ def check_resume(run_dir: Path, cfg: RunConfig) -> None:
         raise ValueError(f"{e}, or pass --restart: the run has no checkpoint yet") from None
 
 
-def prepare_run_data(cfg: RunConfig, run_dir: Path, resuming: bool, log) -> PreparedData:
+def prepare_run_data(cfg: RunConfig, run_dir: Path, resuming: bool, log, init_from: Path | None = None) -> PreparedData:
     """The run's token streams. A resumed run checks its config first and keeps its own tokenizer;
-    its files stay untouched until its checkpoint has loaded."""
+    its files stay untouched until its checkpoint has loaded. A run started from another's weights
+    (`init_from`) takes that one's tokenizer: the weights know its token ids."""
     if resuming:
         check_resume(run_dir, cfg)
         return prepare_data(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, progress=log,
                             tokenizer=load_tokenizer(run_dir))
+    if init_from is not None:
+        return prepare_data(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, progress=log,
+                            tokenizer=load_tokenizer(weights_source(init_from)[0]))
     return prepare_data(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, progress=log)
+
+
+def weights_source(path: Path) -> tuple[Path, Path]:
+    """(folder with the tokenizer, folder with the weights) of `--init-from PATH`: a run directory (its newest
+    checkpoint that verifies), one checkpoint folder, or an export."""
+    path = Path(path)
+    if is_export(path):
+        return path, path
+    if (path / MARKER).is_file():
+        return path.parent.parent, path
+    if (path / "config.yaml").is_file():
+        ckpt = latest(path)
+        if ckpt is None:
+            raise RunDirError(f"--init-from {path}: the run has no complete checkpoint")
+        return path, ckpt
+    raise RunDirError(f"--init-from {path}: not a run directory, checkpoint folder or export")
+
+
+def init_weights(model, path: Path, log) -> None:
+    """Load the weights of `--init-from PATH` into `model` (plain, before any wrapping); the architecture must
+    match (one error line naming the first tensor that does not fit)."""
+    _, ckpt = weights_source(path)
+    if is_export(ckpt):
+        state = load_export_into(ckpt, model)
+    else:
+        state = load_weights(ckpt, model)
+    log(f"weights: from {ckpt} (step {state['step']}); a fresh optimiser and schedule")
 
 
 def write_new_run(cfg: RunConfig, run_dir: Path, data: PreparedData) -> None:
