@@ -26,6 +26,8 @@ def print_layout(console: Console, data: dict, title: str) -> None:
                       f"{r['attn_group']}, {r['ffn_group']}", human(r["params"]))
     console.print(table)
     console.print(f"pattern: {data['pattern']}")
+    for kind, line in data.get("components", {}).items():
+        console.print(f"  {dict(kda='KDA', mla='MLA', moe='MoE', swiglu='dense FFN')[kind]}: {line}", highlight=False)
     p = data["params"]
     console.print(f"parameters: total {human(p['total'])} ({p['total']:,}), "
                   f"active per token {human(p['active'])} ({p['active']:,})")

@@ -201,3 +201,21 @@ def test_mla_layers_and_first_dense_layers_set_the_pattern():
                       ('model.mla_layers="1,1"', "distinct blocks"), ("model.first_dense_layers=5", "must lie in")):
         with pytest.raises(ConfigError, match=says):
             load_config("k3-toy", overrides=[bad])
+
+
+def test_layout_names_the_layer_options():
+    from k3cli.models.layout import components
+
+    assert components(load_config("k3-toy").model) == {
+        "kda": "H 8, HV 8, K 16, V 16, short conv 4, gate lower_bound (L -5)",
+        "mla": "H 8, query low-rank 64, latent r 32, d_q 16, d_v 16, output gate on",
+        "moe": "16 experts top-2, 2 shared, d_ff 96, latent 128, situ"}
+    kimi = load_config("k3-toy", overrides=[
+        "model.first_dense_layers=1", "model.kda.gate=softplus", "model.mla.q_lora_rank=0",
+        "model.mla.qk_rope_head_dim=4", "model.mla.output_gate=false", "model.moe.latent=false",
+        "model.moe.expert_act=silu", "model.moe.num_expert_groups=4", "model.moe.topk_groups=2",
+        "model.moe.routed_scaling_factor=2.5"]).model
+    c = components(kimi)
+    assert c["kda"].endswith("gate softplus") and "query direct" in c["mla"] and "shared key 4" in c["mla"]
+    assert "in 4 groups (best 2)" in c["moe"] and "full width, silu, weights ×2.5" in c["moe"]
+    assert c["swiglu"] == "SwiGLU d_ff 512"

@@ -103,9 +103,36 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
             "blocks": blocks, "attnres": attnres, "final_norm": D}
 
 
+def components(cfg: ModelConfig) -> dict[str, str]:
+    """One line per layer kind the model uses, with the options that shape it."""
+    kinds = {k for spec in cfg.layer_specs() for k in spec}
+    k, m, e = cfg.kda, cfg.mla, cfg.moe
+    out = {}
+    if "kda" in kinds:
+        out["kda"] = (f"H {k.num_heads}, HV {k.num_v_heads}, K {k.head_k_dim}, V {k.head_v_dim}, short conv "
+                      f"{k.short_conv}, gate {k.gate}" + (f" (L {k.lower_bound:g})" if k.gate == "lower_bound" else "")
+                      + ("" if k.output_gate else ", no output gate"))
+    if "mla" in kinds:
+        out["mla"] = (f"H {m.num_heads}, query {'low-rank ' + str(m.q_lora_rank) if m.q_lora_rank else 'direct'}, "
+                      f"latent r {m.kv_lora_rank}, d_q {m.qk_head_dim}"
+                      + (f" + shared key {m.qk_rope_head_dim}" if m.qk_rope_head_dim else "")
+                      + f", d_v {m.v_head_dim}, output gate {'on' if m.output_gate else 'off'}")
+    if "moe" in kinds:
+        out["moe"] = (f"{e.num_routed_experts} experts top-{e.top_k}"
+                      + (f" in {e.num_expert_groups} groups (best {e.topk_groups})" if e.num_expert_groups > 1 else "")
+                      + f", {e.num_shared_experts} shared, d_ff {e.d_ff}, "
+                      + (f"latent {cfg.moe_latent_dim}" if e.latent else "full width") + f", {e.expert_act}"
+                      + (f", weights ×{e.routed_scaling_factor:g}" if e.routed_scaling_factor != 1 else "")
+                      + ("" if e.renormalize else ", not renormalised"))
+    if "swiglu" in kinds:
+        out["swiglu"] = f"SwiGLU d_ff {cfg.intermediate_size}"
+    return out
+
+
 def layout_dict(cfg: ModelConfig) -> dict:
     counts = param_counts(cfg)
     return {
+        "components": components(cfg),
         "arch": cfg.arch,
         "num_hidden_layers": cfg.num_hidden_layers,
         "attnres": {"mode": cfg.attnres.mode,
