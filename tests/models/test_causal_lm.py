@@ -201,3 +201,18 @@ def test_cuda_kernels_match_torch_references(preset, attnres):
         loss = fast(x, labels=x).loss
     loss.backward()
     assert torch.isfinite(loss) and abs(loss.item() - outs[1].loss.item()) < 0.05
+
+
+@pytest.mark.parametrize("preset, total, active, mla", [
+    ("kimi-linear-48b-a3b", 48e9, 3e9, 7),   # published: 48B total, 3B active
+    ("kimi-k3", 2.8e12, 104e9, 24),          # published: about 2.8T total, 104B active
+])
+def test_released_shapes_count_close_to_the_published_totals(preset, total, active, mla):
+    cfg = load_config(preset).model
+    with torch.device("meta"):
+        m = CausalLM(cfg)
+    counts = param_counts(cfg)
+    assert m.num_parameters() == counts["total"] and m.num_active_parameters() == counts["active"]
+    assert cfg.layer_types().count("mla") == mla and cfg.layer_types()[-1] == "mla"
+    assert abs(counts["total"] / total - 1) < 0.03
+    assert abs(counts["active"] / active - 1) < 0.17   # 3.48B against "3B" (embeddings counted) and 99.2B against 104B
