@@ -1,0 +1,62 @@
+"""The whole model with every Kimi Linear option on (softplus KDA gate, direct query and shared key part in MLA,
+no MLA output gate, full-width SwiGLU experts with grouped routing and scaling, a dense first block, the MLA
+blocks by index): one full graph under torch.compile (forward and backward equal eager, with and without
+packed documents), and prefill + decode equal to the full forward."""
+import pytest
+import torch
+
+from k3cli.config import load_config
+from k3cli.layers.segments import Segments
+from k3cli.models.causal_lm import CausalLM
+from k3cli.testing import TINY_MODEL
+
+KIMI = TINY_MODEL + [
+    "model.num_hidden_layers=3", 'model.mla_layers="1,2"', "model.first_dense_layers=1", "model.norm_eps=0.00001",
+    "model.kda={num_heads: 2, num_v_heads: 2, head_k_dim: 8, head_v_dim: 8, chunk_size: 8, gate: softplus}",
+    "model.mla={num_heads: 2, q_lora_rank: 0, kv_lora_rank: 8, qk_head_dim: 8, v_head_dim: 8, qk_rope_head_dim: 4, "
+    "output_gate: false, latent_norm_eps: 0.000001}",
+    "model.moe={num_routed_experts: 8, top_k: 2, num_shared_experts: 1, d_ff: 16, latent: false, expert_act: silu, "
+    "num_expert_groups: 4, topk_groups: 2, routed_scaling_factor: 2.5}",
+]
+
+
+def build():
+    torch.manual_seed(0)
+    return CausalLM(load_config("k3-toy", overrides=KIMI).model).train()
+
+
+def loss_and_grads(model, forward, ids, segments=None):
+    model.zero_grad()
+    loss = forward(ids, labels=ids, segments=segments).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.slow   # about 30 s per case on 2 cores: the compile
+@pytest.mark.parametrize("packed", [False, True])
+def test_fullgraph_forward_backward_equals_eager(packed):
+    model = build()
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    segments = None
+    if packed:
+        starts = torch.zeros(2, 24, dtype=torch.bool)
+        starts[:, 0] = True
+        starts[0, 9] = starts[1, 17] = True
+        segments = Segments.from_starts(starts)
+    ref_loss, ref = loss_and_grads(model, model, ids, segments)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    loss, grads = loss_and_grads(model, compiled, ids, segments)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == ref.keys()
+    for n in ref:
+        torch.testing.assert_close(grads[n], ref[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_prefill_then_decode_equals_the_full_forward():
+    model = build().eval()
+    ids = torch.randint(0, 300, (2, 19), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(ids).logits
+        logits, cache = model.prefill(ids[:, :11])
+        steps = [logits] + [model.decode_step(ids[:, t:t + 1], cache) for t in range(11, 19)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-5)
