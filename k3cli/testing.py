@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from k3cli.ops.errors import max_abs_error, relative_rms_error, scaled_max_error
 
-__all__ = ["TINY_MODEL", "TINY_TRAIN", "WORDS", "assert_close", "kda_inputs", "max_abs_error", "one_error_line",
+__all__ = ["KIMI_TINY", "TINY_MODEL", "TINY_TRAIN", "WORDS", "assert_close", "kda_inputs", "max_abs_error", "one_error_line",
            "relative_rms_error", "run_with_grads", "scaled_max_error", "write_corpus"]
 
 TINY_MODEL = [
@@ -26,6 +26,17 @@ TINY_MODEL = [
     "model.mla={num_heads: 2, q_lora_rank: 16, kv_lora_rank: 8, qk_head_dim: 8, v_head_dim: 8}",
     "model.moe={num_routed_experts: 4, top_k: 2, num_shared_experts: 1, d_ff: 16, latent_dim: 16}",
 ]
+# TINY_MODEL with every Kimi Linear option on: softplus KDA gate, direct query and shared key part in MLA, no
+# MLA output gate, full-width SwiGLU experts with grouped routing and scaling, a dense first block, MLA by index
+KIMI_TINY = TINY_MODEL + [
+    "model.num_hidden_layers=3", 'model.mla_layers="1,2"', "model.first_dense_layers=1", "model.norm_eps=0.00001",
+    "model.kda={num_heads: 2, num_v_heads: 2, head_k_dim: 8, head_v_dim: 8, chunk_size: 8, gate: softplus}",
+    "model.mla={num_heads: 2, q_lora_rank: 0, kv_lora_rank: 8, qk_head_dim: 8, v_head_dim: 8, qk_rope_head_dim: 4, "
+    "output_gate: false, latent_norm_eps: 0.000001}",
+    "model.moe={num_routed_experts: 8, top_k: 2, num_shared_experts: 1, d_ff: 16, latent: false, expert_act: silu, "
+    "num_expert_groups: 4, topk_groups: 2, routed_scaling_factor: 2.5}",
+]
+
 TINY_TRAIN = [
     "train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4", "train.steps=6",
     "train.warmup_steps=2", "train.ckpt_every=2", "train.eval_every=3", "train.log_every=1",

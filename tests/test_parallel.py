@@ -506,3 +506,32 @@ def _worker(scenario: str, out: Path) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1], Path(sys.argv[2]))
+
+
+def test_one_process_fsdp_trains_the_kimi_linear_options_like_the_plain_model(monkeypatch):
+    """FSDP2 units with every Kimi Linear option on (softplus gate, direct query and shared key, full-width
+    grouped experts, a dense first block) step like the plain model."""
+    from k3cli.config import load_config
+    from k3cli.models.causal_lm import CausalLM
+    from k3cli.testing import KIMI_TINY as KIMI
+
+    def kimi_model():
+        torch.manual_seed(0)
+        return CausalLM(load_config("k3-toy", overrides=KIMI + ["model.kda.backend=torch"]).model)
+
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    plain = kimi_model()
+    opt, sched = optimizer_for(plain)
+    train_steps(plain, plain, opt, sched, batches(2))
+    info = init_distributed("cpu", single_process_group=True)
+    try:
+        model = kimi_model()
+        module = parallelize(model, "fsdp", info.device)
+        opt, sched = optimizer_for(model)
+        train_steps(module, model, opt, sched, batches(2))
+        assert_state_close(full_params(model), plain.state_dict(), TOL_SAME_GROUPS, "1-process fsdp, Kimi options:")
+    finally:
+        from k3cli.distributed import destroy
+
+        destroy()

@@ -8,16 +8,7 @@ import torch
 from k3cli.config import load_config
 from k3cli.layers.segments import Segments
 from k3cli.models.causal_lm import CausalLM
-from k3cli.testing import TINY_MODEL
-
-KIMI = TINY_MODEL + [
-    "model.num_hidden_layers=3", 'model.mla_layers="1,2"', "model.first_dense_layers=1", "model.norm_eps=0.00001",
-    "model.kda={num_heads: 2, num_v_heads: 2, head_k_dim: 8, head_v_dim: 8, chunk_size: 8, gate: softplus}",
-    "model.mla={num_heads: 2, q_lora_rank: 0, kv_lora_rank: 8, qk_head_dim: 8, v_head_dim: 8, qk_rope_head_dim: 4, "
-    "output_gate: false, latent_norm_eps: 0.000001}",
-    "model.moe={num_routed_experts: 8, top_k: 2, num_shared_experts: 1, d_ff: 16, latent: false, expert_act: silu, "
-    "num_expert_groups: 4, topk_groups: 2, routed_scaling_factor: 2.5}",
-]
+from k3cli.testing import KIMI_TINY as KIMI
 
 
 def build():
