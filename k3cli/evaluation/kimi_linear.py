@@ -28,7 +28,7 @@ from k3cli.config import config_from_dict, dump_config, load_config
 from k3cli.errors import ConfigError, UserError
 from k3cli.files import write_text_atomic
 from k3cli.models.causal_lm import CausalLM
-from k3cli.train import RUN_MARKER
+from k3cli.train import mark_run
 
 LATENT_NORM_EPS = 1e-6   # Kimi Linear's q_a_layernorm and kv_a_layernorm keep the norm class's default
 
@@ -232,7 +232,7 @@ def import_kimi_linear(src: str | Path, out: str | Path, preset: str = "k3-toy",
             if b.is_meta:
                 setattr(m, name, torch.zeros(b.shape, dtype=b.dtype))
     out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / RUN_MARKER, json.dumps({"k3": "run", "format": 1}) + "\n")
+    mark_run(out)
     if (src / "tokenizer.json").is_file():
         shutil.copyfile(src / "tokenizer.json", out / "tokenizer.json")
     else:

@@ -20,6 +20,7 @@ from k3cli.train.rundir import (
     check_out,
     check_resume,
     check_resume_config,
+    mark_run,
     new_run_dir,
     newest_run,
 )
@@ -31,6 +32,6 @@ __all__ = [
     "Batch", "Prefetcher", "document_segments", "host_batch", "build_model", "build_optimizer", "check_parallel",
     "flush_denormals", "lr_lambda", "param_groups", "resolve_device", "TrainResult", "require_wandb", "train",
     "Throughput", "peak_memory_bytes", "RESUMABLE_KEYS", "RUN_MARKER",
-    "check_out", "check_resume", "check_resume_config", "new_run_dir", "newest_run", "TrainStep", "moe_imbalance",
+    "check_out", "check_resume", "check_resume_config", "mark_run", "new_run_dir", "newest_run", "TrainStep", "moe_imbalance",
     "StopSignals", "TrainingInterrupted", "TrainingStopped", "evaluate_loss",
 ]

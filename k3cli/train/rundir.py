@@ -150,10 +150,15 @@ def init_weights(model, path: Path, log) -> None:
     log(f"weights: from {ckpt} (step {state['step']}); a fresh optimiser and schedule")
 
 
+def mark_run(run_dir: Path) -> None:
+    """The run marker: written first, so whatever follows in the folder is this run's."""
+    write_text_atomic(run_dir / RUN_MARKER, json.dumps({"k3": "run", "format": RUN_FORMAT}) + "\n")
+
+
 def write_new_run(cfg: RunConfig, run_dir: Path, data: PreparedData) -> None:
     """The marker first (whatever follows is then this run's), the tokenizer, the config; a started-over
     run's old metrics go."""
-    write_text_atomic(run_dir / RUN_MARKER, json.dumps({"k3": "run", "format": RUN_FORMAT}) + "\n")
+    mark_run(run_dir)
     save_tokenizer(data.tokenizer, run_dir)
     write_text_atomic(run_dir / "config.yaml", dump_config(cfg))
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
