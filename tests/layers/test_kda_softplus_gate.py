@@ -118,3 +118,18 @@ def test_triton_decode_step_equals_the_torch_one():
             cache = m.new_cache()
             outs.append(torch.cat([m(x[:, :4], cache=cache)] + [m(x[:, t:t + 1], cache=cache) for t in range(4, 9)], 1))
     assert_close("triton decode", outs[1], outs[0], 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("a_log", [0.0, 4.0])
+def test_bf16_on_the_gpu_follows_the_fp32_layer(a_log):
+    """The softplus gate in bf16 under autocast on CUDA (its torch chunked path and Triton decode), against the
+    same layer in fp32: outputs and every gradient, at decays below −20 per step too."""
+    m = make(a_log=a_log, backend="auto").float().cuda()
+    x = torch.randn(2, 70, 24, device="cuda")
+    y_ref, g_ref = run(m, x)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y, g = run(m, x)
+    assert_close("y", y.float(), y_ref, 3e-2)
+    for name in g_ref:
+        assert_close(f"d{name}", g[name].float(), g_ref[name], 5e-2)
