@@ -129,6 +129,12 @@ def test_import_refuses_what_k3_cannot_express(tmp_path):
         (tmp_path / "hf" / "config.json").write_text(json.dumps(bad))
         line = one_error_line(runner.invoke(app, ["import", "hf", str(tmp_path / "hf"), "--out", str(tmp_path / key)]))
         assert says in line and not (tmp_path / key).exists()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    good = (tmp_path / "hf" / "model.safetensors").read_bytes()
+    (tmp_path / "hf" / "model.safetensors").write_bytes(good[:len(good) // 2])   # a truncated download
+    line = one_error_line(runner.invoke(app, ["import", "hf", str(tmp_path / "hf"), "--out", str(tmp_path / "cut")]))
+    assert "cannot read" in line and "model.safetensors" in line and not (tmp_path / "cut").exists()
+    (tmp_path / "hf" / "model.safetensors").write_bytes(good)
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "notes.txt").write_text("mine")
     (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))

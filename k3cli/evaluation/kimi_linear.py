@@ -25,7 +25,7 @@ import yaml
 
 from k3cli.checkpoint import single
 from k3cli.config import config_from_dict, dump_config, load_config
-from k3cli.errors import ConfigError, UserError
+from k3cli.errors import ConfigError, UserError, first_line
 from k3cli.files import write_text_atomic
 from k3cli.models.causal_lm import CausalLM
 from k3cli.train import mark_run
@@ -190,7 +190,7 @@ def shard_files(src: Path) -> list[Path]:
 def import_kimi_linear(src: str | Path, out: str | Path, preset: str = "k3-toy",
                        log: Callable[[str], None] = print) -> Path:
     """Write the kimi_linear folder `src` as the k3 run directory `out` (new or empty); returns its checkpoint."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     src, out = Path(src), Path(out)
     if not (src / "config.json").is_file():
@@ -213,9 +213,12 @@ def import_kimi_linear(src: str | Path, out: str | Path, preset: str = "k3-toy",
     expected = model.state_dict()
     mapper, state = WeightMapper(cfg), {}
     for i, f in enumerate(files, 1):
-        with safe_open(str(f), "pt") as shard:
-            for name in shard.keys():
-                state.update(mapper.add(name, shard.get_tensor(name)))
+        try:
+            with safe_open(str(f), "pt") as shard:
+                for name in shard.keys():
+                    state.update(mapper.add(name, shard.get_tensor(name)))
+        except (OSError, SafetensorError) as e:
+            raise UserError(f"cannot read {f}: {first_line(e, 200)}") from None
         log(f"read {f.name} ({i}/{len(files)})")
     state = {k: _own(v.to(torch.float32)) for k, v in state.items()}
     missing = sorted(set(expected) - set(state) - {k for k in expected if k.endswith("load_counts")})
