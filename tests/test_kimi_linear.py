@@ -150,3 +150,19 @@ def test_export_refuses_a_model_the_format_cannot_hold():
         _fits(load_config("k3-toy"))
     with pytest.raises(UserError, match="cannot hold model.attnres.mode=block"):
         _fits(load_config("k3-toy", attnres="block"))
+
+
+def test_a_sharded_checkpoint_imports_shard_by_shard(tmp_path):
+    hf = kimi(10, 4, 2, 1, 32, 4, [2, 4], seed=2)
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="20KB")   # experts of one layer across shards
+    shards = sorted((tmp_path / "hf").glob("model-*.safetensors"))
+    assert len(shards) > 3 and (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    r = runner.invoke(app, ["import", "hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")])
+    assert r.exit_code == 0, r.output
+    assert f"read {shards[-1].name} ({len(shards)}/{len(shards)})" in r.output
+    ours = CausalLM(load_config(str(tmp_path / "run" / "config.yaml")).model)
+    load_weights(tmp_path / "run" / "checkpoints" / "step_00000000", ours)
+    ids = torch.randint(0, 97, (2, 15), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want, got = hf(ids).logits, ours.eval()(ids).logits
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-4

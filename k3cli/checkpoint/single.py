@@ -10,6 +10,7 @@ import json
 import os
 import pickle
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import safetensors.torch
@@ -46,27 +47,39 @@ def save(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer=None
     A write that fails (full disk, read-only folder) raises CheckpointError and removes its temp
     folder; nothing else is touched. Where the disk says how much is free, a save that cannot fit
     the model and optimizer tensors is refused before anything is written."""
+    opt_state = optimizer.state_dict() if optimizer is not None else None
+
+    def weights(path: Path) -> None:
+        safetensors.torch.save_model(_unwrap(model), str(path), metadata={"step": str(step)})
+
+    return _publish(run_dir, step, weights, tensor_bytes(_unwrap(model).state_dict(), opt_state), {
+        "optimizer": opt_state, "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "loader": loader_state, "extra": extra or {}})
+
+
+def save_weights(run_dir: str | os.PathLike, step: int, write_weights: Callable[[Path], None], nbytes: int,
+                 extra: dict | None = None) -> Path:
+    """Checkpoint `step` of `run_dir` holding weights only (no optimizer, scheduler or loader state), its
+    model.safetensors written by `write_weights(path)`: for weights streamed in without a model in memory."""
+    return _publish(run_dir, step, write_weights, nbytes,
+                    {"optimizer": None, "scheduler": None, "loader": None, "extra": extra or {}})
+
+
+def _publish(run_dir, step: int, write_weights: Callable[[Path], None], nbytes: int, state: dict) -> Path:
     parent = Path(run_dir) / "checkpoints"
     final = parent / f"step_{step:08d}"
     if final.exists():
         raise CheckpointError(f"checkpoint {final} already exists; refusing to overwrite it")
-    state = {
-        "step": step,
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "loader": loader_state,
-        "rng": _rng_state(),
-        "extra": extra or {},
-    }
+    state = {"step": step, **state, "rng": _rng_state()}
     tmp = parent / f"{final.name}.tmp-{os.getpid()}"
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        check_free_space(parent, tensor_bytes(_unwrap(model).state_dict(), state["optimizer"]), final)
+        check_free_space(parent, nbytes, final)
         remove_leftovers(run_dir)
         if tmp.exists():  # left by an earlier crashed save of this same process id: ours by name
             shutil.rmtree(tmp)
         tmp.mkdir()
-        _write_files(tmp, step, model, state)
+        _write_files(tmp, step, write_weights, state)
         os.rename(tmp, final)
         fsync_dir(parent)
     except (OSError, RuntimeError, SafetensorError) as e:
@@ -79,8 +92,8 @@ def save(run_dir: str | os.PathLike, step: int, model: nn.Module, optimizer=None
     return final
 
 
-def _write_files(tmp: Path, step: int, model: nn.Module, state: dict) -> None:
-    safetensors.torch.save_model(_unwrap(model), str(tmp / MODEL_FILE), metadata={"step": str(step)})
+def _write_files(tmp: Path, step: int, write_weights: Callable[[Path], None], state: dict) -> None:
+    write_weights(tmp / MODEL_FILE)
     with open(tmp / STATE_FILE, "wb") as f:  # a file object: torch.save then keeps the OSError as the cause
         torch.save(state, f)
     files = hash_files(tmp, [MODEL_FILE, STATE_FILE])

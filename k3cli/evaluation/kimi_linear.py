@@ -14,9 +14,12 @@ folder has a tokenizer.json, and checkpoint step 0 in the single-process format.
 """
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import re
 import shutil
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -187,11 +190,38 @@ def shard_files(src: Path) -> list[Path]:
     raise UserError(f"{src} holds no model.safetensors nor model.safetensors.index.json")
 
 
-def import_kimi_linear(src: str | Path, out: str | Path, preset: str = "k3-toy",
-                       log: Callable[[str], None] = print) -> Path:
-    """Write the kimi_linear folder `src` as the k3 run directory `out` (new or empty); returns its checkpoint."""
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32}
+
+
+def _mapped(files: list[Path], cfg, meta: bool, log: Callable[[str], None] = lambda m: None):
+    """(k3 name, tensor) in k3's layout, shard by shard; with `meta`, shapes only (nothing is read)."""
     from safetensors import SafetensorError, safe_open
 
+    mapper = WeightMapper(cfg)
+    for i, f in enumerate(files, 1):
+        try:
+            with safe_open(str(f), "pt") as shard:
+                for name in shard.keys():
+                    if meta:
+                        piece = shard.get_slice(name)
+                        t = torch.empty(piece.get_shape(), dtype=_DTYPES.get(piece.get_dtype(), torch.float32),
+                                        device="meta")
+                    else:
+                        t = shard.get_tensor(name)
+                    yield from mapper.add(name, t).items()
+        except (OSError, SafetensorError) as e:
+            raise UserError(f"cannot read {f}: {first_line(e, 200)}") from None
+        log(f"read {f.name} ({i}/{len(files)})")
+    if mapper.pending:
+        raise UserError(f"{files[0].parent}: some layers' experts are incomplete: {sorted(mapper.pending)[:3]}")
+
+
+def import_kimi_linear(src: str | Path, out: str | Path, preset: str = "k3-toy",
+                       log: Callable[[str], None] = print) -> Path:
+    """Write the kimi_linear folder `src` as the k3 run directory `out` (new or empty); returns its checkpoint.
+    The weights are planned from the shards' headers, then read and written one tensor at a time: memory
+    holds one shard's tensors (and a layer's experts until its last arrives), not the model."""
     src, out = Path(src), Path(out)
     if not (src / "config.json").is_file():
         raise UserError(f"{src} has no config.json; give a Hugging Face model folder")
@@ -209,31 +239,33 @@ def import_kimi_linear(src: str | Path, out: str | Path, preset: str = "k3-toy",
         raise UserError(f"{src / 'config.json'}: {e}") from None
     files = shard_files(src)
     with torch.device("meta"):
-        model = CausalLM(cfg.model)
-    expected = model.state_dict()
-    mapper, state = WeightMapper(cfg), {}
-    for i, f in enumerate(files, 1):
-        try:
-            with safe_open(str(f), "pt") as shard:
-                for name in shard.keys():
-                    state.update(mapper.add(name, shard.get_tensor(name)))
-        except (OSError, SafetensorError) as e:
-            raise UserError(f"cannot read {f}: {first_line(e, 200)}") from None
-        log(f"read {f.name} ({i}/{len(files)})")
-    state = {k: _own(v.to(torch.float32)) for k, v in state.items()}
-    missing = sorted(set(expected) - set(state) - {k for k in expected if k.endswith("load_counts")})
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected or mapper.pending:
+        expected = {k: tuple(v.shape) for k, v in CausalLM(cfg.model).state_dict().items()
+                    if not k.endswith("load_counts")}   # the MoE's load counters are not saved
+    plan = [(k, tuple(t.shape)) for k, t in _mapped(files, cfg, meta=True)]
+    missing, unexpected = sorted(set(expected) - {k for k, _ in plan}), sorted({k for k, _ in plan} - set(expected))
+    if missing or unexpected or len(plan) != len(expected):
         raise UserError(f"{src}: the weights do not fit the model config.json describes (missing {missing[:3]}, "
                         f"unexpected {unexpected[:3]})")
-    for k, v in state.items():
-        if tuple(v.shape) != tuple(expected[k].shape):
-            raise UserError(f"{src}: {k} is {tuple(v.shape)}, the config's model wants {tuple(expected[k].shape)}")
-    model.load_state_dict(state, strict=False, assign=True)
-    for m in model.modules():   # buffers that are not saved (the MoE's load counters) start at zero
-        for name, b in list(m.named_buffers(recurse=False)):
-            if b.is_meta:
-                setattr(m, name, torch.zeros(b.shape, dtype=b.dtype))
+    for k, shape in plan:
+        if shape != expected[k]:
+            raise UserError(f"{src}: {k} is {shape}, the config's model wants {expected[k]}")
+    sizes = [4 * math.prod(shape) for _, shape in plan]   # fp32, as k3's parameters
+
+    def write_weights(path: Path) -> None:
+        # the safetensors layout: an 8-byte header length, the JSON header, then the tensors back to back
+        offsets = [0, *itertools.accumulate(sizes)]
+        header = {k: {"dtype": "F32", "shape": list(shape), "data_offsets": [offsets[i], offsets[i + 1]]}
+                  for i, (k, shape) in enumerate(plan)}
+        header["__metadata__"] = {"format": "pt", "step": "0"}
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(head)) + head)
+            for (k, t), (want, _) in zip(_mapped(files, cfg, meta=False, log=log), plan, strict=True):
+                if k != want:   # the same shards in the same order give the same sequence
+                    raise UserError(f"{src}: the shards changed while being read ({k} where {want} was planned)")
+                f.write(t.to(torch.float32).contiguous().numpy().tobytes())
+
     out.mkdir(parents=True, exist_ok=True)
     mark_run(out)
     if (src / "tokenizer.json").is_file():
@@ -241,7 +273,7 @@ def import_kimi_linear(src: str | Path, out: str | Path, preset: str = "k3-toy",
     else:
         log(f"warning: {src} has no tokenizer.json; k3 eval and k3 generate need one in {out}")
     write_text_atomic(out / "config.yaml", dump_config(cfg))
-    return single.save(out, 0, model, extra={"imported_from": str(src.resolve())})
+    return single.save_weights(out, 0, write_weights, sum(sizes), extra={"imported_from": str(src.resolve())})
 
 
 # ---- the reverse: a k3 run in the kimi_linear format --------------------------------------------------------
