@@ -40,6 +40,7 @@ from k3cli.train.rundir import (
     prepare_run_data,
     restore,
     truncate_metrics,
+    weights_source,
     write_new_run,
 )
 from k3cli.train.step import TrainStep
@@ -94,7 +95,10 @@ class Run:
         torch.manual_seed(tc.seed)
         flush_denormals(device)
         # rank 0 first: it fills the data cache (tokenizer, token streams), the others then read it
-        data = par.main_first(lambda: prepare_run_data(cfg, run_dir, self.resuming, log, init_from))
+        # resolved on every rank before main_first: finding a run's newest checkpoint is a collective
+        source = weights_source(init_from) if init_from is not None else None
+        data = par.main_first(lambda: prepare_run_data(cfg, run_dir, self.resuming, log,
+                                                       source.tokenizer if source else None))
         if info.is_main and not self.resuming:
             write_new_run(cfg, run_dir, data)
         log(f"run directory: {run_dir}")
@@ -103,8 +107,8 @@ class Run:
 
         self.model = model = build_model(cfg).to(device)   # the same seed on every rank: the same weights
         model.activation_checkpointing = tc.activation_checkpointing
-        if init_from is not None:   # every rank, before any wrapping shards them; a resumed checkpoint overwrites them
-            init_weights(model, init_from, log)
+        if source is not None:   # every rank, before any wrapping shards them; a resumed checkpoint overwrites them
+            init_weights(model, source, log)
         log(f"model: {cfg.model.arch}, {model.num_parameters():,} parameters "
             f"({model.num_active_parameters():,} active per token), device {device}")
         if mode != "none":

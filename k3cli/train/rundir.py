@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from k3cli import distributed as par
 from k3cli.checkpoint import (
@@ -109,45 +110,54 @@ def check_resume(run_dir: Path, cfg: RunConfig) -> None:
         raise ValueError(f"{e}, or pass --restart: the run has no checkpoint yet") from None
 
 
-def prepare_run_data(cfg: RunConfig, run_dir: Path, resuming: bool, log, init_from: Path | None = None) -> PreparedData:
+def prepare_run_data(cfg: RunConfig, run_dir: Path, resuming: bool, log,
+                     tokenizer_from: Path | None = None) -> PreparedData:
     """The run's token streams. A resumed run checks its config first and keeps its own tokenizer;
     its files stay untouched until its checkpoint has loaded. A run started from another's weights
-    (`init_from`) takes that one's tokenizer: the weights know its token ids."""
+    takes that one's tokenizer (`tokenizer_from`, a folder): the weights know its token ids."""
     if resuming:
         check_resume(run_dir, cfg)
         return prepare_data(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, progress=log,
                             tokenizer=load_tokenizer(run_dir))
-    if init_from is not None:
+    if tokenizer_from is not None:
         return prepare_data(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, progress=log,
-                            tokenizer=load_tokenizer(weights_source(init_from)[0]))
+                            tokenizer=load_tokenizer(tokenizer_from))
     return prepare_data(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, progress=log)
 
 
-def weights_source(path: Path) -> tuple[Path, Path]:
-    """(folder with the tokenizer, folder with the weights) of `--init-from PATH`: a run directory (its newest
-    checkpoint that verifies), one checkpoint folder, or an export."""
+class WeightsSource(NamedTuple):
+    """What `--init-from PATH` names: the folder with its tokenizer, the one with its weights, and whether
+    those weights were just checksummed (a run directory's newest checkpoint)."""
+
+    tokenizer: Path
+    weights: Path
+    verified: bool
+
+
+def weights_source(path: Path) -> WeightsSource:
+    """`--init-from PATH` resolved: a run directory (its newest checkpoint that verifies), one checkpoint
+    folder, or an export. Every rank calls it (under a process group rank 0 alone hashes)."""
     path = Path(path)
     if is_export(path):
-        return path, path
+        return WeightsSource(path, path, False)
     if (path / MARKER).is_file():
-        return path.parent.parent, path
+        return WeightsSource(path.parent.parent, path, False)
     if (path / "config.yaml").is_file():
         ckpt = latest(path)
         if ckpt is None:
             raise RunDirError(f"--init-from {path}: the run has no complete checkpoint")
-        return path, ckpt
+        return WeightsSource(path, ckpt, True)
     raise RunDirError(f"--init-from {path}: not a run directory, checkpoint folder or export")
 
 
-def init_weights(model, path: Path, log) -> None:
-    """Load the weights of `--init-from PATH` into `model` (plain, before any wrapping); the architecture must
-    match (one error line naming the first tensor that does not fit)."""
-    _, ckpt = weights_source(path)
-    if is_export(ckpt):
-        state = load_export_into(ckpt, model)
+def init_weights(model, source: WeightsSource, log) -> None:
+    """Load `--init-from`'s weights into `model` (plain, before any wrapping); the architecture must match
+    (one error line naming the first tensor that does not fit)."""
+    if is_export(source.weights):
+        state = load_export_into(source.weights, model, verify=not source.verified)
     else:
-        state = load_weights(ckpt, model)
-    log(f"weights: from {ckpt} (step {state['step']}); a fresh optimiser and schedule")
+        state = load_weights(source.weights, model, verify=not source.verified)
+    log(f"weights: from {source.weights} (step {state['step']}); a fresh optimiser and schedule")
 
 
 def mark_run(run_dir: Path) -> None:
