@@ -1,9 +1,14 @@
-"""File helpers every writer shares: atomic text writes, fsync of files and folders, SHA-256 of files."""
+"""File helpers every writer shares: atomic text writes and folders, fsync of files and folders, SHA-256 of files."""
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -39,3 +44,28 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def is_free(path: Path) -> bool:
+    """`path` may become a new folder: it does not exist, or is an empty folder."""
+    return not path.exists() or (path.is_dir() and not any(path.iterdir()))
+
+
+def build_folder(out: Path, fill: Callable[[Path], T]) -> T:
+    """The folder `out` (absent or empty) written whole or not at all: `fill` writes into a temp folder beside
+    it, which one rename puts in place; a failure removes the temp folder. Returns what `fill` returns."""
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    if tmp.exists():   # left by an earlier crashed build of this same process id: ours by name
+        shutil.rmtree(tmp)
+    try:
+        tmp.mkdir(parents=True)
+        result = fill(tmp)
+        fsync_dir(tmp)
+        if out.is_dir():
+            out.rmdir()   # empty: the callers check
+        os.rename(tmp, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return result

@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from k3cli.checkpoint.api import export_consolidated
-from k3cli.checkpoint.folder import EXPORT_MARKER, MODEL_FILE
+from k3cli.checkpoint.folder import EXPORT_MARKER, MODEL_FILE, hash_files
 from k3cli.config import load_config
 from k3cli.errors import CheckpointError
-from k3cli.files import fsync_dir, fsync_file, sha256_file
+from k3cli.files import build_folder, is_free, sha256_file
 from k3cli.models.causal_lm import CausalLM
 
 __all__ = ["EXPORT_MARKER", "is_export", "export_checkpoint", "check_fits", "load_export_into"]
@@ -45,7 +45,7 @@ def export_checkpoint(run_dir: str | os.PathLike, ckpt: str | os.PathLike, out: 
     """Write checkpoint `ckpt` of `run_dir` as the folder `out` (see the module docstring); returns
     its EXPORT marker. Refuses (CheckpointError) an `out` that exists and is not an empty folder."""
     run_dir, ckpt, out = Path(run_dir), Path(ckpt), Path(out)
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+    if not is_free(out):
         raise CheckpointError(f"{out} already exists; refusing to overwrite it (choose a new --out)")
     for name in RUN_FILES:
         if not (run_dir / name).is_file():
@@ -53,33 +53,21 @@ def export_checkpoint(run_dir: str | os.PathLike, ckpt: str | os.PathLike, out: 
     config = run_dir / "config.yaml"
     with torch.device("meta"):
         expected = CausalLM(load_config(str(config)).model).state_dict()
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    if tmp.exists():  # left by an earlier crashed export of this same process id: ours by name
-        shutil.rmtree(tmp)
-    try:
+
+    def fill(tmp: Path) -> dict:
         # verifies the checkpoint's checksums, then its tensors against the config, before writing
         export_consolidated(ckpt, tmp, check=lambda sd: check_fits(sd, expected, f"{ckpt} does not fit {config}"))
         for name in RUN_FILES:
             shutil.copyfile(run_dir / name, tmp / name)
-        files = {}
-        for name in (MODEL_FILE, *RUN_FILES):
-            fsync_file(tmp / name)
-            files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
         step = json.loads((ckpt / "COMPLETE").read_text()).get("step")
-        marker = {"step": step, "source": str(ckpt.resolve()), "files": files}
+        marker = {"step": step, "source": str(ckpt.resolve()), "files": hash_files(tmp, [MODEL_FILE, *RUN_FILES])}
         with open(tmp / EXPORT_MARKER, "w") as f:
             json.dump(marker, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        fsync_dir(tmp)
-        if out.is_dir():
-            out.rmdir()   # the empty folder checked above
-        os.rename(tmp, out)
-        fsync_dir(out.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return marker
+        return marker
+
+    return build_folder(out, fill)
 
 
 def check_fits(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:

@@ -28,7 +28,7 @@ from k3cli.checkpoint.folder import MARKER, MODEL_FILE
 from k3cli.config import dump_config, load_config
 from k3cli.data import EOT, EOT_ID, load_tokenizer
 from k3cli.errors import CheckpointError
-from k3cli.files import fsync_dir
+from k3cli.files import build_folder, is_free
 from k3cli.models.causal_lm import CausalLM
 
 MODELING = Path(__file__).with_name("modeling_k3.py")
@@ -64,7 +64,7 @@ def export_hf(run_dir: str | os.PathLike, ckpt: str | os.PathLike, out: str | os
     """Write checkpoint `ckpt` of `run_dir` as the Hugging Face folder `out`; returns {step, files}.
     Refuses (CheckpointError) an `out` that exists and is not an empty folder."""
     run_dir, ckpt, out = Path(run_dir), Path(ckpt), Path(out)
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+    if not is_free(out):
         raise CheckpointError(f"{out} already exists; refusing to overwrite it (choose a new --out)")
     config = run_dir / "config.yaml"
     cfg = load_config(str(config))
@@ -72,12 +72,9 @@ def export_hf(run_dir: str | os.PathLike, ckpt: str | os.PathLike, out: str | os
         expected = CausalLM(cfg.model).state_dict()
     state = load_full_model_state(ckpt)   # verifies the checkpoint's checksums
     check_fits(state, expected, f"{ckpt} does not fit {config}")
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    if tmp.exists():   # left by an earlier crashed export of this same process id: ours by name
-        shutil.rmtree(tmp)
-    try:
-        tmp.mkdir(parents=True)
-        step = json.loads((ckpt / MARKER).read_text()).get("step")
+    step = json.loads((ckpt / MARKER).read_text()).get("step")
+
+    def fill(tmp: Path) -> None:
         safetensors.torch.save_file({PREFIX + k: v.contiguous() for k, v in state.items()}, str(tmp / MODEL_FILE),
                                     metadata={"format": "pt", "step": str(step)})
         (tmp / "config.json").write_text(json.dumps(hf_config(cfg), indent=1) + "\n")
@@ -86,12 +83,6 @@ def export_hf(run_dir: str | os.PathLike, ckpt: str | os.PathLike, out: str | os
             + "\n")
         shutil.copyfile(MODELING, tmp / MODELING.name)
         _write_tokenizer(run_dir, tmp, cfg.train.seq_len)
-        fsync_dir(tmp)
-        if out.is_dir():
-            out.rmdir()   # the empty folder checked above
-        os.rename(tmp, out)
-        fsync_dir(out.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    build_folder(out, fill)
     return {"step": step, "files": sorted(p.name for p in out.iterdir())}

@@ -29,7 +29,7 @@ import yaml
 from k3cli.checkpoint import single
 from k3cli.config import config_from_dict, dump_config, load_config
 from k3cli.errors import ConfigError, UserError, first_line
-from k3cli.files import write_text_atomic
+from k3cli.files import build_folder, is_free, write_text_atomic
 from k3cli.models.causal_lm import CausalLM
 from k3cli.train import mark_run
 
@@ -225,7 +225,7 @@ def import_kimi_linear(src: str | Path, out: str | Path, preset: str = "k3-toy",
     src, out = Path(src), Path(out)
     if not (src / "config.json").is_file():
         raise UserError(f"{src} has no config.json; give a Hugging Face model folder")
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+    if not is_free(out):
         raise UserError(f"{out} already exists; refusing to overwrite it (choose a new --out)")
     try:
         hf = json.loads((src / "config.json").read_text())
@@ -385,16 +385,19 @@ def export_kimi_linear(run_dir: str | Path, ckpt: str | Path, out: str | Path) -
     from k3cli.checkpoint import load_full_model_state
 
     run_dir, ckpt, out = Path(run_dir), Path(ckpt), Path(out)
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+    if not is_free(out):
         raise UserError(f"{out} already exists; refusing to overwrite it (choose a new --out)")
     cfg = load_config(str(run_dir / "config.yaml"))
     _fits(cfg)
     tensors = kimi_tensors(cfg, load_full_model_state(ckpt))
-    out.mkdir(parents=True, exist_ok=True)
-    safetensors.torch.save_file({k: _own(v) for k, v in tensors.items()}, str(out / "model.safetensors"),
-                                metadata={"format": "pt"})
-    write_text_atomic(out / "config.json", json.dumps(kimi_config(cfg), indent=2) + "\n")
-    if (run_dir / "tokenizer.json").is_file():
-        shutil.copyfile(run_dir / "tokenizer.json", out / "tokenizer.json")
+
+    def fill(tmp: Path) -> None:
+        safetensors.torch.save_file({k: _own(v) for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+                                    metadata={"format": "pt"})
+        write_text_atomic(tmp / "config.json", json.dumps(kimi_config(cfg), indent=2) + "\n")
+        if (run_dir / "tokenizer.json").is_file():
+            shutil.copyfile(run_dir / "tokenizer.json", tmp / "tokenizer.json")
+
+    build_folder(out, fill)
     step = json.loads((ckpt / "COMPLETE").read_text()).get("step")
     return {"step": step, "files": sorted(p.name for p in out.iterdir())}
