@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -99,7 +98,8 @@ class K3LM(LM):
         the window's length, each after as much of the text before it as fits the window (`_score` cuts it)."""
         ids = self._encode(text)
         stream = [EOT_ID] + ids
-        return [(stream[:start + 1], ids[start:start + self.max_length]) for start in range(0, len(ids), self.max_length)]
+        L = self.max_length
+        return [(stream[max(0, start + 1 - L):start + 1], ids[start:start + L]) for start in range(0, len(ids), L)]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         results = []
@@ -187,10 +187,10 @@ def save_results(results: dict, out: Path, source: dict) -> Path:
     return out
 
 
-def default_output(run_dir: Path, tasks: list[str], stamp: Callable[[str], str] = time.strftime) -> Path:
+def default_output(run_dir: Path, tasks: list[str]) -> Path:
     """eval/<tasks>-<time>.json beside the run (inside an export folder for an export)."""
     name = "+".join(t.replace("/", "_") for t in tasks)[:80]
-    return run_dir / "eval" / f"{name}-{stamp('%Y%m%d-%H%M%S')}.json"
+    return run_dir / "eval" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
 
 
 def evaluate_tasks(run: str | None, ckpt: str | None, tasks: list[str], num_fewshot: int | None = None,
