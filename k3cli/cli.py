@@ -670,8 +670,9 @@ def eval_cmd(
     output: Annotated[Optional[Path], typer.Option(
         help="Where the tasks' JSON goes (default: RUN/eval/TASKS-TIME.json).")] = None,
 ):
-    """Validation loss, perplexity, bits per byte and tokens/s of a trained run; or, with --tasks, benchmark
-    tasks through lm-evaluation-harness.
+    """Validation loss, perplexity, bits per byte and tokens/s of a run, or benchmark tasks (--tasks).
+
+    --tasks runs lm-evaluation-harness tasks through k3's adapter (the eval extra).
 
     --run uses the newest checkpoint that verifies and names a newer one that fails (an error when
     none verifies). The JSON records the data evaluated and the batches used."""
