@@ -1,4 +1,4 @@
-"""Registers and spill stack of every chunk_kda and short_conv kernel as it ships, compiled for sm_90 (H100/H200), no GPU needed.
+"""Registers and spill stack of every chunk_kda, fused gate and short conv kernel as it ships, compiled for sm_90 (H100/H200), no GPU needed.
 
     .venv/bin/python scripts/ptxas_report.py [--K 16 32 64 128] [--chunk 64] [--dtype bf16]
 
@@ -28,6 +28,7 @@ from triton.runtime.autotuner import Autotuner
 from k3cli.ops.kda import chunk_bwd as B
 from k3cli.ops.kda import chunk_fwd as F
 from k3cli.ops.kda import conv
+from k3cli.ops.kda import gate as G
 from k3cli.ops.kda.chunk import plan
 
 _TY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -80,11 +81,12 @@ def rows(K: int, BT: int, dtype: torch.dtype = torch.bfloat16):
         no_rows = {} if gather else {"rows": None}   # launched with rows=None: a constexpr, as Triton binds it
         out.append((f"fwd gamma{tag}", F._kda_fwd_gamma_kernel, stage1,
                     dict(H=H, HV=H, K=K, BT=BT, BK=min(BK, F.GAMMA_BK), GATHER=gather, **no_rows), F.GAMMA_WARPS, 1))
-        for store_mkk in (True, False):
+        # exact: the pair-by-pair diagonal blocks of a decay without lower bound (lower_bound=None)
+        for store_mkk, exact in ((True, False), (False, False), (True, True)):
             out.append((f"fwd scores {'per pair' if p.per_pair else 'per sub-chunk'}{'' if store_mkk else ' no Mkk'}"
-                        f"{tag}", F._kda_fwd_scores_kernel, stage1,
+                        f"{' exact diagonal' if exact else ''}{tag}", F._kda_fwd_scores_kernel, stage1,
                         dict(H=H, HV=H, K=K, BT=BT, BC=BC, BK=min(BK, F.SCORES_BK), PREC=p.prec,
-                             STORE_MKK=store_mkk, PER_PAIR=p.per_pair, GATHER=gather, **no_rows),
+                             STORE_MKK=store_mkk, PER_PAIR=p.per_pair, GATHER=gather, EXACT=exact, **no_rows),
                         F.SCORES_WARPS, p.score_stages))
         out.append((f"fwd tail{tag}", F._kda_fwd_tail_kernel, stage1,
                     dict(HV=H, K=K, V=V, BT=BT, BC=BC, BK=min(BK, F.TAIL_BK), BV=BV, PREC=p.prec, GATHER=gather,
@@ -117,11 +119,27 @@ def rows(K: int, BT: int, dtype: torch.dtype = torch.bfloat16):
                          INTERPRET=False, PREC=p.prec, VARLEN=True), c.num_warps, c.num_stages))
     out.append(("bwd V side", B._kda_bwd_vside_kernel, bwd, dict(HV=H, V=V, BT=BT, BV=BV, PREC=p.prec),
                 B.SIDE_WARPS, 1))
-    out.append(("bwd scores", B._kda_bwd_scores_kernel, bwd,
-                dict(H=H, HV=H, K=K, BT=BT, BC=BC, BK=min(BK, B.SCORES_BK), PREC=p.prec), B.SCORES_WARPS, 1))
+    for exact in (False, True):
+        out.append((f"bwd scores{' exact diagonal' if exact else ''}", B._kda_bwd_scores_kernel, bwd,
+                    dict(H=H, HV=H, K=K, BT=BT, BC=BC, BK=min(BK, B.SCORES_BK), PREC=p.prec, EXACT=exact),
+                    B.SCORES_WARPS, 1))
     out.append(("bwd key side", B._kda_bwd_kside_kernel, bwd,
                 dict(H=H, HV=H, K=K, V=V, BT=BT, BK=min(BK, B.MAX_BK), BV=BV, PREC=p.prec), B.SIDE_WARPS, 1))
-    return out + conv_rows(K, dtype)
+    return out + gate_rows(K, BT, dtype) + conv_rows(K, dtype)
+
+
+def gate_rows(K: int, BT: int, dtype: torch.dtype = torch.bfloat16):
+    """The fused gate's kernels as chunk_kda launches them (per-step g, no cumsum), lower-bound and softplus."""
+    ptrs = dict(g_raw=_TY[dtype], a_log="fp32", dt_bias="fp32", out="fp32", dout="fp32", dg_raw=_TY[dtype],
+                da_part="fp32", db_part="fp32")
+    out = []
+    for softplus in (False, True):
+        const = dict(HV=16, K=K, BT=BT, BK=max(16, triton.next_power_of_2(K)), HAS_BIAS=True, CUMSUM=False,
+                     SOFTPLUS=softplus)
+        tag = "softplus" if softplus else "lower bound"
+        out.append((f"gate fwd, {tag}", G._kda_gate_fwd_kernel, ptrs, const, 4, 1))
+        out.append((f"gate bwd, {tag}", G._kda_gate_bwd_kernel, ptrs, const, 4, 1))
+    return out
 
 
 def conv_rows(K: int, dtype: torch.dtype = torch.bfloat16):

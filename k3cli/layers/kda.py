@@ -101,6 +101,8 @@ class KDAAttention(nn.Module):
         if gate not in GATES:
             raise ValueError(f"unknown KDA gate '{gate}'; valid: {', '.join(GATES)}")
         self.lower_bound, self.chunk_size, self.backend, self.gate = lower_bound, chunk_size, backend, gate
+        # what the kernels take: the lower-bound gate's L, or None for the softplus gate (unbounded decay)
+        self.kernel_bound = None if gate == "softplus" else lower_bound
         self.q_proj = nn.Linear(D, H * K, bias=False)
         self.k_proj = nn.Linear(D, H * K, bias=False)
         self.v_proj = nn.Linear(D, HV * V, bias=False)
@@ -160,14 +162,11 @@ class KDAAttention(nn.Module):
         g_raw = self.f_b(small[0]).view(B, T, HV, K)                               # (B, T, HV, K)
         beta = torch.sigmoid(small[1])                                             # (B, T, HV)
         fused = None if cache is None or cache.state is None else self._triton_op(q, "fused_recurrent_kda")
-        if fused is not None and self.gate == "softplus":   # the kernel's in-kernel gate is the lower-bound one
-            o = fused(q, k, v, self._gate(g_raw), beta, initial_state=cache.state, inplace_state=True,
-                      use_qk_l2norm_in_kernel=True)[0]
-        elif fused is not None:
+        if fused is not None:
             # decode on the Triton backend: L2 norm, gate, recurrence and read in one launch
             o = fused(q, k, v, g_raw, beta, initial_state=cache.state, inplace_state=True,
                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=self.A_log,
-                      dt_bias=self.dt_bias.view(HV, K), lower_bound=self.lower_bound)[0]
+                      dt_bias=self.dt_bias.view(HV, K), lower_bound=self.kernel_bound)[0]
         else:
             o = self._kda(q if normed else l2norm(q), k if normed else l2norm(k), v, g_raw, beta, cache,
                           segments)                                                # (B, T, HV, V)
@@ -193,15 +192,15 @@ class KDAAttention(nn.Module):
             o, cache.state = naive_recurrent_kda(q, k, v, g, beta, initial_state=cache.state,
                                                  output_final_state=True)
             return o
-        if segments is not None or self.gate == "softplus":
+        chunk_kda = self._triton_op(q)
+        if segments is not None or (self.gate == "softplus" and chunk_kda is None):
             return self._kda_packed(q, k, v, g_raw, beta, segments, cache)
         # prefill also returns the final state
         extra = {} if cache is None else {"output_final_state": True}
-        chunk_kda = self._triton_op(q)
         if chunk_kda is not None:
             # the fused gate kernel runs inside chunk_kda (docs/math.md §2.3)
             o, state = chunk_kda(q, k, v, g_raw, beta, use_gate_in_kernel=True, A_log=self.A_log,
-                                 dt_bias=dt_bias, lower_bound=self.lower_bound, chunk_size=self.chunk_size,
+                                 dt_bias=dt_bias, lower_bound=self.kernel_bound, chunk_size=self.chunk_size,
                                  **extra)
         else:
             g = naive_kda_gate(g_raw, self.A_log, dt_bias, self.lower_bound)       # (B, T, HV, K) fp32
@@ -225,29 +224,25 @@ class KDAAttention(nn.Module):
 
     def _gate(self, g_raw: torch.Tensor) -> torch.Tensor:
         """g [B, T, HV, K] fp32 from the raw gate projection, by the layer's gate kind."""
-        from k3cli.ops.kda.naive import naive_kda_gate, naive_kda_softplus_gate
+        from k3cli.ops.kda.naive import naive_kda_gate
 
-        dt_bias = self.dt_bias.view(self.num_v_heads, self.head_k_dim)
-        if self.gate == "softplus":
-            return naive_kda_softplus_gate(g_raw, self.A_log, dt_bias)
-        return naive_kda_gate(g_raw, self.A_log, dt_bias, self.lower_bound)
+        return naive_kda_gate(g_raw, self.A_log, self.dt_bias.view(self.num_v_heads, self.head_k_dim), self.kernel_bound)
 
     def _kda_packed(self, q, k, v, g_raw, beta, segments: Segments | None, cache: KDACache | None = None) -> torch.Tensor:
         """_kda over packed documents: the batch flattened to one row that segments.cu_seqlens cuts, so each
-        document starts from a zero state (docs/math.md §10). Also the softplus gate's path, whose decay has
-        no lower bound (the chunked Triton kernel's numerics need g > −5 per step: docs/math.md §2.3): its
-        rows are the documents (segments None) and it runs the torch chunked form, exact for any decay,
-        returning each row's final state into `cache` for a prefill."""
+        document starts from a zero state (docs/math.md §10). Also the softplus gate's torch path (segments
+        None: the rows are the documents): the torch chunked form checks its anchors' reach on the data and
+        falls back to the exact reference, returning each row's final state into `cache` for a prefill."""
         B, T = q.shape[:2]
         HV, K = self.num_v_heads, self.head_k_dim
         dt_bias = self.dt_bias.view(HV, K)
         row = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g_raw, beta)]
         cu_seqlens = segments.cu_seqlens if segments is not None else torch.arange(B + 1, dtype=torch.int32) * T
-        chunk_kda = self._triton_op(q) if self.gate == "lower_bound" else None
+        chunk_kda = self._triton_op(q)
         final = cache is not None
         if chunk_kda is not None:
             o, _ = chunk_kda(*row, use_gate_in_kernel=True, A_log=self.A_log, dt_bias=dt_bias,
-                             lower_bound=self.lower_bound, chunk_size=self.chunk_size, cu_seqlens=cu_seqlens)
+                             lower_bound=self.kernel_bound, chunk_size=self.chunk_size, cu_seqlens=cu_seqlens)
         else:
             from k3cli.ops.kda import naive_chunk_kda_varlen, torch_chunk
             from k3cli.ops.kda.chunk import chunk_kda_varlen_op

@@ -106,8 +106,33 @@ def test_packed_documents_equal_each_document_alone():
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_triton_layer_equals_the_torch_layer(packed):
+    """The Triton path (the softplus gate in the kernel, chunked KDA with pair-by-pair diagonal score blocks;
+    the interpreter on CPU) against the torch path, fp32, steps below −20: outputs and every gradient."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    m = make(H=1, HV=2, a_log=4.0).float().to(dev)
+    x = torch.randn(2, 37, 24, device=dev)
+    kw = {}
+    if packed:
+        x = x.view(1, 74, 24)
+        starts = torch.zeros(1, 74, dtype=torch.bool)
+        starts[0, torch.tensor([0, 5, 40])] = True
+        kw["segments"] = Segments.from_starts(starts.to(dev))
+    runs = {}
+    for backend in ("torch", "triton"):
+        m.backend = backend
+        runs[backend] = run(m, x, **kw)
+    (y_ref, g_ref), (y, g) = runs["torch"], runs["triton"]
+    assert_close("y", y, y_ref, 1e-5)
+    for name in g_ref:
+        assert_close(f"d{name}", g[name], g_ref[name], 1e-4)
+
+
+@pytest.mark.triton
 def test_triton_decode_step_equals_the_torch_one():
-    """The fused recurrent kernel with the gate computed first (its in-kernel gate is the lower-bound one)."""
+    """Prefill by the chunked kernel and decode by the fused recurrent one, both with the softplus gate in the
+    kernel, against the torch path."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     m = make(a_log=3.0).float().to(dev).eval()
     x = torch.randn(2, 9, 24, device=dev)
@@ -123,8 +148,8 @@ def test_triton_decode_step_equals_the_torch_one():
 @pytest.mark.gpu
 @pytest.mark.parametrize("a_log", [0.0, 4.0])
 def test_bf16_on_the_gpu_follows_the_fp32_layer(a_log):
-    """The softplus gate in bf16 under autocast on CUDA (its torch chunked path and Triton decode), against the
-    same layer in fp32: outputs and every gradient, at decays below −20 per step too."""
+    """The softplus gate in bf16 under autocast on CUDA (the Triton chunked path), against the same layer in fp32:
+    outputs and every gradient, at decays below −20 per step too."""
     m = make(a_log=a_log, backend="auto").float().cuda()
     x = torch.randn(2, 70, 24, device="cuda")
     y_ref, g_ref = run(m, x)

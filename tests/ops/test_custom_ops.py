@@ -76,16 +76,17 @@ CHUNK_CASES = [
 ]
 
 
+@pytest.mark.parametrize("bounded", [True, False], ids=["bounded", "unbounded"])
 @pytest.mark.parametrize("B,T,H,G,K,V,C,h0,final", CHUNK_CASES)
-def test_opcheck_chunk_kda(device, B, T, H, G, K, V, C, h0, final):
-    q, k, v, g, beta, s0 = kda_inputs(B, T, H, G, K, V, device=device, h0=h0)
+def test_opcheck_chunk_kda(device, B, T, H, G, K, V, C, h0, final, bounded):
+    q, k, v, g, beta, s0 = kda_inputs(B, T, H, G, K, V, device=device, h0=h0, gate_scale=5.0 if bounded else 40.0)
     scale = K ** -0.5
-    opcheck(chunk_kda_op, (*leaves(q, k, v, g, beta, s0), scale, C, final, True))
-    out = chunk_kda_op(q, k, v, g, beta, s0, scale, C, final, True)
+    opcheck(chunk_kda_op, (*leaves(q, k, v, g, beta, s0), scale, C, final, True, bounded))
+    out = chunk_kda_op(q, k, v, g, beta, s0, scale, C, final, True, bounded)
     if reference_path(device):
         assert all(t.numel() == 0 for t in out[2:]), "the reference keeps no kernel buffers"
     dht = torch.randn_like(out[1]) if final else None
-    opcheck(chunk_kda_bwd_op, (q, k, v, g, beta, s0, *out[2:], torch.randn_like(out[0]), dht, scale, C))
+    opcheck(chunk_kda_bwd_op, (q, k, v, g, beta, s0, *out[2:], torch.randn_like(out[0]), dht, scale, C, bounded))
 
 
 @pytest.mark.parametrize("h0", [True, False], ids=["h0", "noh0"])
@@ -115,7 +116,7 @@ def test_ops_take_strided_inputs(device):
         return torch.equal(a, b) if not reference_path(device) else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
     def chunk(q, k, v, g, beta, initial_state=None, output_final_state=True):
-        return chunk_kda_op(q, k, v, g, beta, initial_state, 0.25, 16, output_final_state, True)[:2]
+        return chunk_kda_op(q, k, v, g, beta, initial_state, 0.25, 16, output_final_state, True, True)[:2]
 
     x = kda_inputs(2, 20, 1, 2, 16, 16, device=device)
     want, got = run_with_grads(chunk, *x), run_with_grads(chunk, *map(strided, x))
@@ -150,7 +151,7 @@ def test_chunk_kda_eager_function_equals_op(device, varlen):
     def op(q, k, v, g, beta, initial_state=None, output_final_state=True):
         if varlen:
             return chunk_kda_varlen_op(q, k, v, g, beta, initial_state, cu, 0.25, 16, output_final_state, False)
-        return chunk_kda_op(q, k, v, g, beta, initial_state, 0.25, 16, output_final_state, True)[:2]
+        return chunk_kda_op(q, k, v, g, beta, initial_state, 0.25, 16, output_final_state, True, True)[:2]
 
     def eager(q, k, v, g, beta, initial_state=None, output_final_state=True):
         o, ht = chunk_kda(q, k, v, g, beta, scale=0.25, initial_state=initial_state,
@@ -227,7 +228,7 @@ def test_fused_recurrent_eager_equals_op(device):
 
 def test_chunk_kda_without_store_mkk_refuses_backward(device):
     q, k, v, g, beta, s0 = leaves(*kda_inputs(1, 5, 1, 1, 16, 16, device=device))
-    o = chunk_kda_op(q, k, v, g, beta, s0, 0.25, 16, False, False)[0]
+    o = chunk_kda_op(q, k, v, g, beta, s0, 0.25, 16, False, False, True)[0]
     with pytest.raises(RuntimeError, match="store_mkk"):
         o.sum().backward()
 

@@ -140,6 +140,28 @@ def test_chunk_kda_matches_recurrent(B, T, H, G, K, V, C, dtype, h0):
         assert_close(name, out[name], ref[name])
 
 
+# lower_bound=None: the pair-by-pair diagonal score blocks, steps down to -40 (tests/ops/test_extremes.py shows the
+# anchored blocks going non-finite there); the awkward shapes of TRITON_CASES, both score launch forms
+UNBOUNDED_CASES = [
+    pytest.param(1, 1, 1, 1, 16, 16, 64, torch.float32, True, id="T1"),
+    pytest.param(2, 63, 1, 1, 16, 16, 64, torch.float32, True, id="T63-H1"),
+    pytest.param(1, 100, 2, 2, 16, 32, 64, torch.float32, True, id="T100-G2"),
+    pytest.param(1, 63, 1, 2, 24, 16, 64, torch.float32, True, id="T63-K24-G2"),
+    pytest.param(1, 70, 1, 1, 16, 16, 32, torch.float16, True, id="T70-C32-fp16"),
+    pytest.param(1, 1, 1, 1, 96, 16, 16, torch.float32, True, id="T1-K96-C16-pairs"),
+    pytest.param(1, 90, 1, 2, 96, 24, 32, torch.float16, True, id="T90-K96-G2-C32-fp16-pairs"),
+    pytest.param(1, 45, 2, 1, 40, 24, 16, torch.float32, False, id="T45-K40-V24-C16"),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("B,T,H,G,K,V,C,dtype,h0", UNBOUNDED_CASES)
+def test_chunk_kda_unbounded_decay_matches_recurrent(B, T, H, G, K, V, C, dtype, h0):
+    inputs = make_inputs(B, T, H, G, K, V, dtype=dtype, device=DEVICE, h0=h0, gate_scale=40.0)
+    assert inputs[3].min() < -20
+    check_against_recurrent(inputs, chunk_size=C, lower_bound=None)
+
+
 def run_plan(p_over: dict, q, k, v, g, beta, initial_state=None, output_final_state=False, chunk_size=64):
     """chunk_kda with fields of its launch plan replaced (e.g. ranges: the CUDA-only chunk ranges on CPU)."""
     from unittest import mock
@@ -408,27 +430,30 @@ def test_chunk_kda_validation(bad, exc, msg):
 
 
 # ---------------------------------------------------------------- fused gate
-# (B, T, HV, K, chunk, cumsum, bias, dtype)
+# (B, T, HV, K, chunk, cumsum, bias, dtype, lower_bound: None is the softplus gate)
 GATE_CASES = [
-    pytest.param(2, 70, 3, 24, 16, True, True, torch.float32, id="T70-K24-C16-cumsum"),
-    pytest.param(1, 1, 1, 16, 64, True, True, torch.float32, id="T1"),
-    pytest.param(1, 100, 2, 16, 64, False, True, torch.float32, id="T100-nocumsum"),
-    pytest.param(1, 33, 2, 8, 64, True, False, torch.float16, id="T33-nobias-fp16"),
+    pytest.param(2, 70, 3, 24, 16, True, True, torch.float32, -5.0, id="T70-K24-C16-cumsum"),
+    pytest.param(1, 1, 1, 16, 64, True, True, torch.float32, -5.0, id="T1"),
+    pytest.param(1, 100, 2, 16, 64, False, True, torch.float32, -5.0, id="T100-nocumsum"),
+    pytest.param(1, 33, 2, 8, 64, True, False, torch.float16, -5.0, id="T33-nobias-fp16"),
+    pytest.param(2, 70, 3, 24, 16, True, True, torch.float32, None, id="softplus-T70-K24-C16-cumsum"),
+    pytest.param(1, 1, 1, 16, 64, False, True, torch.float32, None, id="softplus-T1-nocumsum"),
+    pytest.param(1, 33, 2, 8, 64, True, False, torch.float16, None, id="softplus-T33-nobias-fp16"),
 ]
 
 
 @needs_triton
-@pytest.mark.parametrize("B,T,HV,K,C,cumsum,bias,dtype", GATE_CASES)
-def test_kda_gate_matches_torch(B, T, HV, K, C, cumsum, bias, dtype):
+@pytest.mark.parametrize("B,T,HV,K,C,cumsum,bias,dtype,bound", GATE_CASES)
+def test_kda_gate_matches_torch(B, T, HV, K, C, cumsum, bias, dtype, bound):
     from k3cli.ops.kda import kda_gate
     gen = torch.Generator().manual_seed(0)
     g_raw = (torch.randn(B, T, HV, K, generator=gen) * 2).to(DEVICE, dtype).requires_grad_()
     A_log = torch.randn(HV, generator=gen).to(DEVICE).requires_grad_()
     dt_bias = torch.randn(HV, K, generator=gen).to(DEVICE).requires_grad_() if bias else None
     leaves = [g_raw, A_log] + ([dt_bias] if bias else [])
-    ref = naive_kda_gate(g_raw.float(), A_log, dt_bias)
+    ref = naive_kda_gate(g_raw.float(), A_log, dt_bias, bound)
     ref = chunk_local_cumsum(ref, C) if cumsum else ref
-    out = kda_gate(g_raw, A_log, dt_bias, chunk_size=C, cumsum=cumsum)
+    out = kda_gate(g_raw, A_log, dt_bias, lower_bound=bound, chunk_size=C, cumsum=cumsum)
     assert out.dtype == torch.float32
     assert_close("o", out, ref, tol=1e-5)
     do = torch.randn(ref.shape, generator=gen).to(DEVICE)
@@ -467,6 +492,15 @@ GPU_CASES = [
 @pytest.mark.parametrize("B,T,H,G,K", GPU_CASES)
 def test_chunk_kda_bf16_gpu(B, T, H, G, K):
     check_against_recurrent(make_inputs(B, T, H, G, K, K, dtype=torch.bfloat16, device="cuda"))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("B,T,H,G,K", GPU_CASES[2:])
+def test_chunk_kda_unbounded_decay_bf16_gpu(B, T, H, G, K):
+    """lower_bound=None (the softplus gate's path) in bf16, steps down to -40, within the same table."""
+    check_against_recurrent(make_inputs(B, T, H, G, K, K, dtype=torch.bfloat16, device="cuda", gate_scale=40.0),
+                            lower_bound=None)
 
 
 @pytest.mark.gpu

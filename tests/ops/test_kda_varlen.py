@@ -42,21 +42,22 @@ def run(fn, q, k, v, g, beta, h0, seed=7):
     return dict(zip(NAMES, (o.detach(), ht.detach(), *grads)))
 
 
-def varlen_inputs(lens, H, G, dtype, K=16):
-    q, k, v, g, beta, _ = kda_inputs(1, sum(lens), H, G, K, K, dtype, "cpu")
+def varlen_inputs(lens, H, G, dtype, K=16, gate_scale=5.0):
+    q, k, v, g, beta, _ = kda_inputs(1, sum(lens), H, G, K, K, dtype, "cpu", gate_scale=gate_scale)
     h0 = torch.randn(len(lens), H * G, K, K, generator=torch.Generator().manual_seed(3))
     return q, k, v, g, beta, h0
 
 
-def check_layout(lens, C, H, G, dtype):
+def check_layout(lens, C, H, G, dtype, lower_bound=-5.0):
+    """lower_bound None: decay steps down to -40 (the pair-by-pair diagonal score blocks)."""
     cu = cu_of(lens)
-    x = varlen_inputs(lens, H, G, dtype)
+    x = varlen_inputs(lens, H, G, dtype, gate_scale=5.0 if lower_bound is not None else 40.0)
     packed = run(lambda *a: chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, chunk_size=C,
-                                      cu_seqlens=cu), *x)
+                                      cu_seqlens=cu, lower_bound=lower_bound), *x)
 
     def alone(q, k, v, g, beta, h0):
         outs = [chunk_kda(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], initial_state=h0[i:i + 1],
-                          output_final_state=True, chunk_size=C)
+                          output_final_state=True, chunk_size=C, lower_bound=lower_bound)
                 for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist()))]
         return torch.cat([o for o, _ in outs], 1), torch.cat([s for _, s in outs])
     each = run(alone, *x)
@@ -74,6 +75,12 @@ def check_layout(lens, C, H, G, dtype):
 @pytest.mark.parametrize("lens,C,H,G", [pytest.param(*x[1:], id=x[0]) for x in LAYOUTS])
 def test_chunk_kda_varlen_equals_each_sequence_alone(lens, C, H, G, dtype):
     check_layout(lens, C, H, G, dtype)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_chunk_kda_varlen_unbounded_decay_equals_each_sequence_alone(dtype):
+    check_layout([1, 15, 16, 17, 40], 16, 1, 2, dtype, lower_bound=None)
 
 
 @pytest.mark.triton
@@ -161,6 +168,7 @@ def test_varlen_custom_ops_pass_opcheck():
     q, k, v, g, beta, h0 = varlen_inputs(lens, 1, 2, torch.float32)
     args = [x.requires_grad_(True) for x in (q, k, v, g, beta, h0)]
     torch.library.opcheck(chunk_kda_varlen_op, (*args, cu_of(lens), 0.25, C, True))
+    torch.library.opcheck(chunk_kda_varlen_op, (*args, cu_of(lens), 0.25, C, True, False, False))
 
 
 def _bad(**over):

@@ -50,7 +50,8 @@ def check_kda_inputs(op: str, q, k, v, g, beta, scale, initial_state, use_gate_i
                              f"(B, HV, K, V) = {(B, HV, K, V)}")
     if scale is not None:
         check_number(op, "scale", scale)
-    check_number(op, "lower_bound", lower_bound, -5.0, 0.0, high_open=True)
+    if lower_bound is not None:   # None: the softplus gate, or a g without lower bound
+        check_number(op, "lower_bound", lower_bound, -5.0, 0.0, high_open=True)
     if use_gate_in_kernel:
         if A_log is None:
             raise ValueError(f"{op}: A_log is required when use_gate_in_kernel=True")

@@ -37,12 +37,14 @@ class Plan(NamedTuple):
     per_pair: bool             # score launch: one program per 16 x 16 block pair, not per query sub-chunk
     score_stages: int          # its pipeline stages
     ranges: int                # chunk ranges of the forward (0: one launch per stage)
+    bounded: bool              # g >= -5 per step: anchored diagonal score blocks (else pair by pair)
 
 
 def plan(B: int, T: int, HV: int, K: int, V: int, chunk_size: int, dtype: torch.dtype, cuda: bool,
-         tf32: bool = False) -> Plan:
+         tf32: bool = False, bounded: bool = True) -> Plan:
     """The launch plan for inputs of these sizes and `dtype` (`cuda`: on a GPU, not the interpreter; `tf32`:
-    torch allows TF32 matmuls). Each rule is the measured winner (H200, bf16):
+    torch allows TF32 matmuls; `bounded`: every g >= -5, README.md "Exponents"). Each rule is the measured
+    winner (H200, bf16):
     - dots: fp32 inputs take "tf32x3" (about fp32 accuracy; plain TF32 put a whole fp32 model's chunked
       forward 1.4e-2 away from its exact decode, "ieee" spills at K = 128) unless TF32 is allowed; 16-bit
       inputs "tf32" (they carry less precision than TF32 already). The solve is always fp32 ("ieee").
@@ -63,7 +65,7 @@ def plan(B: int, T: int, HV: int, K: int, V: int, chunk_size: int, dtype: torch.
     aqk = dtype if scan_prec in ("bf16", "fp16") else torch.float32
     NT = -(-T // chunk_size)
     few = B * HV * -(-V // 64) <= 32 and NT >= 32
-    return Plan(prec, scan_prec, buf, buf, aqk, wide, 2 if wide else 1, 4 if cuda and few else 0)
+    return Plan(prec, scan_prec, buf, buf, aqk, wide, 2 if wide else 1, 4 if cuda and few else 0, bounded)
 
 
 def segment_ranges(NT: int, n: int) -> list[tuple[int, int]] | None:
@@ -113,13 +115,14 @@ class _Overlap:
         self.main.wait_stream(self.side)
 
 
-def _forward(q, k, v, g, beta, h0, scale: float, C: int, output_final_state: bool, store_mkk: bool):
+def _forward(q, k, v, g, beta, h0, scale: float, C: int, output_final_state: bool, store_mkk: bool,
+             bounded: bool = True):
     """The Triton forward: (o, final state or absent, the stage-1 buffers the backward reads)."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     h0 = None if h0 is None else h0.contiguous()
     launch.configure()   # a profiler's launch hook may have been set since the last call
     B, T, HV, V = v.shape
-    p = plan(B, T, HV, q.shape[-1], V, C, v.dtype, v.is_cuda, torch_allows_tf32())
+    p = plan(B, T, HV, q.shape[-1], V, C, v.dtype, v.is_cuda, torch_allows_tf32(), bounded)
     ranges = segment_ranges(-(-T // C), p.ranges)
     ov = _Overlap(q.device) if ranges and q.is_cuda else None
     try:
@@ -144,23 +147,26 @@ def _forward_reference(q, k, v, g, beta, h0, scale: float, C: int, output_final_
 _FWD_OUT = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
-def _chunk_kda_impl(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, store_mkk):
+def _chunk_kda_impl(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, store_mkk, bounded):
     if triton_runs(q.device):
-        return _forward(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, store_mkk)
+        return _forward(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, store_mkk, bounded)
     return _forward_reference(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state)
 
 
 @torch.library.custom_op("k3::chunk_kda", mutates_args=(), device_types=("cuda", "cpu"))
 def chunk_kda_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
-                 scale: float, chunk_size: int, output_final_state: bool, store_mkk: bool) -> _FWD_OUT:
+                 scale: float, chunk_size: int, output_final_state: bool, store_mkk: bool,
+                 bounded: bool) -> _FWD_OUT:
     """Returns (o, final state, w, u, qg, kd, eg, aqk, tm, mkk): the final state an empty fp32 tensor unless
     output_final_state, mkk one unless store_mkk; w .. mkk are the stage-1 buffers (`Intra`) the backward
-    reads (empty on the torch reference path). Inputs as `chunk_kda`'s, already checked, gated and normed."""
-    return _chunk_kda_impl(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, store_mkk)
+    reads (empty on the torch reference path). Inputs as `chunk_kda`'s, already checked, gated and normed;
+    `bounded`: every g >= -5 (`plan`)."""
+    return _chunk_kda_impl(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, store_mkk,
+                           bounded)
 
 
 @chunk_kda_op.register_fake
-def _(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, store_mkk):
+def _(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, store_mkk, bounded):
     B, T, HV, V = v.shape
     K = q.shape[-1]
     o = torch.empty(B, T, HV, V, device=v.device, dtype=v.dtype)
@@ -173,14 +179,14 @@ def _(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, st
     return (o, ht, *it[:-2], absent(v) if it.mkk is None else it.mkk)
 
 
-def _backward(q, k, v, g, beta, h0, it: Intra, do, dht, scale: float, C: int):
+def _backward(q, k, v, g, beta, h0, it: Intra, do, dht, scale: float, C: int, bounded: bool = True):
     """The Triton backward: (dq, dk, dv, dg, dbeta, dh0 or absent)."""
     # the kernels index dense [B, T, heads, X] rows (chunk_kda passes contiguous inputs: no copies then)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     h0 = None if h0 is None else h0.contiguous()
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    p = plan(B, T, HV, K, V, C, v.dtype, v.is_cuda, torch_allows_tf32())
+    p = plan(B, T, HV, K, V, C, v.dtype, v.is_cuda, torch_allows_tf32(), bounded)
     do = do.contiguous()
     dht = None if dht is None else dht.contiguous().float()
     launch.configure()
@@ -200,7 +206,7 @@ def _backward(q, k, v, g, beta, h0, it: Intra, do, dht, scale: float, C: int):
     dh, dvn, dh0 = kda_bwd_state(it, do, dht, B, T, HV, C, h0 is not None, p.prec)
     if q.is_cuda:
         main.wait_stream(side)
-    dq, dk, dv, dg, dbeta = kda_bwd_intra(q, k, v, g, beta, do, it, (h, vn, dh, dvn), scale, C, p.prec)
+    dq, dk, dv, dg, dbeta = kda_bwd_intra(q, k, v, g, beta, do, it, (h, vn, dh, dvn), scale, C, p.prec, bounded)
     if HV != H:
         # GVA: value head hv used q/k head hv // G, so sum each group's gradients
         dq = dq.view(B, T, H, HV // H, K).sum(3).to(q.dtype)
@@ -221,37 +227,39 @@ _BWD_OUT = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
 def _chunk_kda_bwd_impl(q, k, v, g, beta, initial_state, w, u, qg, kd, eg, aqk, tm, mkk, do, dht, scale,
-                        chunk_size):
+                        chunk_size, bounded):
     if triton_runs(q.device):
         return _backward(q, k, v, g, beta, initial_state, Intra(w, u, qg, kd, eg, aqk, tm, mkk, gc=None), do,
-                         dht, scale, chunk_size)
+                         dht, scale, chunk_size, bounded)
     return _backward_reference(q, k, v, g, beta, initial_state, do, dht, scale, chunk_size)
 
 
 @torch.library.custom_op("k3::chunk_kda_bwd", mutates_args=(), device_types=("cuda", "cpu"))
 def chunk_kda_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
                      w: Tensor, u: Tensor, qg: Tensor, kd: Tensor, eg: Tensor, aqk: Tensor, tm: Tensor,
-                     mkk: Tensor, do: Tensor, dht: Tensor | None, scale: float, chunk_size: int) -> _BWD_OUT:
+                     mkk: Tensor, do: Tensor, dht: Tensor | None, scale: float, chunk_size: int,
+                     bounded: bool) -> _BWD_OUT:
     """k3::chunk_kda's backward: (dq, dk, dv, dg, dbeta, dh0), dh0 an empty fp32 tensor without an initial
     state; w .. mkk as the forward returned them (with store_mkk); dht None where no gradient reaches the
     final state."""
     return _chunk_kda_bwd_impl(q, k, v, g, beta, initial_state, w, u, qg, kd, eg, aqk, tm, mkk, do, dht, scale,
-                               chunk_size)
+                               chunk_size, bounded)
 
 
 @chunk_kda_bwd_op.register_fake
-def _(q, k, v, g, beta, initial_state, w, u, qg, kd, eg, aqk, tm, mkk, do, dht, scale, chunk_size):
+def _(q, k, v, g, beta, initial_state, w, u, qg, kd, eg, aqk, tm, mkk, do, dht, scale, chunk_size, bounded):
     dh0 = absent(v) if initial_state is None else torch.empty_like(initial_state, memory_format=torch.contiguous_format)
     return (*(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, g, beta)), dh0)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, h0, scale, chunk_size, output_final_state, store_mkk = inputs
+    q, k, v, g, beta, h0, scale, chunk_size, output_final_state, store_mkk, bounded = inputs
     buffers = output[2:]
     ctx.mark_non_differentiable(*buffers, *(() if output_final_state else output[1:2]))
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, g, beta, h0, *buffers)
     ctx.scale, ctx.chunk_size, ctx.store_mkk, ctx.has_ht = scale, chunk_size, store_mkk, output_final_state
+    ctx.bounded = bounded
 
 
 def _autograd_backward(ctx, do, dht, *_, bwd=None):
@@ -262,8 +270,9 @@ def _autograd_backward(ctx, do, dht, *_, bwd=None):
     if do is None:   # only the final state reached the loss
         do = torch.zeros_like(v)
     dq, dk, dv, dg, dbeta, dh0 = (bwd or chunk_kda_bwd_op)(q, k, v, g, beta, h0, *buffers, do,
-                                                           dht if ctx.has_ht else None, ctx.scale, ctx.chunk_size)
-    return dq, dk, dv, dg, dbeta, None if h0 is None else dh0, None, None, None, None
+                                                           dht if ctx.has_ht else None, ctx.scale, ctx.chunk_size,
+                                                           ctx.bounded)
+    return dq, dk, dv, dg, dbeta, None if h0 is None else dh0, None, None, None, None, None
 
 
 chunk_kda_op.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -280,7 +289,7 @@ def _lay_out(x: Tensor, lay: VarlenLayout) -> Tensor:
 
 
 def _forward_varlen(q, k, v, g, beta, h0, cu: Tensor, scale: float, C: int, output_final_state: bool,
-                    keep: bool = False):
+                    keep: bool = False, bounded: bool = True):
     """The Triton forward over chunk-aligned sequences: (o [1, total_T, HV, V], final states [N, HV, K, V]); with
     `keep`, also the stage-1 buffers (`Intra`, Mkk stored, no Γ) for `_backward_varlen`. Its kernels read the
     inputs and store O in place, through the layout's token map: no copy either way."""
@@ -289,14 +298,15 @@ def _forward_varlen(q, k, v, g, beta, h0, cu: Tensor, scale: float, C: int, outp
     h0 = None if h0 is None else h0.contiguous()
     launch.configure()
     T, HV, V = lay.tok.numel(), v.shape[2], v.shape[3]
-    p = plan(1, T, HV, q.shape[-1], V, C, v.dtype, v.is_cuda, torch_allows_tf32())
+    p = plan(1, T, HV, q.shape[-1], V, C, v.dtype, v.is_cuda, torch_allows_tf32(), bounded)
     it = kda_fwd_intra(q, k, v, g, beta, scale, C, p, store_mkk=keep, rows=lay.tok)
     o, ht, _, _ = kda_fwd_state(it, 1, T, HV, C, h0, p.scan_prec, v.dtype, output_final_state, seqs=lay.seqs,
                                 n_run=lay.n_run, rows=lay.tok, n_tokens=v.shape[1])
     return (o, ht, it._replace(gc=None)) if keep else (o, ht)
 
 
-def _backward_varlen(q, k, v, g, beta, h0, cu: Tensor, do, dht, scale: float, C: int, it: Intra | None = None):
+def _backward_varlen(q, k, v, g, beta, h0, cu: Tensor, do, dht, scale: float, C: int, it: Intra | None = None,
+                     bounded: bool = True):
     """The Triton backward over chunk-aligned sequences, on laid-out copies of the inputs and dO. With `it` (the
     forward's stage-1 buffers, eagerly) it runs no stage 1; without, stage 1 is recomputed (the op's path: its
     buffers have the layout's data-dependent length, so the forward op cannot return them)."""
@@ -307,13 +317,13 @@ def _backward_varlen(q, k, v, g, beta, h0, cu: Tensor, do, dht, scale: float, C:
     launch.configure()
     _, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    p = plan(1, T, HV, K, V, C, v.dtype, v.is_cuda, torch_allows_tf32())
+    p = plan(1, T, HV, K, V, C, v.dtype, v.is_cuda, torch_allows_tf32(), bounded)
     if it is None:
         it = kda_fwd_intra(q, k, v, g, beta, scale, C, p, store_mkk=True)
     _, _, h, vn = kda_fwd_state(it, 1, T, HV, C, h0, p.scan_prec, seqs=lay.seqs, n_run=lay.n_run)
     dh, dvn, dh0 = kda_bwd_state(it, do, dht, 1, T, HV, C, h0 is not None, p.prec, seqs=lay.seqs,
                                  n_run=lay.n_run)
-    dq, dk, dv, dg, dbeta = kda_bwd_intra(q, k, v, g, beta, do, it, (h, vn, dh, dvn), scale, C, p.prec)
+    dq, dk, dv, dg, dbeta = kda_bwd_intra(q, k, v, g, beta, do, it, (h, vn, dh, dvn), scale, C, p.prec, bounded)
     if HV != H:
         dq = dq.view(1, T, H, HV // H, K).sum(3).to(q.dtype)
         dk = dk.view(1, T, H, HV // H, K).sum(3).to(k.dtype)
@@ -324,22 +334,23 @@ def _backward_varlen(q, k, v, g, beta, h0, cu: Tensor, do, dht, scale: float, C:
 @torch.library.custom_op("k3::chunk_kda_varlen", mutates_args=(), device_types=("cuda", "cpu"))
 def chunk_kda_varlen_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
                         cu_seqlens: Tensor, scale: float, chunk_size: int,
-                        output_final_state: bool, reference: bool = False) -> tuple[Tensor, Tensor]:
+                        output_final_state: bool, reference: bool = False,
+                        bounded: bool = True) -> tuple[Tensor, Tensor]:
     """(o, final states [N, HV, K, V] or an empty fp32 tensor) of the sequences cu_seqlens cuts [1, total_T]
     into; inputs as `chunk_kda`'s, already checked, gated and normed. cu_seqlens is read on the host.
     `reference`: the torch implementation on any device and chunk size (the KDA layer's CPU path under
-    torch.compile, which cannot trace its cu_seqlens-dependent shapes)."""
+    torch.compile, which cannot trace its cu_seqlens-dependent shapes). `bounded`: every g >= -5 (`plan`)."""
     return _chunk_kda_varlen_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size,
-                                  output_final_state, reference)
+                                  output_final_state, reference, bounded=bounded)
 
 
 def _chunk_kda_varlen_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size, output_final_state,
-                           reference=False, keep=False):
+                           reference=False, bounded=True, keep=False):
     """The op's (o, ht); with `keep` (Triton path only) also `_forward_varlen`'s stage-1 buffers."""
     kept = ()
     if triton_runs(q.device) and not reference:
         o, ht, *kept = _forward_varlen(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size,
-                                       output_final_state, keep)
+                                       output_final_state, keep, bounded)
     else:
         o, ht = torch_chunk_kda_varlen(q, k, v, g, beta, cu_seqlens, scale, initial_state, output_final_state,
                                        chunk_size)
@@ -348,7 +359,8 @@ def _chunk_kda_varlen_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, c
 
 
 @chunk_kda_varlen_op.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size, output_final_state, reference=False):
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size, output_final_state, reference=False,
+      bounded=True):
     N, HV, K, V = cu_seqlens.shape[0] - 1, v.shape[2], q.shape[-1], v.shape[3]
     ht = torch.empty(N, HV, K, V, device=v.device, dtype=torch.float32) if output_final_state else absent(v)
     return torch.empty_like(v, memory_format=torch.contiguous_format), ht
@@ -357,16 +369,17 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size, output_fin
 @torch.library.custom_op("k3::chunk_kda_varlen_bwd", mutates_args=(), device_types=("cuda", "cpu"))
 def chunk_kda_varlen_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
                             cu_seqlens: Tensor, do: Tensor, dht: Tensor | None, scale: float,
-                            chunk_size: int, reference: bool = False) -> _BWD_OUT:
+                            chunk_size: int, reference: bool = False, bounded: bool = True) -> _BWD_OUT:
     """k3::chunk_kda_varlen's backward: (dq, dk, dv, dg, dbeta, dh0 [N, HV, K, V] or an empty fp32 tensor)."""
     return _chunk_kda_varlen_bwd_impl(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, chunk_size,
-                                      reference)
+                                      reference, bounded)
 
 
 def _chunk_kda_varlen_bwd_impl(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, chunk_size,
-                               reference=False):
+                               reference=False, bounded=True):
     if triton_runs(q.device) and not reference:
-        return _backward_varlen(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, chunk_size)
+        return _backward_varlen(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, chunk_size,
+                                bounded=bounded)
 
     def fwd(q, k, v, g, beta, h0):
         return torch_chunk_kda_varlen(q, k, v, g, beta, cu_seqlens, scale, h0, True, chunk_size)
@@ -375,19 +388,20 @@ def _chunk_kda_varlen_bwd_impl(q, k, v, g, beta, initial_state, cu_seqlens, do, 
 
 
 @chunk_kda_varlen_bwd_op.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, chunk_size, reference=False):
+def _(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, chunk_size, reference=False, bounded=True):
     dh0 = absent(v) if initial_state is None else torch.empty_like(initial_state, memory_format=torch.contiguous_format)
     return (*(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, g, beta)), dh0)
 
 
 def _setup_varlen(ctx, inputs, output, saved=None):
     """Saves the inputs, or `saved` (_ChunkKDAVarlen's laid-out inputs and buffers)."""
-    q, k, v, g, beta, h0, cu_seqlens, scale, chunk_size, output_final_state, reference = inputs
+    q, k, v, g, beta, h0, cu_seqlens, scale, chunk_size, output_final_state, reference, bounded = inputs
     if not output_final_state:
         ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(*(saved or (q, k, v, g, beta, h0, cu_seqlens)))
     ctx.scale, ctx.chunk_size, ctx.has_ht, ctx.reference = scale, chunk_size, output_final_state, reference
+    ctx.bounded = bounded
 
 
 def _varlen_autograd_backward(ctx, do, dht, bwd=None):
@@ -397,8 +411,8 @@ def _varlen_autograd_backward(ctx, do, dht, bwd=None):
         do = torch.zeros_like(v)
     dq, dk, dv, dg, dbeta, dh0 = (bwd or chunk_kda_varlen_bwd_op)(q, k, v, g, beta, h0, cu_seqlens, do,
                                                                   dht if ctx.has_ht else None, ctx.scale,
-                                                                  ctx.chunk_size, ctx.reference)
-    return dq, dk, dv, dg, dbeta, None if h0 is None else dh0, None, None, None, None, None
+                                                                  ctx.chunk_size, ctx.reference, ctx.bounded)
+    return dq, dk, dv, dg, dbeta, None if h0 is None else dh0, None, None, None, None, None, None
 
 
 chunk_kda_varlen_op.register_autograd(_varlen_autograd_backward, setup_context=_setup_varlen)
@@ -410,8 +424,8 @@ class _ChunkKDAVarlen(torch.autograd.Function):
     recompute stage 1 (README.md §9)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, cu_seqlens, scale, chunk_size, output_final_state, reference):
-        inputs = (q, k, v, g, beta, h0, cu_seqlens, scale, chunk_size, output_final_state, reference)
+    def forward(ctx, q, k, v, g, beta, h0, cu_seqlens, scale, chunk_size, output_final_state, reference, bounded):
+        inputs = (q, k, v, g, beta, h0, cu_seqlens, scale, chunk_size, output_final_state, reference, bounded)
         ctx.keep = triton_runs(q.device) and not reference and any(ctx.needs_input_grad[:6])
         o, ht, *kept = _chunk_kda_varlen_impl(*inputs, keep=ctx.keep)
         saved = None
@@ -430,8 +444,8 @@ class _ChunkKDAVarlen(torch.autograd.Function):
             do = v.new_zeros(ctx.o_shape)
         dq, dk, dv, dg, dbeta, dh0 = _backward_varlen(q, k, v, g, beta, h0, cu_seqlens, do,
                                                       dht if ctx.has_ht else None, ctx.scale, ctx.chunk_size,
-                                                      Intra(*buffers, gc=None))
-        return dq, dk, dv, dg, dbeta, None if h0 is None else dh0, None, None, None, None, None
+                                                      Intra(*buffers, gc=None), ctx.bounded)
+        return dq, dk, dv, dg, dbeta, None if h0 is None else dh0, None, None, None, None, None, None
 
 
 def check_cu_seqlens(op: str, cu_seqlens, q: Tensor, initial_state, HV: int, V: int) -> None:
@@ -481,9 +495,13 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 
     Args:
         q, k: [B, T, H, K] (fp32 / fp16 / bf16, one dtype with v); v: [B, T, HV, V], HV = G * H.
-        g: [B, T, HV, K] per-step log-decay in [-5, 0] (below -5 the kernel's anchored exponents overflow:
-            inf / NaN, unchecked since checking would read the data), or the raw gate input g_raw when
-            use_gate_in_kernel (then A_log [HV], dt_bias [HV, K] apply §2.3 and g is in range for any g_raw).
+        g: [B, T, HV, K] per-step log-decay <= 0, or the raw gate input g_raw when use_gate_in_kernel (then
+            A_log [HV], dt_bias [HV, K] apply the gate of §2.3 that lower_bound names).
+        lower_bound: L in [-5, 0): g >= -5 per step (the lower-bound gate L·sigmoid(..) with
+            use_gate_in_kernel), which the fast intra-chunk scores need (below -5 their anchored exponents
+            overflow: inf / NaN, unchecked since checking would read the data). None: any g <= 0 (with
+            use_gate_in_kernel the softplus gate -exp(A_log)·softplus(..)): the diagonal score blocks are
+            formed pair by pair, exact for any decay (README.md "Exponents").
         beta: [B, T, HV] write strength (already through its sigmoid), in [0, 1].
         scale: query scale, default K ** -0.5.
         initial_state: [B, HV, K, V] fp32 or None.
@@ -502,6 +520,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     _validate(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, A_log, dt_bias, lower_bound,
               chunk_size, cu_seqlens)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    bounded = lower_bound is not None
     if use_qk_l2norm_in_kernel:
         # dense first: torch's reduction order (so the rounding) depends on the layout, the kernels' does not
         q, k = l2norm(q.contiguous()), l2norm(k.contiguous())
@@ -514,11 +533,12 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     eager = not torch.compiler.is_compiling()
     if cu_seqlens is not None:
         varlen = _ChunkKDAVarlen.apply if eager else chunk_kda_varlen_op
-        o, ht = varlen(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size, output_final_state, False)
+        o, ht = varlen(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size, output_final_state, False,
+                       bounded)
         return o, ht if output_final_state else None
     # Mkk is stored for the backward only: the op cannot see whether autograd will need one
     store_mkk = torch.is_grad_enabled() and any(x is not None and x.requires_grad
                                                 for x in (q, k, v, g, beta, initial_state))
     o, ht, *_ = (_ChunkKDA.apply if eager else chunk_kda_op)(q, k, v, g, beta, initial_state, scale, chunk_size,
-                                                             output_final_state, store_mkk)
+                                                             output_final_state, store_mkk, bounded)
     return o, ht if output_final_state else None

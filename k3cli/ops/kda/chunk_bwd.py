@@ -157,11 +157,38 @@ def _dm_blocks(dqk, dkk, p_blk, i_row, j_col, b_beta_rows, scale):
     return b_dmq, b_dmk
 
 
+@triton.jit
+def _diag_grads(dqk, dkk, base, b, i_rb, b_qb, b_kb, b_Gb, b_beta_b, scale, BT: tl.constexpr, BC: tl.constexpr):
+    """The score gradients of sub-chunk b's diagonal block pair by pair, every exponent Γ_i - Γ_j <= 0 (j < i):
+    exact for any decay, where the anchored factors overflow below -5 per step. Returns the rows' additions
+    to dq_r, dk_r (as queries) and dk_c (as keys)."""
+    o_c = tl.arange(0, BC)
+    acc_q = tl.zeros_like(b_qb)
+    acc_kr = tl.zeros_like(b_qb)
+    acc_kc = tl.zeros_like(b_qb)
+    for j in range(BC):
+        sel = o_c == j
+        p_col = (base + i_rb) * BT + b * BC + j
+        below = o_c > j
+        b_dmq = tl.where(below, tl.load(dqk + p_col), 0.) * scale
+        b_dmk = -tl.where(below, tl.load(dkk + p_col), 0.) * b_beta_b
+        b_kj = tl.sum(tl.where(sel[:, None], b_kb, 0.), 0)
+        b_Gj = tl.sum(tl.where(sel[:, None], b_Gb, 0.), 0)
+        b_e = tl.exp(tl.minimum(b_Gb - b_Gj[None, :], 0.))
+        b_pq = b_dmq[:, None] * b_e
+        b_pk = b_dmk[:, None] * b_e
+        acc_q += b_pq * b_kj[None, :]
+        acc_kr += b_pk * b_kj[None, :]
+        acc_kc += tl.where(sel[:, None], tl.sum(b_pq * b_qb + b_pk * b_kb, 0)[None, :], 0.)
+    return acc_q, acc_kr, acc_kc
+
+
 @fast_launch
 @triton.jit
 def _kda_bwd_scores_kernel(q, k, g, beta, dqk, dkk, dqs, dks, dgs, scale, T, NT,
                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                           BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+                           BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                           EXACT: tl.constexpr):
     """The intra-chunk score gradients of the per-chunk backward, one program per (chunk, sub-chunk b,
     batch*value-head, key block), [BC, BK] tiles: for the rows of b
       as queries (key sub-chunks c <= b, anchor Γ at b's first row):
@@ -172,7 +199,8 @@ def _kda_bwd_scores_kernel(q, k, g, beta, dqk, dkk, dqs, dks, dgs, scale, T, NT,
     cumsum), which `_kda_bwd_kside_kernel` adds. Γ comes from prefix sums and cumsums of g. The diagonal
     of dMq (a query against its own key: no decay, so no dΓ) stays out of the products and is added to
     dq, dk in fp32: in dgs its two equal terms would cancel only up to the products' TF32 rounding, which
-    at strong decay is larger than the true dΓ (bf16 dg 7 % off at g = -5, README.md "Backward")."""
+    at strong decay is larger than the true dΓ (bf16 dg 7 % off at g = -5, README.md "Backward"). EXACT: the
+    diagonal block (c = b) pair by pair instead (`_diag_grads`), for a decay without a lower bound."""
     i_nb, i_bh, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NC: tl.constexpr = BT // BC
     i_n, b = i_nb // NC, i_nb % NC
@@ -197,19 +225,24 @@ def _kda_bwd_scores_kernel(q, k, g, beta, dqk, dkk, dqs, dks, dgs, scale, T, NT,
     acc_kr = tl.zeros([BC, BK], dtype=tl.float32)
     acc_kc = tl.zeros([BC, BK], dtype=tl.float32)
     b_run = tl.zeros([BK], dtype=tl.float32)
+    # the anchored products take key sub-chunks c < q_end as queries, query sub-chunks c >= k_start as keys
+    if EXACT:
+        q_end, k_start = b, b + 1
+    else:
+        q_end, k_start = b + 1, b
     for c in tl.static_range(NC):
         b_qc, b_kc, b_gc = _subchunk_rows(q, k, g, i_b, i_h, i_hv, i_n, c, i_k, T, H, HV, K, BT, BC, BK)
         b_Gc = b_run[None, :] + tl.cumsum(b_gc, 0)
         b_run += tl.sum(b_gc, 0)
         i_rc = c * BC + o_c
-        if c <= b:
+        if c < q_end:
             # rows of b as queries against the keys of sub-chunk c
             b_dmq, b_dmk = _dm_blocks(dqk, dkk, (base + i_rb)[:, None] * BT + i_rc[None, :], i_rb, i_rc,
                                       b_beta_b, scale)
             b_ke = b_kc * tl.exp(b_anc_b[None, :] - b_Gc)
             acc_q += _dot(b_dmq, b_ke, PREC)
             acc_kr += _dot(b_dmk, b_ke, PREC)
-        if c >= b:
+        if c >= k_start:
             # rows of b as keys for the queries of sub-chunk c
             m_c = (i_n * BT + i_rc) < T
             b_beta_c = tl.load(beta + (i_b * T + i_n * BT + i_rc).to(tl.int64) * HV + i_hv, mask=m_c, other=0.)
@@ -222,6 +255,11 @@ def _kda_bwd_scores_kernel(q, k, g, beta, dqk, dkk, dqs, dks, dgs, scale, T, NT,
     e_qb = tl.exp(b_Gb - b_anc_b[None, :])
     b_dq_r = e_qb * acc_q
     b_dk_r = e_qb * acc_kr
+    if EXACT:
+        d_q, d_kr, d_kc = _diag_grads(dqk, dkk, base, b, i_rb, b_qb, b_kb, b_Gb, b_beta_b, scale, BT, BC)
+        b_dq_r += d_q
+        b_dk_r += d_kr
+        acc_kc += d_kc
     b_dii = tl.load(dqk + (base + i_rb) * BT + i_rb)[:, None] * scale
     o_k = i_k * BK + tl.arange(0, BK)
     m_bk = m_b[:, None] & (o_k < K)[None, :]
@@ -338,8 +376,10 @@ SCORES_BK, SCORES_WARPS = 32, 1
 MAX_BK = 64
 
 
-def kda_bwd_intra(q, k, v, g, beta, do, it: Intra, states, scale: float, chunk_size: int, precision: str):
-    """Launch the per-chunk gradient kernels; `states` = (S_n, Vn, dS_n, dVn) from the two scans. Returns
+def kda_bwd_intra(q, k, v, g, beta, do, it: Intra, states, scale: float, chunk_size: int, precision: str,
+                  bounded: bool = True):
+    """Launch the per-chunk gradient kernels; `states` = (S_n, Vn, dS_n, dVn) from the two scans; `bounded` as
+    chunk.plan's (every g >= -5: the anchored diagonal blocks). Returns
     dq, dk [B, T, HV, K] (per value head: the inputs' dtype without GVA, which no group sum follows, else fp32),
     dv [B, T, HV, V] (v.dtype), dg [B, T, HV, K] (g.dtype), dbeta [B, T, HV] fp32."""
     h, vn, dh, dvn = states
@@ -368,7 +408,7 @@ def kda_bwd_intra(q, k, v, g, beta, do, it: Intra, states, scale: float, chunk_s
     dqs, dks, dgs = (torch.empty(B, T, HV, K, device=dev, dtype=torch.float32) for _ in range(3))
     _kda_bwd_scores_kernel[(NT * (BT // BC), B * HV, cdiv(K, BKS))](
         q, k, g, beta, dqk, dkk, dqs, dks, dgs, scale, T, NT, H=H, HV=HV, K=K, BT=BT, BC=BC, BK=BKS,
-        PREC=precision, num_warps=SCORES_WARPS, num_stages=1)
+        PREC=precision, EXACT=not bounded, num_warps=SCORES_WARPS, num_stages=1)
     _kda_bwd_kside_kernel[(NT, B * HV, NK)](
         q, k, g, beta, it.mkk, h, dh, do, vn, dy, dqk, dkk, dqs, dks, dgs, dq, dk, dg, dbeta, scale, T, NT, B * T,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, PREC=precision, num_warps=SIDE_WARPS, num_stages=1)

@@ -322,17 +322,67 @@ def _score_pair(q_h, k_h, gc_n, rows, a, c, t_a, t_c, T, H: tl.constexpr, K: tl.
     return b_sq, b_sk
 
 
+@triton.jit
+def _score_diag(q_h, k_h, gc_n, rows, a, t_a, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                BC: tl.constexpr, BK: tl.constexpr, GATHER: tl.constexpr):
+    """`_score_pair` of sub-chunk a with itself, pair by pair: Σ_d q_id k_jd e^(Γ_id - Γ_jd) with every
+    exponent <= 0 for j <= i (rows i < j hold garbage the stores mask), exact for any decay, where the
+    anchored key factors e^(A - Γ_j) overflow once a step decays below -5 (README.md "Exponents")."""
+    b_sq = tl.zeros([BC, BC], dtype=tl.float32)
+    b_sk = tl.zeros([BC, BC], dtype=tl.float32)
+    o_c = tl.arange(0, BC)
+    if GATHER:
+        r_a, m_a = _token_rows(rows, 0, t_a, o_c, T, True)
+    for i_k in range((K + BK - 1) // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        p_ga = tl.make_block_ptr(gc_n, (BT, K), (K, 1), (a * BC, i_k * BK), (BC, BK), (1, 0))
+        b_G = tl.load(p_ga, boundary_check=(1,), padding_option="zero")
+        if GATHER:
+            m_ak = m_a[:, None] & (o_k < K)[None, :]
+            b_qa = tl.load(q_h + r_a[:, None] * (H * K) + o_k[None, :], mask=m_ak, other=0.).to(tl.float32)
+            b_ka = tl.load(k_h + r_a[:, None] * (H * K) + o_k[None, :], mask=m_ak, other=0.).to(tl.float32)
+        else:
+            p_q = tl.make_block_ptr(q_h, (T, K), (H * K, 1), (t_a, i_k * BK), (BC, BK), (1, 0))
+            p_k = tl.make_block_ptr(k_h, (T, K), (H * K, 1), (t_a, i_k * BK), (BC, BK), (1, 0))
+            b_qa = tl.load(p_q, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+            b_ka = tl.load(p_k, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+        for j in range(BC):
+            sel = o_c == j
+            b_kj = tl.sum(tl.where(sel[:, None], b_ka, 0.), 0)
+            b_Gj = tl.sum(tl.where(sel[:, None], b_G, 0.), 0)
+            b_e = tl.exp(tl.minimum(b_G - b_Gj[None, :], 0.)) * b_kj[None, :]
+            b_sq += tl.where(sel[None, :], tl.sum(b_qa * b_e, 1)[:, None], 0.)
+            b_sk += tl.where(sel[None, :], tl.sum(b_ka * b_e, 1)[:, None], 0.)
+    return b_sq, b_sk
+
+
+@triton.jit
+def _scores(q_h, k_h, gc_n, rows, a, c, t_a, t_c, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+            BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, GATHER: tl.constexpr, EXACT: tl.constexpr):
+    """The raw products of block (a, c): anchored (`_score_pair`), or with EXACT the diagonal one pair by
+    pair (`_score_diag`, for decay without a lower bound)."""
+    if EXACT:
+        if c == a:
+            b_sq, b_sk = _score_diag(q_h, k_h, gc_n, rows, a, t_a, T, H, K, BT, BC, BK, GATHER)
+        else:
+            b_sq, b_sk = _score_pair(q_h, k_h, gc_n, rows, a, c, t_a, t_c, T, H, K, BT, BC, BK, PREC, GATHER)
+    else:
+        b_sq, b_sk = _score_pair(q_h, k_h, gc_n, rows, a, c, t_a, t_c, T, H, K, BT, BC, BK, PREC, GATHER)
+    return b_sq, b_sk
+
+
 @fast_launch
 @triton.jit
 def _kda_fwd_scores_kernel(q, k, gc, beta, rows, aqk, tm, mkk, scale, T, NT, N0, H: tl.constexpr,
                            HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                            PREC: tl.constexpr, STORE_MKK: tl.constexpr, PER_PAIR: tl.constexpr,
-                           GATHER: tl.constexpr):
+                           GATHER: tl.constexpr, EXACT: tl.constexpr):
     """Stage 1b, one program per (chunk x query sub-chunk a, batch*value-head): the BC x BC score blocks
     (a, c) of rows [a*BC, (a+1)*BC), c <= a (`_score_pair`). Writes scale·Aqk (j <= i) to aqk, β_i Akk
     (j < i) to tm, raw Akk to mkk with STORE_MKK, and zeros in the blocks c > a. PER_PAIR: one program per
     (chunk x block pair (a, c), c <= a) instead, NC(NC+1)/2 per chunk, each one block (the diagonal one also
-    writes row a's zero blocks): balanced programs, and a key-block loop the compiler may pipeline."""
+    writes row a's zero blocks): balanced programs, and a key-block loop the compiler may pipeline. EXACT:
+    the diagonal blocks pair by pair (`_score_diag`), for a decay without a lower bound."""
     i_np, i_bh = tl.program_id(0), tl.program_id(1)
     NC: tl.constexpr = BT // BC
     if PER_PAIR:
@@ -363,8 +413,8 @@ def _kda_fwd_scores_kernel(q, k, gc, beta, rows, aqk, tm, mkk, scale, T, NT, N0,
     if PER_PAIR:
         c = c_first
         j_col = c * BC + o_c
-        b_sq, b_sk = _score_pair(q_h, k_h, gc_n, rows, a, c, t_a, i_n * BT + c * BC, T, H, K, BT, BC, BK, PREC,
-                                     GATHER)
+        b_sq, b_sk = _scores(q_h, k_h, gc_n, rows, a, c, t_a, i_n * BT + c * BC, T, H, K, BT, BC, BK, PREC, GATHER,
+                             EXACT)
         _store_score_block(aqk, tm, mkk, p_row + j_col[None, :], i_row, j_col, b_sq, b_sk, b_beta, scale, STORE_MKK)
         # the diagonal block's program also writes the zero blocks right of it (none when the chunk is one
         # sub-chunk; the loop left in for NC = 1 crashes Triton's coalesce pass)
@@ -375,8 +425,8 @@ def _kda_fwd_scores_kernel(q, k, gc, beta, rows, aqk, tm, mkk, scale, T, NT, N0,
         c = c_first
         while c <= a:
             j_col = c * BC + o_c
-            b_sq, b_sk = _score_pair(q_h, k_h, gc_n, rows, a, c, t_a, i_n * BT + c * BC, T, H, K, BT, BC, BK, PREC,
-                                     GATHER)
+            b_sq, b_sk = _scores(q_h, k_h, gc_n, rows, a, c, t_a, i_n * BT + c * BC, T, H, K, BT, BC, BK, PREC,
+                                 GATHER, EXACT)
             _store_score_block(aqk, tm, mkk, p_row + j_col[None, :], i_row, j_col, b_sq, b_sk, b_beta, scale,
                                STORE_MKK)
             c += 1
@@ -606,7 +656,7 @@ def kda_fwd_intra(q, k, v, g, beta, scale: float, chunk_size: int, plan, store_m
         _kda_fwd_scores_kernel[(n * (NC * (NC + 1) // 2 if plan.per_pair else NC), B * HV)](
             q, k, gc, beta, rows, aqk, tm, mkk_arg, scale, T, NT, n0, H=H, HV=HV, K=K, BT=BT, BC=BC,
             BK=min(BK, SCORES_BK), PREC=plan.prec, STORE_MKK=store_mkk, PER_PAIR=plan.per_pair,
-            GATHER=rows is not None, num_warps=SCORES_WARPS, num_stages=plan.score_stages)
+            GATHER=rows is not None, EXACT=not plan.bounded, num_warps=SCORES_WARPS, num_stages=plan.score_stages)
         _kda_fwd_tail_kernel[(n, B * HV)](
             v, beta, rows, w, u, tm, T, NT, n0, HV=HV, K=K, V=V, BT=BT, BC=BC, BK=min(BK, TAIL_BK), BV=BV,
             PREC=plan.prec, GATHER=rows is not None, num_warps=TAIL_WARPS, num_stages=1)

@@ -20,6 +20,7 @@ from torch import Tensor
 from k3cli.ops.custom import absent, eager_function, reference_vjp, triton_runs
 from k3cli.ops.kda.checks import check_kda_inputs
 from k3cli.ops.kda.chunk_fwd import interpreting, pick_configs
+from k3cli.ops.kda.gate import softplus
 from k3cli.ops.norm import l2norm
 
 # The one tolerance table of this op (its tests and verify): relative RMS error of o and the final
@@ -64,7 +65,7 @@ def _restore_state(kwargs, exception):
 @triton.jit
 def _step(q, k, v, g, beta, o, b_h, b_rate, b_bias, scale, lower_bound, i_b, i_h, i_hv, t, T, o_k, o_v,
           m_k, m_v, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-          USE_QK_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
+          USE_QK_L2NORM: tl.constexpr, USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
     """One token: (gate,) decay, delta write, read; returns the updated [BK, BV] state."""
     i_bt = (i_b * T + t).to(tl.int64)
     b_q = tl.load(q + (i_bt * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
@@ -78,7 +79,10 @@ def _step(q, k, v, g, beta, o, b_h, b_rate, b_bias, scale, lower_bound, i_b, i_h
     if USE_GATE:
         if HAS_DT_BIAS:
             b_g = b_g + b_bias
-        b_g = tl.where(m_k, lower_bound * tl.sigmoid(b_rate * b_g), 0.)
+        if SOFTPLUS:
+            b_g = tl.where(m_k, -b_rate * softplus(b_g), 0.)
+        else:
+            b_g = tl.where(m_k, lower_bound * tl.sigmoid(b_rate * b_g), 0.)
     b_h *= tl.exp(b_g)[:, None]
     # delta rule: write the residual of the decayed state's prediction for k
     b_p = tl.sum(b_h * b_k[:, None], 0)
@@ -98,7 +102,7 @@ def _fused_recurrent_kda_fwd_kernel(q, k, v, g, beta, o, h0, ht, a_log, dt_bias,
                                     BK: tl.constexpr, BV: tl.constexpr,
                                     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
                                     USE_QK_L2NORM: tl.constexpr, USE_GATE: tl.constexpr,
-                                    HAS_DT_BIAS: tl.constexpr, INTERPRET: tl.constexpr):
+                                    HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, INTERPRET: tl.constexpr):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     # GVA: value head hv reads q/k head hv // G
@@ -122,12 +126,12 @@ def _fused_recurrent_kda_fwd_kernel(q, k, v, g, beta, o, h0, ht, a_log, dt_bias,
         t = 0
         while t < T:
             b_h = _step(q, k, v, g, beta, o, b_h, b_rate, b_bias, scale, lower_bound, i_b, i_h, i_hv, t, T,
-                        o_k, o_v, m_k, m_v, H, HV, K, V, USE_QK_L2NORM, USE_GATE, HAS_DT_BIAS)
+                        o_k, o_v, m_k, m_v, H, HV, K, V, USE_QK_L2NORM, USE_GATE, HAS_DT_BIAS, SOFTPLUS)
             t += 1
     else:
         for t in range(T):
             b_h = _step(q, k, v, g, beta, o, b_h, b_rate, b_bias, scale, lower_bound, i_b, i_h, i_hv, t, T,
-                        o_k, o_v, m_k, m_v, H, HV, K, V, USE_QK_L2NORM, USE_GATE, HAS_DT_BIAS)
+                        o_k, o_v, m_k, m_v, H, HV, K, V, USE_QK_L2NORM, USE_GATE, HAS_DT_BIAS, SOFTPLUS)
     if STORE_FINAL_STATE:
         tl.store(ht + p_state, b_h, mask=m_kv)
 
@@ -158,11 +162,11 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, scale, initial_state, output_final
         return (triton.cdiv(V, meta["BV"]), B * HV)
 
     _fused_recurrent_kda_fwd_kernel[grid](
-        q, k, v, g, beta, o, h0, ht, A_log, dt_bias, float(scale), float(lower_bound), T, B * HV,
+        q, k, v, g, beta, o, h0, ht, A_log, dt_bias, float(scale), float(lower_bound or 0.), T, B * HV,
         H=H, HV=HV, K=K, V=V, BK=BK,
         USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=ht is not None,
         USE_QK_L2NORM=use_qk_l2norm_in_kernel, USE_GATE=use_gate_in_kernel,
-        HAS_DT_BIAS=dt_bias is not None, INTERPRET=interpreting(q))
+        HAS_DT_BIAS=dt_bias is not None, SOFTPLUS=lower_bound is None, INTERPRET=interpreting(q))
     return o, ht
 
 
@@ -202,7 +206,7 @@ def _forward(q, k, v, g, beta, h0, A_log, dt_bias, scale, lower_bound, output_fi
 
 @torch.library.custom_op("k3::fused_recurrent_kda", mutates_args=(), device_types=("cuda", "cpu"))
 def fused_recurrent_kda_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
-                           A_log: Tensor | None, dt_bias: Tensor | None, scale: float, lower_bound: float,
+                           A_log: Tensor | None, dt_bias: Tensor | None, scale: float, lower_bound: float | None,
                            output_final_state: bool, use_qk_l2norm_in_kernel: bool,
                            use_gate_in_kernel: bool) -> tuple[Tensor, Tensor]:
     """`fused_recurrent_kda` on checked inputs: (o, final state), the state an empty fp32 tensor unless
@@ -220,7 +224,7 @@ def _(q, k, v, g, beta, initial_state, A_log, dt_bias, scale, lower_bound, outpu
 
 @torch.library.custom_op("k3::fused_recurrent_kda_inplace", mutates_args=("state",), device_types=("cuda", "cpu"))
 def fused_recurrent_kda_inplace_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
-                                   A_log: Tensor | None, dt_bias: Tensor | None, scale: float, lower_bound: float,
+                                   A_log: Tensor | None, dt_bias: Tensor | None, scale: float, lower_bound: float | None,
                                    use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool) -> Tensor:
     """The decode step on a cached state: o, with `state` (contiguous fp32) advanced over the T tokens in
     place. No autograd (`fused_recurrent_kda` refuses inplace_state under grad)."""
@@ -250,7 +254,7 @@ _BWD_OUT = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 @torch.library.custom_op("k3::fused_recurrent_kda_bwd", mutates_args=(), device_types=("cuda", "cpu"))
 def fused_recurrent_kda_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                                initial_state: Tensor | None, A_log: Tensor | None, dt_bias: Tensor | None,
-                               do: Tensor | None, dht: Tensor | None, scale: float, lower_bound: float,
+                               do: Tensor | None, dht: Tensor | None, scale: float, lower_bound: float | None,
                                use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool) -> _BWD_OUT:
     """k3::fused_recurrent_kda's backward, on every device by autograd through `_reference` (decode has no
     Triton backward): (dq, dk, dv, dg, dbeta, dh0, dA_log, d dt_bias), empty fp32 tensors for absent inputs."""
@@ -308,13 +312,14 @@ def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
         q, k: [B, T, H, K] (fp32 / fp16 / bf16); v: [B, T, HV, V], HV = G * H (value head hv uses
             q/k head hv // G).
         g: [B, T, HV, K] per-step log-decay (<= 0), or the raw gate input g_raw when
-            use_gate_in_kernel (then g = lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))).
+            use_gate_in_kernel (then g = lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias)), or with
+            lower_bound None the softplus gate g = -exp(A_log) * softplus(g_raw + dt_bias)).
         beta: [B, T, HV] write strength (already through its sigmoid).
         scale: query scale, default K ** -0.5.
         initial_state: [B, HV, K, V] fp32 or None (zeros).
         output_final_state: return the state after the T tokens.
         use_qk_l2norm_in_kernel: L2-normalise q and k (eps 1e-6) in the kernel.
-        A_log: [HV]; dt_bias: [HV, K] or None; lower_bound: L in [-5, 0).
+        A_log: [HV]; dt_bias: [HV, K] or None; lower_bound: L in [-5, 0), or None (the softplus gate).
         inplace_state: write the final state into initial_state (contiguous) and return it.
     Every tensor on q's device; any strides but the in-place state's; B, T, H, HV, V >= 1: empty inputs,
     wrong ranks, shapes, dtypes or devices raise a ValueError naming the argument (README.md, "Input
@@ -326,7 +331,7 @@ def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
               dt_bias, lower_bound, inplace_state)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     A_log, dt_bias = (A_log, dt_bias) if use_gate_in_kernel else (None, None)
-    args = (A_log, dt_bias, scale, float(lower_bound))
+    args = (A_log, dt_bias, scale, None if lower_bound is None else float(lower_bound))
     eager = not torch.compiler.is_compiling()   # eagerly the implementations, not the ops
     flags = (bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel))
     if inplace_state:

@@ -1,7 +1,8 @@
-"""Fused KDA gate (docs/math.md §2.3): bias add -> lower-bound sigmoid -> chunk-local cumsum, one pass.
+"""Fused KDA gate (docs/math.md §2.3): bias add -> gate -> chunk-local cumsum, one pass.
 
-g = L * sigmoid(exp(A_log) * (g_raw + dt_bias)), then optionally the inclusive cumsum inside each
-chunk of `chunk_size` tokens. Backward gives d g_raw, dA_log (sum over B, T, K) and d dt_bias
+g = L * sigmoid(exp(A_log) * (g_raw + dt_bias)) (the lower-bound gate), or with L = None
+g = -exp(A_log) * softplus(g_raw + dt_bias) (the softplus gate, no lower bound), then optionally the
+inclusive cumsum inside each chunk of `chunk_size` tokens. Backward gives d g_raw, dA_log (sum over B, T, K) and d dt_bias
 (sum over B, T); per-program partial sums are reduced in torch (deterministic, no atomics).
 Custom ops `k3::kda_gate` / `k3::kda_gate_bwd` (README.md, "Custom ops").
 """
@@ -20,9 +21,19 @@ GATE_FLOATS = (*FLOATS, torch.float64)
 
 
 @triton.jit
+def softplus(x):
+    """log(1 + e^x) in fp32 to a few ulp for any x: max(x, 0) + log1p(e^-|x|), log1p by u = 1 + e,
+    log(u) * e / (u - 1) (exact where 1 + e rounds, so tiny values keep their size)."""
+    e = tl.exp(-tl.abs(x))
+    u = 1. + e
+    one = u == 1.
+    return tl.maximum(x, 0.) + tl.where(one, e, tl.log(u) * e / tl.where(one, 1., u - 1.))
+
+
+@triton.jit
 def _kda_gate_fwd_kernel(g_raw, a_log, dt_bias, out, lower_bound, T,
                          HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, CUMSUM: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, CUMSUM: tl.constexpr, SOFTPLUS: tl.constexpr):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     o_t = i_n * BT + tl.arange(0, BT)
@@ -33,7 +44,10 @@ def _kda_gate_fwd_kernel(g_raw, a_log, dt_bias, out, lower_bound, T,
     if HAS_BIAS:
         b_x += tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.).to(tl.float32)[None, :]
     b_rate = tl.exp(tl.load(a_log + i_hv).to(tl.float32))
-    b_y = lower_bound * tl.sigmoid(b_rate * b_x)
+    if SOFTPLUS:
+        b_y = -b_rate * softplus(b_x)
+    else:
+        b_y = lower_bound * tl.sigmoid(b_rate * b_x)
     b_y = tl.where(m, b_y, 0.)
     if CUMSUM:
         b_y = tl.cumsum(b_y, 0)
@@ -43,7 +57,7 @@ def _kda_gate_fwd_kernel(g_raw, a_log, dt_bias, out, lower_bound, T,
 @triton.jit
 def _kda_gate_bwd_kernel(g_raw, a_log, dt_bias, dout, dg_raw, da_part, db_part, lower_bound, T, NT,
                          HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, CUMSUM: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, CUMSUM: tl.constexpr, SOFTPLUS: tl.constexpr):
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     o_t = i_n * BT + tl.arange(0, BT)
@@ -58,14 +72,20 @@ def _kda_gate_bwd_kernel(g_raw, a_log, dt_bias, dout, dg_raw, da_part, db_part, 
     b_dy = tl.load(dout + p, mask=m, other=0.).to(tl.float32)
     if CUMSUM:
         b_dy = tl.cumsum(b_dy, 0, reverse=True)
-    b_s = tl.sigmoid(b_rate * b_x)
-    # d/dz of L*sigmoid(z) at z = rate * x
-    b_dz = tl.where(m, b_dy * lower_bound * b_s * (1. - b_s), 0.)
-    b_dx = b_dz * b_rate
-    tl.store(dg_raw + p, b_dx.to(dg_raw.dtype.element_ty), mask=m)
     i_part = (i_b * NT + i_n).to(tl.int64) * HV + i_hv
-    # dA_log = Σ dz * rate * x  (d rate / d A_log = rate)
-    tl.store(da_part + i_part, tl.sum(tl.sum(b_dz * b_x, 1), 0) * b_rate)
+    if SOFTPLUS:
+        # y = -rate * softplus(x): dy/dx = -rate * sigmoid(x), dy/dA_log = y
+        b_dx = tl.where(m, -b_dy * b_rate * tl.sigmoid(b_x), 0.)
+        b_da = tl.sum(tl.sum(tl.where(m, b_dy * softplus(b_x), 0.), 1), 0) * -b_rate
+    else:
+        b_s = tl.sigmoid(b_rate * b_x)
+        # d/dz of L*sigmoid(z) at z = rate * x
+        b_dz = tl.where(m, b_dy * lower_bound * b_s * (1. - b_s), 0.)
+        b_dx = b_dz * b_rate
+        # dA_log = Σ dz * rate * x  (d rate / d A_log = rate)
+        b_da = tl.sum(tl.sum(b_dz * b_x, 1), 0) * b_rate
+    tl.store(dg_raw + p, b_dx.to(dg_raw.dtype.element_ty), mask=m)
+    tl.store(da_part + i_part, b_da)
     tl.store(db_part + i_part * K + o_k, tl.sum(b_dx, 0), mask=m_k)
 
 
@@ -75,18 +95,19 @@ def _launch_meta(g_raw, chunk_size):
     return B, T, HV, K, chunk_size, triton.cdiv(T, chunk_size), BK
 
 
-def _forward(g_raw, A_log, dt_bias, lower_bound: float, chunk_size: int, cumsum: bool):
+def _forward(g_raw, A_log, dt_bias, lower_bound: float | None, chunk_size: int, cumsum: bool):
     g_raw = g_raw.contiguous()
     B, T, HV, K, BT, NT, BK = _launch_meta(g_raw, chunk_size)
     out = torch.empty(B, T, HV, K, device=g_raw.device, dtype=torch.float32)
     if out.numel() == 0:   # an empty grid (and BK = 0 for K = 0) is not launched
         return out
-    _kda_gate_fwd_kernel[(NT, B * HV)](g_raw, A_log.contiguous(), _contiguous(dt_bias), out, lower_bound, T,
-                                       HV=HV, K=K, BT=BT, BK=BK, HAS_BIAS=dt_bias is not None, CUMSUM=cumsum)
+    _kda_gate_fwd_kernel[(NT, B * HV)](g_raw, A_log.contiguous(), _contiguous(dt_bias), out, lower_bound or 0., T,
+                                       HV=HV, K=K, BT=BT, BK=BK, HAS_BIAS=dt_bias is not None, CUMSUM=cumsum,
+                                       SOFTPLUS=lower_bound is None)
     return out
 
 
-def _backward(g_raw, A_log, dt_bias, dout, lower_bound: float, chunk_size: int, cumsum: bool):
+def _backward(g_raw, A_log, dt_bias, dout, lower_bound: float | None, chunk_size: int, cumsum: bool):
     g_raw = g_raw.contiguous()
     B, T, HV, K, BT, NT, BK = _launch_meta(g_raw, chunk_size)
     dev = g_raw.device
@@ -96,14 +117,14 @@ def _backward(g_raw, A_log, dt_bias, dout, lower_bound: float, chunk_size: int, 
     da_part = torch.empty(B * NT, HV, device=dev, dtype=torch.float32)
     db_part = torch.empty(B * NT, HV, K, device=dev, dtype=torch.float32)
     _kda_gate_bwd_kernel[(NT, B * HV)](g_raw, A_log.contiguous(), _contiguous(dt_bias), dout.contiguous(), dg_raw,
-                                       da_part, db_part, lower_bound, T, NT, HV=HV, K=K, BT=BT, BK=BK,
-                                       HAS_BIAS=dt_bias is not None, CUMSUM=cumsum)
+                                       da_part, db_part, lower_bound or 0., T, NT, HV=HV, K=K, BT=BT, BK=BK,
+                                       HAS_BIAS=dt_bias is not None, CUMSUM=cumsum, SOFTPLUS=lower_bound is None)
     dA_log = da_part.sum(0).to(A_log.dtype)
     ddt_bias = absent(g_raw) if dt_bias is None else db_part.sum(0).to(dt_bias.dtype)
     return dg_raw, dA_log, ddt_bias
 
 
-def _reference(g_raw, A_log, dt_bias, lower_bound: float, chunk_size: int, cumsum: bool):
+def _reference(g_raw, A_log, dt_bias, lower_bound: float | None, chunk_size: int, cumsum: bool):
     """The torch gate (CPU without the interpreter), fp32 as the kernel's output."""
     from k3cli.ops.kda.naive import chunk_local_cumsum, naive_kda_gate
     g = naive_kda_gate(g_raw, A_log, dt_bias, lower_bound)
@@ -121,7 +142,7 @@ def _gate_impl(g_raw, A_log, dt_bias, lower_bound, chunk_size, cumsum):
 
 
 @torch.library.custom_op("k3::kda_gate", mutates_args=(), device_types=("cuda", "cpu"))
-def kda_gate_op(g_raw: Tensor, A_log: Tensor, dt_bias: Tensor | None, lower_bound: float, chunk_size: int,
+def kda_gate_op(g_raw: Tensor, A_log: Tensor, dt_bias: Tensor | None, lower_bound: float | None, chunk_size: int,
                 cumsum: bool) -> Tensor:
     """`kda_gate` on checked inputs: [B, T, HV, K] fp32."""
     return _gate_impl(g_raw, A_log, dt_bias, lower_bound, chunk_size, cumsum)
@@ -133,7 +154,7 @@ def _(g_raw, A_log, dt_bias, lower_bound, chunk_size, cumsum):
 
 
 @torch.library.custom_op("k3::kda_gate_bwd", mutates_args=(), device_types=("cuda", "cpu"))
-def kda_gate_bwd_op(g_raw: Tensor, A_log: Tensor, dt_bias: Tensor | None, dout: Tensor, lower_bound: float,
+def kda_gate_bwd_op(g_raw: Tensor, A_log: Tensor, dt_bias: Tensor | None, dout: Tensor, lower_bound: float | None,
                     chunk_size: int, cumsum: bool) -> tuple[Tensor, Tensor, Tensor]:
     """k3::kda_gate's backward: (d g_raw, dA_log, d dt_bias), the last an empty fp32 tensor without dt_bias."""
     return _gate_bwd_impl(g_raw, A_log, dt_bias, dout, lower_bound, chunk_size, cumsum)
@@ -174,13 +195,14 @@ _KDAGate = eager_function("_KDAGate", _gate_impl, _setup_context, _autograd_back
 
 
 def kda_gate(g_raw, A_log, dt_bias=None, lower_bound=-5.0, chunk_size=64, cumsum=True):
-    """Fused lower-bound gate (+ chunk-local cumsum).
+    """Fused gate, lower-bound or softplus (+ chunk-local cumsum).
 
     Args:
         g_raw: [B, T, HV, K] gate projection output (fp32 / fp16 / bf16 / fp64); empty (any dim 0): an empty
             result, zero gradients for A_log and dt_bias.
         A_log: [HV] log rate; dt_bias: [HV, K] or None (same dtypes, on g_raw's device).
-        lower_bound: L in [-5, 0); chunk_size: cumsum restarts every chunk_size tokens (power of 2).
+        lower_bound: L in [-5, 0) for the lower-bound gate, or None for the softplus gate (no lower bound);
+            chunk_size: cumsum restarts every chunk_size tokens (power of 2).
         cumsum: False returns the per-step gate g itself.
     Returns:
         [B, T, HV, K] fp32: g, or its chunk-local inclusive cumsum.
@@ -190,9 +212,11 @@ def kda_gate(g_raw, A_log, dt_bias=None, lower_bound=-5.0, chunk_size=64, cumsum
     check_tensor("kda_gate", "A_log", A_log, 1, g_raw.device, GATE_FLOATS, shape=(HV,), ref="g_raw")
     if dt_bias is not None:
         check_tensor("kda_gate", "dt_bias", dt_bias, 2, g_raw.device, GATE_FLOATS, shape=(HV, K), ref="g_raw")
-    check_number("kda_gate", "lower_bound", lower_bound, -5.0, 0.0, high_open=True)
+    if lower_bound is not None:
+        check_number("kda_gate", "lower_bound", lower_bound, -5.0, 0.0, high_open=True)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, torch.SymInt)) or chunk_size < 1 \
             or chunk_size & (chunk_size - 1):
         raise ValueError(f"kda_gate: chunk_size={chunk_size!r} must be a power of 2")
     gate = kda_gate_op if torch.compiler.is_compiling() else _KDAGate.apply
-    return gate(g_raw, A_log, dt_bias, float(lower_bound), int(chunk_size), bool(cumsum))
+    return gate(g_raw, A_log, dt_bias, None if lower_bound is None else float(lower_bound), int(chunk_size),
+                bool(cumsum))

@@ -63,10 +63,12 @@ def chunk_local_cumsum(g: torch.Tensor, chunk_size: int, reverse: bool = False) 
 
 def naive_kda_gate(g_raw, A_log, dt_bias=None, lower_bound=-5.0):
     """Lower-bound gate (docs/math.md §2.3): L * sigmoid(exp(A_log) * (g_raw + dt_bias)) in fp32
-    (fp64 when any input is fp64, like the other references here).
+    (fp64 when any input is fp64, like the other references here); lower_bound None: the softplus gate.
 
     Args: g_raw [B, T, HV, K]; A_log [HV]; dt_bias [HV, K] or None.  Returns g [B, T, HV, K].
     """
+    if lower_bound is None:
+        return naive_kda_softplus_gate(g_raw, A_log, dt_bias)
     wd = _work_dtype(g_raw, A_log, dt_bias)
     x = g_raw.to(wd)
     if dt_bias is not None:
