@@ -801,7 +801,7 @@ def generate_cmd(
     prompt: Annotated[str, typer.Option(help="Text to continue.")],
     run: Annotated[Optional[str], typer.Option(help="Run directory (uses its newest complete checkpoint).")] = None,
     ckpt: Annotated[Optional[str], typer.Option(help="A checkpoint directory (runs/X/checkpoints/step_N).")] = None,
-    max_new_tokens: Annotated[int, typer.Option(help="Stop after this many new tokens (or at <|endoftext|>).")] = 128,
+    max_new_tokens: Annotated[int, typer.Option(help="Stop after this many new tokens (or at the end token).")] = 128,
     temperature: Annotated[float, typer.Option(help="Softmax temperature; 0 = greedy.")] = 0.8,
     top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens; 0 = off.")] = 0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling: smallest set with this probability; 1 = off.")] = 1.0,

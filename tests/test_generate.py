@@ -98,7 +98,9 @@ def test_stops_at_eot(model, monkeypatch):
 
 
 class ByteTok:
-    """A stand-in tokenizer: ids 1..256 are bytes."""
+    """A stand-in tokenizer: ids 1..256 are bytes, id 0 starts and ends a text (as in k3's own)."""
+
+    bos_id = eos_id = 0
 
     class Enc:
         def __init__(self, ids):

@@ -29,16 +29,16 @@ CONFIGS = [
 ]
 
 
-def kimi(q_lora, n_group, topk_group, dense, hidden, layers, full, seed=0):
+def kimi(q_lora, n_group, topk_group, dense, hidden, layers, full, seed=0, vocab=97, bos=1, eos=2):
     torch.manual_seed(seed)
     cfg = transformers.KimiLinearConfig(
-        vocab_size=97, hidden_size=hidden, intermediate_size=40, moe_intermediate_size=8, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=40, moe_intermediate_size=8, num_hidden_layers=layers,
         num_attention_heads=2, num_key_value_heads=2, n_shared_experts=2, kv_lora_rank=12, q_lora_rank=q_lora,
         qk_rope_head_dim=4, v_head_dim=6, qk_nope_head_dim=8, n_group=n_group, topk_group=topk_group,
         num_experts_per_tok=2, num_local_experts=8, routed_scaling_factor=2.5,
         linear_attn_config={"head_dim": 5, "num_heads": 3, "short_conv_kernel_size": 4, "full_attn_layers": full,
                             "kda_layers": [i for i in range(1, layers + 1) if i not in full]},
-        first_k_dense_replace=dense, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        first_k_dense_replace=dense, pad_token_id=0, bos_token_id=bos, eos_token_id=eos)
     model = transformers.KimiLinearForCausalLM(cfg).eval()
     with torch.no_grad():   # random router biases and gate parameters: the paths that use them are exercised
         for name, p in model.named_parameters():
@@ -166,3 +166,42 @@ def test_a_sharded_checkpoint_imports_shard_by_shard(tmp_path):
     with torch.no_grad():
         want, got = hf(ids).logits, ours.eval()(ids).logits
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-4
+
+
+def test_a_tiktoken_tokenizer_is_converted_with_its_start_and_end_tokens(tmp_path):
+    """A folder with Kimi Linear's tokenizer files (tiktoken.model, tokenizer_config.json, the Python file with
+    pat_str) and no tokenizer.json: the run gets a tokenizer.json that encodes as tiktoken does, and its
+    [BOS] / [EOS]: `load` starts a text with [BOS], generation stops at [EOS], and preparing training data with
+    it is refused (k3 separates documents with <|endoftext|>)."""
+    tiktoken = pytest.importorskip("tiktoken")
+    import k3cli
+    from k3cli.data import load_tokenizer
+    from k3cli.data.prepare import prepare_shards
+    from k3cli.errors import DataError
+    from tests.test_tiktoken_bpe import PATTERN, trained_ranks, write_tiktoken_folder
+
+    ranks = trained_ranks(300)
+    specials = {300: "[BOS]", 301: "[EOS]", 302: "<|im_end|>"}
+    hf = kimi(None, 1, 1, 1, 32, 4, [2, 4], vocab=303, bos=300, eos=301)
+    hf.save_pretrained(tmp_path / "hf")
+    write_tiktoken_folder(tmp_path / "hf", ranks, specials)
+    r = runner.invoke(app, ["import", "hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")])
+    assert r.exit_code == 0, r.output
+    tok = load_tokenizer(tmp_path / "run")
+    assert (tok.bos_id, tok.eos_id) == (300, 301)
+    enc = tiktoken.Encoding("t", pat_str=PATTERN, mergeable_ranks=ranks, special_tokens={})
+    text = "Hello world, 中文 text 123"
+    assert tok.encode(text).ids == enc.encode(text)
+    loaded = k3cli.load(tmp_path / "run", device="cpu")
+    assert loaded.encode(text)[0].tolist() == [300, *enc.encode(text)]
+    with torch.no_grad():   # the end token stops generation: make it the model's certain next token
+        hf_head = loaded.model.lm_head.weight
+        hf_head.zero_()
+        hf_head[301] = 1.0
+    new, stopped, _, _ = generate_ids(loaded.model, loaded.encode(text)[0].tolist(), 5, temperature=0,
+                                      eos_id=loaded.tokenizer.eos_id)
+    assert (new, stopped) == ([], True)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text(text)
+    with pytest.raises(DataError, match="packs training documents"):
+        prepare_shards(str(tmp_path / "docs"), tmp_path / "prepared", tokenizer=tok)

@@ -45,6 +45,7 @@ from k3cli.data.tokenizer import (
     TOKENIZER_FULL_MAX_BYTES,
     TOKENIZER_SAMPLE_BYTES,
     _ready,
+    check_packable,
     load_tokenizer,
     tokenizer_sha256,
     train_tokenizer,
@@ -343,6 +344,8 @@ def prepare_shards(source: str, out: str | os.PathLike, tokenizer: Tokenizer | N
     chunks are written (cumulative). `scan`: the source's `scan_source` when the caller has it. `wait`: if
     another process holds `out`, wait for it (then reuse its result) instead of refusing. `replace=False`:
     refuse an `out` that holds a finished prepare of another source or tokenizer instead of replacing it."""
+    if tokenizer is not None:
+        check_packable(tokenizer)
     say = say or (lambda msg: None)
     root = Path(out).expanduser()
     if root.exists() and not root.is_dir():
@@ -473,6 +476,8 @@ def prepare_data(data_cfg, vocab_size: int, seq_len: int, cache_dir: str | os.Pa
     `tokenizer` (e.g. a run's saved one, for resume and eval) no tokenizer is trained, and the
     streams must have been tokenized by that one."""
     say = progress or (lambda msg: None)
+    if tokenizer is not None:
+        check_packable(tokenizer)
     source = data_cfg.source
     if is_prepared(source) or looks_like_partial(Path(source).expanduser()):
         prepared = open_prepared(source)

@@ -53,11 +53,54 @@ def corpus_fingerprint(train: list[Document], val: list[Document], vocab_size: i
     return h.hexdigest()[:24]
 
 
-def _ready(tok: Tokenizer) -> Tokenizer:
-    # a literal '<|endoftext|>' inside a document is text, not the separator; this flag is not
+# beside tokenizer.json, as Hugging Face writes it: which tokens start a sequence and end one (bos_token,
+# eos_token); k3's own tokenizers have none and use <|endoftext|> for both
+SPECIALS = "tokenizer_config.json"
+
+
+def _ready(tok: Tokenizer, bos: str = EOT, eos: str = EOT, where: str = "the tokenizer") -> Tokenizer:
+    """`tok` with `bos_id` and `eos_id` set: the id every sequence starts with and the one generation stops
+    at (EOT_ID for k3's own tokenizers)."""
+    # a literal special token inside a document is text, not the separator; this flag is not
     # stored in tokenizer.json, so set it on every load
     tok.encode_special_tokens = True
+    for attr, text in (("bos_id", bos), ("eos_id", eos)):
+        i = tok.token_to_id(text)
+        if i is None:
+            raise DataError(f"{where} has no {text!r} token ({attr.split('_')[0]}): name its start and end tokens "
+                            f"in {SPECIALS} (bos_token, eos_token)")
+        setattr(tok, attr, i)
     return tok
+
+
+def check_packable(tok: Tokenizer) -> None:
+    """k3's token streams separate documents with <|endoftext|> (EOT_ID, which document masking keys on): one
+    DataError for a tokenizer that ends documents otherwise (an imported model's)."""
+    if getattr(tok, "eos_id", EOT_ID) != EOT_ID or tok.token_to_id(EOT) != EOT_ID:
+        raise DataError(f"k3 packs training documents with {EOT} as id {EOT_ID}; this tokenizer ends them with id "
+                        f"{getattr(tok, 'eos_id', '?')}: preparing data with it is not supported yet")
+
+
+def write_specials(folder: str | os.PathLike, bos: str, eos: str) -> None:
+    """Record a tokenizer's start and end tokens beside its tokenizer.json (`SPECIALS`)."""
+    write_text_atomic(Path(folder) / SPECIALS, json.dumps({"bos_token": bos, "eos_token": eos}, indent=1) + "\n")
+
+
+def _specials(folder: Path) -> tuple[str, str]:
+    """(bos, eos) texts from `folder`'s SPECIALS file, <|endoftext|> for what it does not name."""
+    path = folder / SPECIALS
+    if not path.is_file():
+        return EOT, EOT
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot read {path}: {e}") from None
+
+    def text(key):
+        value = meta.get(key) if isinstance(meta, dict) else None
+        value = value.get("content") if isinstance(value, dict) else value
+        return value if isinstance(value, str) else EOT
+    return text("bos_token"), text("eos_token")
 
 
 def _tokenizer_sample(train: list[Document]) -> list[str]:
@@ -120,7 +163,7 @@ def load_tokenizer(run_dir: str | os.PathLike) -> Tokenizer:
         tok = Tokenizer.from_file(str(path))
     except Exception as e:  # the tokenizers library raises a bare Exception for a malformed file
         raise DataError(f"cannot read tokenizer {path}: {(str(e).strip().splitlines() or ['malformed'])[0][:160]}") from None
-    return _ready(tok)
+    return _ready(tok, *_specials(path.parent), where=str(path))
 
 
 

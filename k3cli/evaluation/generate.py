@@ -3,8 +3,9 @@ recurrent step per new token; docs/math.md §2.5).
 
 Sampling: greedy at temperature 0; otherwise softmax(logits / temperature) restricted to the top-k
 tokens and then to the smallest set whose probability reaches top-p (nucleus), drawn from a seeded
-generator. Generation stops at `<|endoftext|>` (EOT_ID), which is not part of the output. The prompt
-is preceded by EOT, as every document is in the packed training stream.
+generator. Generation stops at the tokenizer's end token (`<|endoftext|>`, EOT_ID, for k3's own
+tokenizers), which is not part of the output. The prompt is preceded by its start token (EOT again for
+k3's own, as every document is in the packed training stream).
 """
 from __future__ import annotations
 
@@ -76,9 +77,10 @@ def _sync(device: torch.device) -> None:
 def generate_ids(model: CausalLM, prompt_ids: list[int], max_new_tokens: int, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  on_token: Callable[[int], None] | None = None,
-                 stop_when: Callable[[list[int]], bool] | None = None) -> tuple[list[int], bool, float, float]:
-    """Sample up to max_new_tokens after prompt_ids (one sequence), or until `stop_when(new ids)` holds.
-    Returns (new ids without EOT, stopped at EOT, prefill seconds, decode seconds)."""
+                 stop_when: Callable[[list[int]], bool] | None = None,
+                 eos_id: int = EOT_ID) -> tuple[list[int], bool, float, float]:
+    """Sample up to max_new_tokens after prompt_ids (one sequence), until `eos_id` or `stop_when(new ids)`.
+    Returns (new ids without the end token, stopped at it, prefill seconds, decode seconds)."""
     check_sampling(temperature, top_k, top_p)
     if not prompt_ids:
         raise ValueError("the prompt must hold at least one token")
@@ -95,7 +97,7 @@ def generate_ids(model: CausalLM, prompt_ids: list[int], max_new_tokens: int, te
     next_id = sample_next(logits[:, -1], temperature, top_k, top_p, gen) if max_new_tokens > 0 else None
     while next_id is not None:
         tok = int(next_id)
-        if tok == EOT_ID:
+        if tok == eos_id:
             stopped = True
             break
         new.append(tok)
@@ -117,7 +119,7 @@ def generate(model: CausalLM, tokenizer, prompt: str, max_new_tokens: int = 128,
     Pieces are emitted only once they decode to whole characters (byte-level BPE can split one).
     """
     model.eval()
-    prompt_ids = [EOT_ID] + tokenizer.encode(prompt).ids
+    prompt_ids = [tokenizer.bos_id] + tokenizer.encode(prompt).ids
     state = {"ids": [], "sent": 0}
 
     def on_token(tok: int) -> None:
@@ -129,7 +131,8 @@ def generate(model: CausalLM, tokenizer, prompt: str, max_new_tokens: int = 128,
 
     # streaming re-decodes the growing text per token; without a callback there is nothing to stream
     ids, stopped, prefill_s, decode_s = generate_ids(model, prompt_ids, max_new_tokens, temperature, top_k,
-                                                     top_p, seed, on_token if stream_callback is not None else None)
+                                                     top_p, seed, on_token if stream_callback is not None else None,
+                                                     eos_id=tokenizer.eos_id)
     text = tokenizer.decode(ids)
     if stream_callback is not None and len(text) > state["sent"]:
         stream_callback(text[state["sent"]:])

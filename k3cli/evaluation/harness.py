@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from k3cli.data import EOT_ID
 from k3cli.errors import UserError
 from k3cli.evaluation.generate import generate_ids
 from k3cli.files import write_text_atomic
@@ -59,8 +58,8 @@ class K3LM(LM):
             context, continuation = context[:-spaces], context[-spaces:] + continuation
         head, whole = self._encode(context), self._encode(context + continuation)
         if whole[:len(head)] == head:
-            return [EOT_ID] + head, whole[len(head):]
-        return [EOT_ID] + head, self._encode(continuation)
+            return [self.tokenizer.bos_id] + head, whole[len(head):]
+        return [self.tokenizer.bos_id] + head, self._encode(continuation)
 
     @torch.no_grad()
     def _score(self, rows: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
@@ -75,7 +74,8 @@ class K3LM(LM):
         for start in range(0, len(inputs), self.batch_size):
             batch = inputs[start:start + self.batch_size]
             width = len(batch[0][1])
-            x = torch.full((len(batch), width), EOT_ID, dtype=torch.long)
+            # padding after a row's end: causal, so it never reaches the scored positions
+            x = torch.full((len(batch), width), self.tokenizer.eos_id, dtype=torch.long)
             for j, (_, ids, _) in enumerate(batch):
                 x[j, :len(ids)] = torch.tensor(ids)
             logp = F.log_softmax(self.model(x.to(self._device)).logits.float(), dim=-1)
@@ -97,7 +97,7 @@ class K3LM(LM):
         """(context, targets) windows that together predict every token of `text` once: targets in stretches of
         the window's length, each after as much of the text before it as fits the window (`_score` cuts it)."""
         ids = self._encode(text)
-        stream = [EOT_ID] + ids
+        stream = [self.tokenizer.bos_id] + ids
         L = self.max_length
         return [(stream[max(0, start + 1 - L):start + 1], ids[start:start + L]) for start in range(0, len(ids), L)]
 
@@ -125,14 +125,14 @@ class K3LM(LM):
         until = [until] if isinstance(until, str) else list(until)
         sample = bool(kwargs.get("do_sample", False))
         temperature = float(kwargs.get("temperature", 1.0)) if sample else 0.0
-        prompt = ([EOT_ID] + self._encode(context))[-self.max_length:]
+        prompt = ([self.tokenizer.bos_id] + self._encode(context))[-self.max_length:]
 
         def stop(new: list[int]) -> bool:
             return any(s in self.tokenizer.decode(new) for s in until)
 
         new, _, _, _ = generate_ids(self.model, prompt, int(kwargs.get("max_gen_toks", 256)), temperature,
                                     int(kwargs.get("top_k", 0)), float(kwargs.get("top_p", 1.0)), self.seed,
-                                    stop_when=stop if until else None)
+                                    stop_when=stop if until else None, eos_id=self.tokenizer.eos_id)
         text = self.tokenizer.decode(new)
         for s in until:
             text = text.split(s, 1)[0]

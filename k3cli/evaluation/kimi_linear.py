@@ -28,7 +28,9 @@ import yaml
 
 from k3cli.checkpoint import single
 from k3cli.config import config_from_dict, dump_config, load_config
-from k3cli.errors import ConfigError, UserError, first_line
+from k3cli.data.tiktoken_bpe import read_tiktoken_folder
+from k3cli.data.tokenizer import SPECIALS, write_specials
+from k3cli.errors import ConfigError, DataError, UserError, first_line
 from k3cli.files import build_folder, is_free, write_text_atomic
 from k3cli.models.causal_lm import CausalLM
 from k3cli.train import mark_run
@@ -268,12 +270,50 @@ def import_kimi_linear(src: str | Path, out: str | Path, preset: str = "k3-toy",
 
     out.mkdir(parents=True, exist_ok=True)
     mark_run(out)
-    if (src / "tokenizer.json").is_file():
-        shutil.copyfile(src / "tokenizer.json", out / "tokenizer.json")
-    else:
-        log(f"warning: {src} has no tokenizer.json; k3 eval and k3 generate need one in {out}")
+    _import_tokenizer(src, out, hf, log)
     write_text_atomic(out / "config.yaml", dump_config(cfg))
     return single.save_weights(out, 0, write_weights, sum(sizes), extra={"imported_from": str(src.resolve())})
+
+
+def _import_tokenizer(src: Path, out: Path, hf: dict, log: Callable[[str], None]) -> None:
+    """`out/tokenizer.json` from `src`'s tokenizer.json, or from its tiktoken files (Kimi Linear's: tiktoken.model,
+    tokenizer_config.json and the Python file with the split pattern), with its start and end tokens beside it
+    (`data.tokenizer.SPECIALS`): those of tokenizer_config.json, else config.json's bos/eos_token_id."""
+    try:
+        meta = json.loads((src / SPECIALS).read_text(encoding="utf-8")) if (src / SPECIALS).is_file() else {}
+    except ValueError as e:
+        raise UserError(f"{src / SPECIALS} is not valid JSON ({e})") from None
+    if (src / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        try:
+            tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a malformed file
+            raise UserError(f"{src / 'tokenizer.json'} cannot be read: {first_line(e)}") from None
+    elif (src / "tiktoken.model").is_file():
+        log(f"converting {src / 'tiktoken.model'} to tokenizer.json")
+        try:
+            tok, _, _ = read_tiktoken_folder(src)
+        except DataError as e:
+            raise UserError(f"{src}: its tokenizer cannot be read: {e}") from None
+    else:
+        log(f"warning: {src} has no tokenizer.json or tiktoken.model; k3 eval and k3 generate need a tokenizer in {out}")
+        return
+
+    def special(key: str) -> str | None:
+        value = meta.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            return value
+        i = hf.get(f"{key}_id")
+        return tok.id_to_token(i) if isinstance(i, int) else None
+
+    bos, eos = special("bos_token"), special("eos_token")
+    if bos is None or eos is None or tok.token_to_id(bos) is None or tok.token_to_id(eos) is None:
+        raise UserError(f"{src}: no start and end tokens its tokenizer knows (bos {bos!r}, eos {eos!r}) in "
+                        f"{SPECIALS} or config.json")
+    tok.save(str(out / "tokenizer.json"))
+    write_specials(out, bos, eos)
 
 
 # ---- the reverse: a k3 run in the kimi_linear format --------------------------------------------------------
@@ -379,7 +419,7 @@ def kimi_tensors(cfg, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 def export_kimi_linear(run_dir: str | Path, ckpt: str | Path, out: str | Path) -> dict:
     """Checkpoint `ckpt` of `run_dir` as a kimi_linear folder `out` (new or empty): config.json,
-    model.safetensors, tokenizer.json. Returns {step, files}."""
+    model.safetensors, tokenizer.json and its tokenizer_config.json. Returns {step, files}."""
     import safetensors.torch
 
     from k3cli.checkpoint import load_full_model_state
@@ -395,8 +435,9 @@ def export_kimi_linear(run_dir: str | Path, ckpt: str | Path, out: str | Path) -
         safetensors.torch.save_file({k: _own(v) for k, v in tensors.items()}, str(tmp / "model.safetensors"),
                                     metadata={"format": "pt"})
         write_text_atomic(tmp / "config.json", json.dumps(kimi_config(cfg), indent=2) + "\n")
-        if (run_dir / "tokenizer.json").is_file():
-            shutil.copyfile(run_dir / "tokenizer.json", tmp / "tokenizer.json")
+        for name in ("tokenizer.json", SPECIALS):   # the start and end tokens travel with it
+            if (run_dir / name).is_file():
+                shutil.copyfile(run_dir / name, tmp / name)
 
     build_folder(out, fill)
     step = json.loads((ckpt / "COMPLETE").read_text()).get("step")

@@ -13,7 +13,7 @@ import torch
 from k3cli.checkpoint import MARKER, latest, list_checkpoints, load_weights, why_incomplete
 from k3cli.checkpoint.export import is_export, load_export_into
 from k3cli.config import RunConfig, load_config
-from k3cli.data import EOT_ID, load_tokenizer
+from k3cli.data import load_tokenizer
 from k3cli.errors import CheckpointError, ConfigError
 from k3cli.models.causal_lm import CausalLM
 from k3cli.train import flush_denormals, resolve_device
@@ -94,15 +94,15 @@ class Loaded:
     """A trained model ready to use from Python: what `k3cli.load` returns."""
 
     model: CausalLM       # eval mode, on `device`
-    tokenizer: object     # tokenizers.Tokenizer; id 0 is <|endoftext|>
+    tokenizer: object     # tokenizers.Tokenizer with bos_id, eos_id (<|endoftext|>, id 0, for k3's own)
     config: RunConfig
     step: int             # the optimiser step of the checkpoint
     path: Path            # the checkpoint (or export) folder read
     device: torch.device
 
     def encode(self, text: str) -> torch.Tensor:
-        """input_ids [1, T] of `text` on the model's device, <|endoftext|> first, as in training."""
-        return torch.tensor([[EOT_ID] + self.tokenizer.encode(text).ids], device=self.device)
+        """input_ids [1, T] of `text` on the model's device, the start token first, as in training."""
+        return torch.tensor([[self.tokenizer.bos_id] + self.tokenizer.encode(text).ids], device=self.device)
 
     def generate(self, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0) -> str:
