@@ -165,12 +165,15 @@ def test_bench_flags_a_launch_bound_pass():
 
 @needs_triton
 def test_bench_chunk_row_has_both_host_times():
-    """Each chunk_kda row carries the host's enqueue time of both passes (None off CUDA), and the table shows them."""
+    """Each chunk_kda row carries the host's enqueue time of both passes (None off CUDA), and the unbounded
+    call's times with their ratio to the bounded one; the table shows them."""
     import torch
 
     from k3cli.bench.kernels import BENCH_COLUMNS
     from k3cli.ops.kda.bench import _bench_chunk
     row = _bench_chunk((1, 16, 1, 1, 16), torch.device("cpu"), against_fla=False)
     assert "host_fwd_ms" in row and "host_fwd_bwd_ms" in row and row["fwd_bwd_ms"] > 0
+    assert row["unbounded_fwd_bwd_ms"] > 0
+    assert row["unbounded_vs_bounded_fwd_bwd"] == row["unbounded_fwd_bwd_ms"] / row["fwd_bwd_ms"]
     shown = [key for key, _, _ in BENCH_COLUMNS["chunk_kda"]]
-    assert "host_fwd_ms" in shown and "host_fwd_bwd_ms" in shown
+    assert {"host_fwd_ms", "host_fwd_bwd_ms", "unbounded_fwd_bwd_ms", "unbounded_vs_bounded_fwd_bwd"} <= set(shown)

@@ -90,6 +90,8 @@ BENCH_COLUMNS = {
                   ("speedup_vs_torch_fwd_bwd", "× torch f+b", ".1f"),
                   ("fla_fwd_ms", "fla fwd ms", ".3f"), ("fla_fwd_bwd_ms", "fla f+b ms", ".3f"),
                   ("fla_doc_fwd_ms", "fla† fwd", ".3f"), ("fla_doc_fwd_bwd_ms", "fla† f+b", ".3f"),
+                  ("unbounded_fwd_ms", "no-bound fwd", ".3f"), ("unbounded_fwd_bwd_ms", "no-bound f+b", ".3f"),
+                  ("unbounded_vs_bounded_fwd_bwd", "× bounded f+b", ".2f"),
                   ("first_call_fwd_s", "1st call s", ".1f")],
     "kda_gate": None,  # every key of the row
     "decode": [("B", "B", "d"), ("HV", "HV", "d"), ("K", "K=V", "d"), ("triton_ms", "ours ms", ".4f"),

@@ -185,6 +185,14 @@ def _bench_chunk(shape, device, against_fla, on_step=None, lens=None):
     step(f"fwd {row['fwd_ms']:.4g} ms" + _host_note(row["host_fwd_ms"], row["fwd_ms"], flag=True)
          + f"; fwd+bwd {row['fwd_bwd_ms']:.4g} ms"
          + _host_note(row["host_fwd_bwd_ms"], row["fwd_bwd_ms"], flag=True, what="forward+backward"))
+    # the same call without a decay bound (lower_bound=None: the softplus gate's path, pair-by-pair diagonal
+    # score blocks), timed on the same inputs in the same run
+    uf, ufb = _fwd_bwd_fns(functools.partial(ours, lower_bound=None), args, device)
+    _first_call(uf, device), _first_call(ufb, device)
+    row["unbounded_fwd_ms"], row["unbounded_fwd_bwd_ms"] = time_fn(uf, device)[0], time_fn(ufb, device)[0]
+    row["unbounded_vs_bounded_fwd_bwd"] = row["unbounded_fwd_bwd_ms"] / row["fwd_bwd_ms"]
+    step(f"without a decay bound: fwd {row['unbounded_fwd_ms']:.4g} ms, fwd+bwd {row['unbounded_fwd_bwd_ms']:.4g} ms "
+         f"({row['unbounded_vs_bounded_fwd_bwd']:.2f}x the bounded fwd+bwd)")
     esz = args[0].element_size()
     io_bytes = B * T * (2 * H * K * esz + HV * K * esz + HV * K * 4 + HV * esz + HV * K * esz)
     row["fwd_mtok_s"] = B * T / (row["fwd_ms"] * 1e-3) / 1e6
