@@ -209,6 +209,7 @@ class Kernel(str, Enum):
     decode = "decode"
     attnres = "attnres"
     short_conv = "short_conv"
+    linear_ce = "linear_ce"
     all = "all"
 
 

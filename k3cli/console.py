@@ -100,8 +100,9 @@ def print_bench(console: Console, results: dict[str, list[dict]], wide: bool = F
         width = Measurement.get(console, console.options.update_width(10**4), table).maximum if wide else BENCH_WIDTH
         out = console if console.is_terminal and not wide and console.width < width else Console(width=width)
         out.print(table)
-    console.print("fla† = flash-linear-attention's published H200 figures, not measured in this run; "
-                  "fla without † was timed in this run.")
+    if set(results) & {"chunk_kda", "decode", "attnres"}:   # the kernels with fla columns
+        console.print("fla† = flash-linear-attention's published H200 figures, not measured in this run; "
+                      "fla without † was timed in this run.")
 
 
 def print_compare(console: Console, data: dict) -> None:

@@ -61,13 +61,16 @@ def _gpu_rows(kernel: str, fla: bool) -> list[dict]:
     """Rows with the widest values a GPU run gives (k3 shapes, H200 times), every column of --wide filled."""
     from k3cli.bench.kernels import BENCH_COLUMNS, BENCH_COLUMNS_NARROW
 
-    ints = {"B": 256, "N": 20, "T": 32768, "H": 32, "HV": 32, "K": 128, "L": 31, "D": 4096, "C": 1024, "norm_dim": 128}
+    ints = {"B": 256, "N": 65536, "T": 32768, "H": 32, "HV": 32, "K": 128, "L": 31, "D": 4096, "C": 1024, "norm_dim": 128,
+            "V": 32768}
     floats = {".3f": 21.243, ".4f": 0.0123, ".1f": 123.4, ".0f": 4812.0, ".1%": 0.987, ".0%": 0.987, ".2f": 12.34,
               ".4g": 1234.5}
     texts = {"form": "block S=2", "documents": "True"}
     cols = (BENCH_COLUMNS[kernel] or []) + BENCH_COLUMNS_NARROW[kernel]
     row = {k: ints[k] if spec == "d" else texts[k] if spec == "s" else floats[spec] for k, _, spec in cols}
     row.update({k: None for k in row if k.startswith("fla_") and "doc" not in k and "ref" not in k and not fla})
+    if kernel == "linear_ce":   # its --wide table is every key of the row
+        row.update({"kernel": "linear_ce", "dtype": "torch.bfloat16", "ours_loss": 10.43, "ours_vs_torch": 1.21})
     if kernel == "kda_gate":   # its --wide table is every key of the row
         row.update({"kernel": "kda_gate", "dtype": "torch.bfloat16", "first_call_fwd_s": 0.731,
                     "first_call_fwd_bwd_s": 2.214, "fwd_p20_ms": 0.41, "fwd_p80_ms": 0.42})
@@ -108,6 +111,22 @@ def test_bench_gate_ci_json():
     data = json.loads(r.stdout)
     rows = data["results"]["kda_gate"]
     assert rows and all(row["fwd_ms"] > 0 for row in rows)
+
+
+@needs_triton
+def test_linear_ce_verifies_and_benches():
+    """The chunked loss: every verify row passes (loss, dh, dw against F.cross_entropy on full logits), and the
+    bench times it beside the full-logits loss on the same inputs, the two losses equal."""
+    r = runner.invoke(app, ["verify-equivalence", "--kernel", "linear_ce", "--json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)
+    assert len(rows) == 9 and all(row["passed"] for row in rows)
+    r = runner.invoke(app, ["bench-kernel", "--kernel", "linear_ce", "--shapes", "ci", "--json"])
+    assert r.exit_code == 0, r.output
+    (row,) = json.loads(r.stdout)["results"]["linear_ce"]
+    assert row["torch_ms"] > 0 and row["ours_ms"] > 0 and row["ours_vs_torch"] == row["torch_ms"] / row["ours_ms"]
+    assert abs(row["ours_loss"] - row["torch_loss"]) < 1e-5 * row["torch_loss"]
+    assert row["liger_ms"] is None and row["cce_ms"] is None   # CUDA libraries: timed on a GPU only
 
 
 def test_parse_shape(capsys):

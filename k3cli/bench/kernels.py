@@ -11,8 +11,8 @@ import os
 import sys
 from collections.abc import Callable
 
-VERIFY_KERNELS = ("chunk_kda", "kda_gate", "decode", "attnres", "short_conv")
-BENCH_KERNELS = ("chunk_kda", "kda_gate", "decode", "attnres", "short_conv")
+VERIFY_KERNELS = ("chunk_kda", "kda_gate", "decode", "attnres", "short_conv", "linear_ce")
+BENCH_KERNELS = ("chunk_kda", "kda_gate", "decode", "attnres", "short_conv", "linear_ce")
 
 
 def prepare_device() -> str:
@@ -36,6 +36,7 @@ def prepare_device() -> str:
 def _verify_fns() -> dict[str, Callable]:
     from k3cli.ops.attnres.verify import verify_attnres
     from k3cli.ops.kda.verify import verify_kda, verify_short_conv
+    from k3cli.ops.linear_ce.verify import verify_linear_ce
 
     return {
         "chunk_kda": lambda shapes, dtype: verify_kda("chunk_kda", shapes, dtype),
@@ -43,6 +44,7 @@ def _verify_fns() -> dict[str, Callable]:
         "decode": lambda shapes, dtype: verify_kda("fused_recurrent_kda", shapes, dtype),
         "attnres": lambda shapes, dtype: verify_attnres(shapes, dtype),
         "short_conv": lambda shapes, dtype: verify_short_conv(shapes, dtype),
+        "linear_ce": lambda shapes, dtype: verify_linear_ce(shapes, dtype),
     }
 
 
@@ -74,6 +76,10 @@ BENCH_COLUMNS_NARROW = {
     "short_conv": [("B", "B", "d"), ("T", "T", "d"), ("C", "C", "d"), ("documents", "docs", "s"),
                    ("fwd_ms", "fwd ms", ".3f"), ("fwd_bwd_ms", "f+b ms", ".3f"), ("fwd_frac_copy", "%copy", ".0%"),
                    ("vs_torch_fwd_bwd", "×torch f+b", ".1f"), ("vs_compiled_fwd_bwd", "×compiled f+b", ".2f")],
+    "linear_ce": [("N", "N", "d"), ("D", "D", "d"), ("V", "V", "d"), ("torch_ms", "torch ms", ".3f"),
+                  ("torch_peak_gib", "torch GiB", ".2f"), ("ours_ms", "ours ms", ".3f"), ("ours_peak_gib", "ours GiB", ".2f"),
+                  ("liger_ms", "liger ms", ".3f"), ("liger_peak_gib", "liger GiB", ".2f"), ("cce_ms", "cce ms", ".3f"),
+                  ("cce_peak_gib", "cce GiB", ".2f")],
 }
 # published fla† columns the default table shows only where fla was not timed in the run (100 characters)
 BENCH_INSTEAD = {"fla_doc_fwd_ms": "fla_fwd_ms", "fla_doc_fwd_bwd_ms": "fla_fwd_bwd_ms"}
@@ -110,6 +116,7 @@ BENCH_COLUMNS = {
                    ("vs_torch_fwd", "× torch fwd", ".1f"), ("vs_torch_fwd_bwd", "× torch f+b", ".1f"),
                    ("compiled_fwd_ms", "compiled fwd", ".3f"), ("compiled_fwd_bwd_ms", "compiled f+b", ".3f"),
                    ("vs_compiled_fwd", "× compiled fwd", ".2f"), ("vs_compiled_fwd_bwd", "× compiled f+b", ".2f")],
+    "linear_ce": None,  # every key of the row
 }
 
 
@@ -132,6 +139,7 @@ def run_bench(kernels: list[str], shapes: str, against_fla: bool,
     from k3cli.ops.kda.bench_conv import bench_short_conv
     from k3cli.ops.kda.bench_decode import SHAPES as DECODE_SHAPES
     from k3cli.ops.kda.bench_decode import bench_decode
+    from k3cli.ops.linear_ce.bench import bench_linear_ce
 
     out = {}
     for k in kernels:
@@ -148,4 +156,6 @@ def run_bench(kernels: list[str], shapes: str, against_fla: bool,
             out[k] = bench_attnres("ci" if shapes == "ci" else "k3", against_fla, on_row=on_row)
         elif k == "short_conv":
             out[k] = bench_short_conv(shapes, on_row=on_row)
+        elif k == "linear_ce":
+            out[k] = bench_linear_ce(shapes, on_row=on_row)
     return out
