@@ -276,7 +276,8 @@ def print_data_info(console: Console, path, m: dict, disk: int) -> None:
                   f"val fraction {src['val_fraction']}), fingerprint {src['fingerprint']}", highlight=False)
     console.print(f"tokenizer: vocab {tok['vocab_size']:,}, sha256 {tok['sha256'][:16]}…, "
                   f"{'trained on the source' if tok.get('trained_key') else 'given'}; ids {m['dtype']}, "
-                  f"<|endoftext|> = {m['eot_id']}", highlight=False)
+                  + (f"documents end with id {m['eot_id']}" if m.get("start_id") is None else
+                     f"documents framed by ids {m['start_id']} … {m['eot_id']}"), highlight=False)
     prep = m.get("prepared", {})
     console.print(f"disk: {disk / 1e6:,.1f} MB in {sum(len(m['splits'][s]['shards']) for s in ('train', 'val'))} "
                   f"shards; prepared {prep.get('at', '?')} with {prep.get('workers', '?')} worker(s) in "

@@ -171,13 +171,16 @@ def test_a_sharded_checkpoint_imports_shard_by_shard(tmp_path):
 def test_a_tiktoken_tokenizer_is_converted_with_its_start_and_end_tokens(tmp_path):
     """A folder with Kimi Linear's tokenizer files (tiktoken.model, tokenizer_config.json, the Python file with
     pat_str) and no tokenizer.json: the run gets a tokenizer.json that encodes as tiktoken does, and its
-    [BOS] / [EOS]: `load` starts a text with [BOS], generation stops at [EOS], and preparing training data with
-    it is refused (k3 separates documents with <|endoftext|>)."""
+    [BOS] / [EOS]: `load` starts a text with [BOS], generation stops at [EOS], and fine-tuning frames each
+    training document as [BOS] text [EOS], its documents starting at [BOS]."""
     tiktoken = pytest.importorskip("tiktoken")
+    import numpy as np
+
     import k3cli
     from k3cli.data import load_tokenizer
-    from k3cli.data.prepare import prepare_shards
-    from k3cli.errors import DataError
+    from k3cli.data.prepare import open_prepared, prepare_shards
+    from k3cli.testing import TINY_TRAIN, write_corpus
+    from k3cli.train.batches import document_segments
     from tests.test_tiktoken_bpe import PATTERN, trained_ranks, write_tiktoken_folder
 
     ranks = trained_ranks(300)
@@ -195,13 +198,25 @@ def test_a_tiktoken_tokenizer_is_converted_with_its_start_and_end_tokens(tmp_pat
     loaded = k3cli.load(tmp_path / "run", device="cpu")
     assert loaded.encode(text)[0].tolist() == [300, *enc.encode(text)]
     with torch.no_grad():   # the end token stops generation: make it the model's certain next token
-        hf_head = loaded.model.lm_head.weight
-        hf_head.zero_()
-        hf_head[301] = 1.0
+        head = loaded.model.lm_head.weight
+        head.zero_()
+        head[301] = 1.0
     new, stopped, _, _ = generate_ids(loaded.model, loaded.encode(text)[0].tolist(), 5, temperature=0,
                                       eos_id=loaded.tokenizer.eos_id)
     assert (new, stopped) == ([], True)
-    (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "a.txt").write_text(text)
-    with pytest.raises(DataError, match="packs training documents"):
-        prepare_shards(str(tmp_path / "docs"), tmp_path / "prepared", tokenizer=tok)
+
+    corpus = write_corpus(tmp_path / "docs", n_docs=12, words_per_doc=40)
+    prepared = open_prepared(prepare_shards(str(corpus), tmp_path / "prepared", tokenizer=tok).path)
+    assert (prepared.manifest["start_id"], prepared.manifest["eot_id"]) == (300, 301)
+    stream = np.asarray(prepared.streams["train"])
+    starts, ends = np.flatnonzero(stream == 300), np.flatnonzero(stream == 301)
+    assert starts[0] == 0 and ends[-1] == len(stream) - 1 and len(starts) == len(ends)
+    assert (ends + 1)[:-1].tolist() == starts[1:].tolist()   # [BOS] text [EOS] [BOS] text [EOS] ...
+    ids = torch.from_numpy(stream[None, :64].astype(np.int64))
+    cu = sorted(set(document_segments(ids, None, True, start_id=300).cu_seqlens.tolist()))   # a padded table
+    assert cu[1:-1] == [int(i) for i in starts if 0 < i < 64]
+    sets = [a for s in TINY_TRAIN + ["train.steps=1"] for a in ("--set", s)]
+    r = runner.invoke(app, ["train", "--preset", str(tmp_path / "run" / "config.yaml"), "--data", str(corpus),
+                            "--out", str(tmp_path / "tuned"), "--init-from", str(tmp_path / "run"), *sets])
+    assert r.exit_code == 0, r.output
+    assert load_tokenizer(tmp_path / "tuned").bos_id == 300   # the tuned run keeps the start and end tokens

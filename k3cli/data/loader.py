@@ -105,13 +105,14 @@ class PackedLoader:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
-def document_starts(ids: torch.Tensor) -> torch.Tensor:
+def document_starts(ids: torch.Tensor, start_id: int = EOT_ID) -> torch.Tensor:
     """ids [B, T] -> bool [B, T], True where a document starts: the first position of every row and every
-    `<|endoftext|>`, the separator `pack_documents` puts before each next document (EOT_ID never occurs
-    inside a document: a literal '<|endoftext|>' there is text). The separator opens the next document, so
-    the loss at its position predicts that document's first token from the separator alone, as a prompt
-    that starts with `<|endoftext|>` would; the token before it predicts the end of its own document."""
-    starts = ids == EOT_ID
+    `start_id`: `<|endoftext|>` for k3's own tokenizers, the separator `pack_documents` puts before each next
+    document (EOT_ID never occurs inside a document: a literal '<|endoftext|>' there is text), or the start
+    token an imported tokenizer frames each document with (`prepare.frame_ids`). The start token opens its
+    document, so the loss at its position predicts that document's first token from it alone, as a prompt
+    that starts with it would; the token before it predicts the end of the previous document."""
+    starts = ids == start_id
     starts[:, 0] = True
     return starts
 

@@ -44,9 +44,8 @@ from k3cli.data.tokenizer import (
     EOT_ID,
     TOKENIZER_FULL_MAX_BYTES,
     TOKENIZER_SAMPLE_BYTES,
-    _ready,
-    check_packable,
     load_tokenizer,
+    save_tokenizer,
     tokenizer_sha256,
     train_tokenizer,
 )
@@ -158,32 +157,48 @@ def tokenizer_key(scan: Scan, vocab_size: int, min_frequency: int) -> str:
 
 _worker_tok: Tokenizer | None = None
 _worker_dtype = None
+_worker_frame: tuple[int | None, int] = (None, EOT_ID)
 
 
-def _init_worker(tok_json: str, dtype: str) -> None:
-    global _worker_tok, _worker_dtype
+def _init_worker(tok_json: str, dtype: str, frame: tuple[int | None, int]) -> None:
+    global _worker_tok, _worker_dtype, _worker_frame
     # one process per worker already: the tokenizer's own thread pool would only oversubscribe the cores
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker_tok, _worker_dtype = _ready(Tokenizer.from_str(tok_json)), np.dtype(dtype)
+    _worker_tok, _worker_dtype, _worker_frame = Tokenizer.from_str(tok_json), np.dtype(dtype), frame
+    _worker_tok.encode_special_tokens = True   # as `_ready` sets it: a special token inside a text is text
 
 
-def _encode(tok: Tokenizer, dtype, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """(ids of all texts, each followed by EOT_ID [N]; tokens per text, EOT included [len(texts)])."""
+def frame_ids(tok: Tokenizer) -> tuple[int | None, int]:
+    """(start, end) ids each document is framed with in the token streams: k3's own tokenizers only end it
+    with <|endoftext|> (None, EOT_ID), which then also opens the next one; a tokenizer whose start and end
+    tokens differ (an imported model's) gets both, [start] ids [end], so that a document reads as that
+    model's prompts do."""
+    bos, eos = getattr(tok, "bos_id", EOT_ID), getattr(tok, "eos_id", EOT_ID)
+    return (None if bos == eos else bos), eos
+
+
+def _encode(tok: Tokenizer, dtype, texts: list[str], frame: tuple[int | None, int] = (None, EOT_ID)
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """(ids of all texts, each framed by `frame` [N]; tokens per text, its frame included [len(texts)])."""
     if not texts:
         return np.empty(0, dtype), np.empty(0, np.int64)
+    start, end = frame
+    lead = 0 if start is None else 1
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast skips offsets (tokenizers>=0.20)
     encs = encode(texts, add_special_tokens=False)
-    lengths = np.fromiter((len(e.ids) + 1 for e in encs), np.int64, len(encs))
+    lengths = np.fromiter((len(e.ids) + 1 + lead for e in encs), np.int64, len(encs))
     out = np.empty(int(lengths.sum()), dtype)
     ends = np.cumsum(lengths)
-    for e, end, n in zip(encs, ends, lengths):
-        out[end - n:end - 1] = e.ids
-    out[ends - 1] = EOT_ID
+    for e, stop, n in zip(encs, ends, lengths):
+        out[stop - n + lead:stop - 1] = e.ids
+    if lead:
+        out[ends - lengths] = start
+    out[ends - 1] = end
     return out, lengths
 
 
 def _encode_task(task: tuple[list[str], list[str]]):
-    return tuple(_encode(_worker_tok, _worker_dtype, texts) for texts in task)
+    return tuple(_encode(_worker_tok, _worker_dtype, texts, _worker_frame) for texts in task)
 
 
 # ---- writing --------------------------------------------------------------------------------------
@@ -268,13 +283,14 @@ def _encoded(chunks: Iterator, tok: Tokenizer, dtype, workers: int) -> Iterator:
     at most 2 tasks per worker in flight (the source is read only as fast as it is encoded)."""
     if workers <= 1:
         for texts, sizes in chunks:
-            yield sizes, {s: _encode(tok, dtype, texts[s]) for s in SPLITS}
+            yield sizes, {s: _encode(tok, dtype, texts[s], frame_ids(tok)) for s in SPLITS}
         return
     import multiprocessing as mp
     from collections import deque
 
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(tok.to_str(), np.dtype(dtype).str)) as pool:
+    with ctx.Pool(workers, initializer=_init_worker,
+                  initargs=(tok.to_str(), np.dtype(dtype).str, frame_ids(tok))) as pool:
         pending: deque = deque()
         for texts, sizes in chunks:
             pending.append((sizes, pool.apply_async(_encode_task, ((texts["train"], texts["val"]),))))
@@ -344,8 +360,6 @@ def prepare_shards(source: str, out: str | os.PathLike, tokenizer: Tokenizer | N
     chunks are written (cumulative). `scan`: the source's `scan_source` when the caller has it. `wait`: if
     another process holds `out`, wait for it (then reuse its result) instead of refusing. `replace=False`:
     refuse an `out` that holds a finished prepare of another source or tokenizer instead of replacing it."""
-    if tokenizer is not None:
-        check_packable(tokenizer)
     say = say or (lambda msg: None)
     root = Path(out).expanduser()
     if root.exists() and not root.is_dir():
@@ -396,8 +410,7 @@ def _prepare_locked(source, root, tokenizer, vocab_size, workers, val_fraction, 
         say(f"training byte-level BPE (vocab {vocab_size}) on {len(scan.sample):,} train documents "
             f"({sample_bytes / 2**20:.1f} MiB)")
         tokenizer = train_tokenizer(scan.sample, vocab_size, min_frequency)
-    tok_str = tokenizer.to_str()
-    write_text_atomic(root / "tokenizer.json", tok_str)
+    save_tokenizer(tokenizer, root)   # with its start and end tokens where they are not <|endoftext|>
     vocab = tokenizer.get_vocab_size()
     dtype = np.dtype(np.uint16 if vocab <= 2**16 else np.uint32)
     writers = {s: _ShardWriter(root, s, dtype, shard_tokens) for s in SPLITS}
@@ -420,7 +433,8 @@ def _prepare_locked(source, root, tokenizer, vocab_size, workers, val_fraction, 
         raise DataError(f"data.source {source} changed while it was being prepared; run the prepare again")
     seconds = time.perf_counter() - t0
     manifest = {
-        "format": FORMAT, "version": VERSION, "dtype": dtype.name, "eot_id": EOT_ID,
+        "format": FORMAT, "version": VERSION, "dtype": dtype.name, "eot_id": frame_ids(tokenizer)[1],
+        "start_id": frame_ids(tokenizer)[0],
         "source": {"spec": source, "fingerprint": scan.fingerprint, "documents": scan.documents,
                    "bytes": scan.nbytes, "text_field": text_field, "max_bytes": max_bytes,
                    "val_fraction": val_fraction},
@@ -457,6 +471,7 @@ class PreparedData:
     tokenizer_cached: bool
     tokens_cached: bool
     path: Path | None = None  # the prepared directory the streams are mapped from
+    start_id: int = EOT_ID    # the token each document starts at (`document_starts`)
 
     def train_loader(self, batch_size: int, seed: int = 0, rows_per_step: int | None = None,
                      rank: int = 0, world_size: int = 1) -> PackedLoader:
@@ -476,8 +491,6 @@ def prepare_data(data_cfg, vocab_size: int, seq_len: int, cache_dir: str | os.Pa
     `tokenizer` (e.g. a run's saved one, for resume and eval) no tokenizer is trained, and the
     streams must have been tokenized by that one."""
     say = progress or (lambda msg: None)
-    if tokenizer is not None:
-        check_packable(tokenizer)
     source = data_cfg.source
     if is_prepared(source) or looks_like_partial(Path(source).expanduser()):
         prepared = open_prepared(source)
@@ -536,7 +549,9 @@ def _prepared(p, seq_len: int, fingerprint: str, tokenizer_cached: bool, tokens_
     if len(p.streams["train"]) < seq_len:
         raise DataError(f"the train split has {len(p.streams['train'])} tokens, fewer than train.seq_len "
                         f"({seq_len}); use more data or a shorter seq_len")
+    start = p.manifest.get("start_id")
     return PreparedData(tok, p.streams["train"], p.streams["val"], fingerprint, seq_len, train["documents"],
                         val["documents"], train["text_bytes"], val["text_bytes"],
-                        val["text_bytes"] / val["tokens"], tokenizer_cached, tokens_cached, p.path)
+                        val["text_bytes"] / val["tokens"], tokenizer_cached, tokens_cached, p.path,
+                        p.manifest["eot_id"] if start is None else start)
 

@@ -50,7 +50,7 @@ def looks_like_partial(path: Path) -> bool:
 
 
 def _ours(name: str) -> bool:
-    return (name == "tokenizer.json" or name == ".lock" or ".tmp-" in name
+    return (name in ("tokenizer.json", "tokenizer_config.json") or name == ".lock" or ".tmp-" in name
             or (name.endswith(".npy") and name.split("-")[0] in SPLITS))
 
 

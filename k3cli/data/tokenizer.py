@@ -73,14 +73,6 @@ def _ready(tok: Tokenizer, bos: str = EOT, eos: str = EOT, where: str = "the tok
     return tok
 
 
-def check_packable(tok: Tokenizer) -> None:
-    """k3's token streams separate documents with <|endoftext|> (EOT_ID, which document masking keys on): one
-    DataError for a tokenizer that ends documents otherwise (an imported model's)."""
-    if getattr(tok, "eos_id", EOT_ID) != EOT_ID or tok.token_to_id(EOT) != EOT_ID:
-        raise DataError(f"k3 packs training documents with {EOT} as id {EOT_ID}; this tokenizer ends them with id "
-                        f"{getattr(tok, 'eos_id', '?')}: preparing data with it is not supported yet")
-
-
 def write_specials(folder: str | os.PathLike, bos: str, eos: str) -> None:
     """Record a tokenizer's start and end tokens beside its tokenizer.json (`SPECIALS`)."""
     write_text_atomic(Path(folder) / SPECIALS, json.dumps({"bos_token": bos, "eos_token": eos}, indent=1) + "\n")
@@ -147,9 +139,13 @@ def train_tokenizer(train: list[Document], vocab_size: int, min_frequency: int =
 
 
 def save_tokenizer(tok: Tokenizer, run_dir: str | os.PathLike) -> Path:
-    """Write `run_dir/tokenizer.json` (atomically) and return its path."""
+    """Write `run_dir/tokenizer.json` (atomically), and its start and end tokens beside it (`SPECIALS`) where
+    they are not <|endoftext|>; return its path."""
     path = Path(run_dir) / "tokenizer.json"
     write_text_atomic(path, tok.to_str())
+    bos, eos = getattr(tok, "bos_id", EOT_ID), getattr(tok, "eos_id", EOT_ID)
+    if (bos, eos) != (EOT_ID, EOT_ID) or tok.token_to_id(EOT) != EOT_ID:
+        write_specials(run_dir, tok.id_to_token(bos), tok.id_to_token(eos))
     return path
 
 

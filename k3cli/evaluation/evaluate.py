@@ -45,7 +45,7 @@ def evaluate_run(run: str | None = None, ckpt: str | None = None, batches: int |
     if dev.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    loss = evaluate_loss(model, val, dev, autocast, document_mask=cfg.data.document_mask)
+    loss = evaluate_loss(model, val, dev, autocast, document_mask=cfg.data.document_mask, start_id=prepared.start_id)
     if dev.type == "cuda":
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0

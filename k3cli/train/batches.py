@@ -17,14 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
-from k3cli.data import check_token_ids, document_starts
+from k3cli.data import EOT_ID, check_token_ids, document_starts
 from k3cli.layers.segments import Segments
 from k3cli.ops.transfer import to_device
 
 
-def document_segments(ids: torch.Tensor, device: torch.device | None, document_mask: bool) -> Segments | None:
-    """The packed documents of a CPU batch ids [B, T] for the model (data.document_mask), else None."""
-    return Segments.from_starts(document_starts(ids), device) if document_mask else None
+def document_segments(ids: torch.Tensor, device: torch.device | None, document_mask: bool,
+                      start_id: int = EOT_ID) -> Segments | None:
+    """The packed documents of a CPU batch ids [B, T] for the model (data.document_mask), else None; each
+    starts at a `start_id` (the data's, `PreparedData.start_id`)."""
+    return Segments.from_starts(document_starts(ids, start_id), device) if document_mask else None
 
 
 @dataclass
@@ -39,11 +41,11 @@ class Batch:
 
 
 def host_batch(ids: torch.Tensor, vocab_size: int, document_mask: bool, pin: bool,
-               prepare: Callable[[Segments], None] | None = None) -> Batch:
+               prepare: Callable[[Segments], None] | None = None, start_id: int = EOT_ID) -> Batch:
     """A loader batch made ready for the device: token ids checked, documents cut (and `prepare(segments)`,
     what the model computes on the host from them, made), pinned for a GPU."""
     check_token_ids(ids, vocab_size)
-    segments = document_segments(ids, None, document_mask)
+    segments = document_segments(ids, None, document_mask, start_id)
     if segments is not None and prepare is not None:
         prepare(segments)
     if pin:
@@ -61,10 +63,10 @@ class Prefetcher:
     have returned that batch; `close()` stops the thread. `wait_s` sums the seconds the loop waited."""
 
     def __init__(self, loader, vocab_size: int, document_mask: bool, device: torch.device, depth: int = 4,
-                 prepare: Callable[[Segments], None] | None = None):
+                 prepare: Callable[[Segments], None] | None = None, start_id: int = EOT_ID):
         self.loader, self.device = loader, device
         self._make: Callable[[torch.Tensor], Batch] = lambda ids: host_batch(
-            ids, vocab_size, document_mask, pin=device.type == "cuda", prepare=prepare)
+            ids, vocab_size, document_mask, pin=device.type == "cuda", prepare=prepare, start_id=start_id)
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self.wait_s = 0.0

@@ -127,13 +127,14 @@ class Run:
                                         rows_per_step=tc.global_batch_size, rank=info.rank,
                                         world_size=info.world_size)
         self.val = data.val_batches(cfg.eval.batches, cfg.eval.batch_size)
+        self.start_id = data.start_id
         for batch in self.val:   # the same batches on every rank
             check_token_ids(batch, cfg.model.vocab_size, every_rank=True)
 
     def evaluate(self) -> float:
         return evaluate_loss(self.forward, self.val, self.info.device, self.step_fn.autocast, module=self.model,
                              rank=self.info.rank, world_size=self.info.world_size,
-                             document_mask=self.cfg.data.document_mask)
+                             document_mask=self.cfg.data.document_mask, start_id=self.start_id)
 
     def save(self, step: int, loader_state: dict, extra: dict) -> Path:
         try:
@@ -168,7 +169,8 @@ class Run:
         self.model.train()
         device = self.info.device
         feed = Prefetcher(self.loader, cfg.model.vocab_size, cfg.data.document_mask, device,
-                          depth=2 * self.step_fn.accum, prepare=lambda s: self.model.prepare_documents(s, device))
+                          depth=2 * self.step_fn.accum, prepare=lambda s: self.model.prepare_documents(s, device),
+                          start_id=self.start_id)
         records, stops, watch = StepRecords(), Stops(tc.time_limit_s, signals, self.info.device), CompileWatch(tc.compile)
         if self.progress is not None:
             self.progress.start(total=tc.steps, completed=step)
