@@ -43,6 +43,30 @@ def test_fullgraph_forward_backward_equals_eager(packed):
         torch.testing.assert_close(grads[n], ref[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
+@pytest.mark.slow   # the compile, and on a CPU the kernels in the interpreter
+@pytest.mark.triton
+def test_fullgraph_with_the_triton_kernels_equals_eager():
+    """The Triton path of the softplus gate (chunk_kda without a decay bound and the gate in the kernel, over
+    packed documents; the interpreter on a CPU) as opaque ops in one compiled graph: loss and every gradient
+    equal eager."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    cfg = load_config("k3-toy", overrides=KIMI + ["model.kda.chunk_size=16", "model.kda.backend=triton"])
+    model = CausalLM(cfg.model).to(dev).train()
+    ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(0)).to(dev)
+    starts = torch.zeros(2, 40, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[0, 9] = starts[1, 27] = True
+    segments = Segments.from_starts(starts, dev)
+    ref_loss, ref = loss_and_grads(model, model, ids, segments)
+    compiled = torch.compile(model, fullgraph=True, backend="inductor" if dev == "cuda" else "aot_eager")
+    loss, grads = loss_and_grads(model, compiled, ids, segments)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == ref.keys()
+    for n in ref:
+        torch.testing.assert_close(grads[n], ref[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
 def test_prefill_then_decode_equals_the_full_forward():
     model = build().eval()
     ids = torch.randint(0, 300, (2, 19), generator=torch.Generator().manual_seed(1))
