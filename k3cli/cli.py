@@ -780,14 +780,16 @@ def export_cmd(
 @import_app.command("hf")
 def import_hf(
     src: Annotated[Path, typer.Argument(help="A Hugging Face folder of a kimi_linear model (config.json, "
-                                             "model.safetensors or a sharded index, tokenizer.json if any).")],
+                                             "model.safetensors or a sharded index, and its tokenizer: "
+                                             "tokenizer.json or tiktoken.model).")],
     out: Annotated[Path, typer.Option(help="New run directory (must not exist, or be empty).")],
     preset: Annotated[str, typer.Option(
         "--preset", "-p", help="Whose training settings (train.*, data.*, eval.*) the run's config.yaml takes.")] = "k3-toy",
 ):
     """Import Moonshot's Kimi Linear (model type kimi_linear) as a k3 run: config.yaml with k3's layers set to
-    Kimi Linear's options, the tokenizer when the folder has a tokenizer.json, and checkpoint step 0, which
-    k3 eval, k3 generate, k3 export and `k3cli.load` read. Weights are read shard by shard."""
+    Kimi Linear's options, its tokenizer (a tiktoken one converted to tokenizer.json) with its start and end
+    tokens, and checkpoint step 0, which k3 eval, k3 generate, k3 export and `k3cli.load` read. Weights are
+    read shard by shard."""
     from k3cli.evaluation.kimi_linear import import_kimi_linear
 
     try:

@@ -9,8 +9,9 @@ Kimi Linear is KDA and MLA 3:1 with a MoE, as K3 is; its components are options 
 - the layer pattern (`model.mla_layers`) and dense first blocks (`model.first_dense_layers`).
 
 Weights are read shard by shard and renamed, split or stacked into k3's layout; each tensor is held once. The
-run directory gets run.json, config.yaml (the preset's training settings, this model), the tokenizer when the
-folder has a tokenizer.json, and checkpoint step 0 in the single-process format.
+run directory gets run.json, config.yaml (the preset's training settings, this model), the tokenizer (a
+tokenizer.json, or one converted from Kimi Linear's tiktoken files: data/tiktoken_bpe.py) with its start and
+end tokens in tokenizer_config.json, and checkpoint step 0 in the single-process format.
 """
 from __future__ import annotations
 
