@@ -36,7 +36,7 @@ def test_layout_json_is_machine_readable():
 
 
 def test_layout_block_groups_with_odd_s():
-    # S = 3 through --set (the --attnres block overlay would pin S = 2): groups straddle blocks
+    # S = 3 through --set (k3-toy's own S is 2): groups straddle blocks
     r = runner.invoke(app, ["layout", "--preset", "k3-toy", "--set", "model.attnres.mode=block",
                             "--set", "model.attnres.block_size=3", "--set", "model.num_hidden_layers=5", "--json"])
     assert r.exit_code == 0, r.output
