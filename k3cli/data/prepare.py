@@ -281,16 +281,17 @@ def _chunks(source: str, text_field: str, max_bytes: int, val_fraction: float, f
 def _encoded(chunks: Iterator, tok: Tokenizer, dtype, workers: int) -> Iterator:
     """(sizes, {split: (ids, lengths)}) per chunk, in order; with workers > 1 in a process pool with
     at most 2 tasks per worker in flight (the source is read only as fast as it is encoded)."""
+    frame = frame_ids(tok)
     if workers <= 1:
         for texts, sizes in chunks:
-            yield sizes, {s: _encode(tok, dtype, texts[s], frame_ids(tok)) for s in SPLITS}
+            yield sizes, {s: _encode(tok, dtype, texts[s], frame) for s in SPLITS}
         return
     import multiprocessing as mp
     from collections import deque
 
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     with ctx.Pool(workers, initializer=_init_worker,
-                  initargs=(tok.to_str(), np.dtype(dtype).str, frame_ids(tok))) as pool:
+                  initargs=(tok.to_str(), np.dtype(dtype).str, frame)) as pool:
         pending: deque = deque()
         for texts, sizes in chunks:
             pending.append((sizes, pool.apply_async(_encode_task, ((texts["train"], texts["val"]),))))
@@ -411,6 +412,7 @@ def _prepare_locked(source, root, tokenizer, vocab_size, workers, val_fraction, 
             f"({sample_bytes / 2**20:.1f} MiB)")
         tokenizer = train_tokenizer(scan.sample, vocab_size, min_frequency)
     save_tokenizer(tokenizer, root)   # with its start and end tokens where they are not <|endoftext|>
+    frame = frame_ids(tokenizer)
     vocab = tokenizer.get_vocab_size()
     dtype = np.dtype(np.uint16 if vocab <= 2**16 else np.uint32)
     writers = {s: _ShardWriter(root, s, dtype, shard_tokens) for s in SPLITS}
@@ -433,8 +435,7 @@ def _prepare_locked(source, root, tokenizer, vocab_size, workers, val_fraction, 
         raise DataError(f"data.source {source} changed while it was being prepared; run the prepare again")
     seconds = time.perf_counter() - t0
     manifest = {
-        "format": FORMAT, "version": VERSION, "dtype": dtype.name, "eot_id": frame_ids(tokenizer)[1],
-        "start_id": frame_ids(tokenizer)[0],
+        "format": FORMAT, "version": VERSION, "dtype": dtype.name, "eot_id": frame[1], "start_id": frame[0],
         "source": {"spec": source, "fingerprint": scan.fingerprint, "documents": scan.documents,
                    "bytes": scan.nbytes, "text_field": text_field, "max_bytes": max_bytes,
                    "val_fraction": val_fraction},

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from k3cli.data.tokenizer import token_text
 from k3cli.errors import DataError
 
 
@@ -163,11 +164,4 @@ def read_tiktoken_folder(folder: str | Path) -> tuple[Tokenizer, str | None, str
     if not sources:
         raise DataError(f"{folder}: no Python file defines the tokenizer's split pattern (pat_str)")
     tok = tokenizer_from_ranks(read_ranks(folder / "tiktoken.model"), pattern_of(sources[0]), specials)
-    return tok, _token_text(meta.get("bos_token")), _token_text(meta.get("eos_token"))
-
-
-def _token_text(value) -> str | None:
-    """tokenizer_config.json writes a special token as its text or as {"content": text, ...}."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
+    return tok, token_text(meta.get("bos_token")), token_text(meta.get("eos_token"))

@@ -78,6 +78,13 @@ def write_specials(folder: str | os.PathLike, bos: str, eos: str) -> None:
     write_text_atomic(Path(folder) / SPECIALS, json.dumps({"bos_token": bos, "eos_token": eos}, indent=1) + "\n")
 
 
+def token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: its text, or {"content": text, ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
 def _specials(folder: Path) -> tuple[str, str]:
     """(bos, eos) texts from `folder`'s SPECIALS file, <|endoftext|> for what it does not name."""
     path = folder / SPECIALS
@@ -88,11 +95,8 @@ def _specials(folder: Path) -> tuple[str, str]:
     except (OSError, ValueError) as e:
         raise DataError(f"cannot read {path}: {e}") from None
 
-    def text(key):
-        value = meta.get(key) if isinstance(meta, dict) else None
-        value = value.get("content") if isinstance(value, dict) else value
-        return value if isinstance(value, str) else EOT
-    return text("bos_token"), text("eos_token")
+    meta = meta if isinstance(meta, dict) else {}
+    return token_text(meta.get("bos_token")) or EOT, token_text(meta.get("eos_token")) or EOT
 
 
 def _tokenizer_sample(train: list[Document]) -> list[str]:

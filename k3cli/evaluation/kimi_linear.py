@@ -30,7 +30,7 @@ import yaml
 from k3cli.checkpoint import single
 from k3cli.config import config_from_dict, dump_config, load_config
 from k3cli.data.tiktoken_bpe import read_tiktoken_folder
-from k3cli.data.tokenizer import SPECIALS, write_specials
+from k3cli.data.tokenizer import SPECIALS, token_text, write_specials
 from k3cli.errors import ConfigError, DataError, UserError, first_line
 from k3cli.files import build_folder, is_free, write_text_atomic
 from k3cli.models.causal_lm import CausalLM
@@ -302,10 +302,8 @@ def _import_tokenizer(src: Path, out: Path, hf: dict, log: Callable[[str], None]
         return
 
     def special(key: str) -> str | None:
-        value = meta.get(key)
-        value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str):
-            return value
+        if (text := token_text(meta.get(key))) is not None:
+            return text
         i = hf.get(f"{key}_id")
         return tok.id_to_token(i) if isinstance(i, int) else None
 
