@@ -118,7 +118,7 @@ def test_triton_layer_equals_the_torch_layer(packed):
         x = x.view(1, 74, 24)
         starts = torch.zeros(1, 74, dtype=torch.bool)
         starts[0, torch.tensor([0, 5, 40])] = True
-        kw["segments"] = Segments.from_starts(starts.to(dev))
+        kw["segments"] = Segments.from_starts(starts, dev)
     runs = {}
     for backend in ("torch", "triton"):
         m.backend = backend
