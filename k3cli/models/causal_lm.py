@@ -6,7 +6,8 @@ Notable features:
 - layer kinds come from `config.layer_specs()` (KDA/MLA attention, SwiGLU/LatentMoE FFN);
 - `attnres.mode != "off"` replaces the residual sum by softmax mixes over depth, including a final
   mix before the last norm (K3, docs/math.md §5);
-- loss is the shifted next-token cross-entropy in fp32, labels = -100 ignored;
+- loss is the shifted next-token cross-entropy in fp32, labels = -100 ignored, computed from the final hidden
+  states chunk by chunk (`k3cli/ops/linear_ce`): the [B·T, vocab] fp32 logits are never held;
 - `num_active_parameters()` drops the (n_r − k) unchosen routed experts of every MoE layer;
 - decode (docs/math.md §2.5, §7.3): `prefill(ids) -> (logits, DecodeCache)`, then `decode_step(next_ids, cache)`;
   the cache holds a KDA state + conv windows or an MLA latent per block; AttnRes and FFNs need none.
@@ -27,11 +28,12 @@ from k3cli.layers.moe import LatentMoE
 from k3cli.layers.norm import RMSNorm
 from k3cli.layers.segments import Segments
 from k3cli.models.k3_config import ModelConfig
+from k3cli.ops.linear_ce import linear_cross_entropy
 
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [B, T, vocab]
+    logits: torch.Tensor | None  # [B, T, vocab]; None when labels are given (the loss never makes them all)
     loss: torch.Tensor | None = None  # scalar, when labels are given
 
 
@@ -75,6 +77,11 @@ class CausalLM(nn.Module):
                 segments: Segments | None = None) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, vocab]; `caches` (one per block) continue a decode; `segments`:
         the documents packed in the batch, each then computed as if alone (docs/math.md §10)."""
+        return F.linear(self._hidden(input_ids, caches, segments), self._head_weight())
+
+    def _hidden(self, input_ids: torch.Tensor, caches: list | None = None,
+                segments: Segments | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> the final normed hidden states [B, T, D] the LM head reads."""
         caches = caches or [None] * len(self.blocks)
         x = self.embed_tokens(input_ids)                                           # (B, T, D)
         recompute = self.activation_checkpointing == "block" and self.training and torch.is_grad_enabled()
@@ -89,24 +96,25 @@ class CausalLM(nn.Module):
             if recompute:
                 cores = [functools.partial(checkpoint, f, use_reentrant=False) for f in cores]
             norms = [n for block in self.blocks for n in block.sublayer_norms()]
-            return self._head(self.attnres(x, cores, norms=norms, final_norm=self.norm))
-        return self._head(self.norm(x))
+            return self.attnres(x, cores, norms=norms, final_norm=self.norm)
+        return self.norm(x)
 
-    def _head(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight)
+    def _head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 segments: Segments | None = None) -> ModelOutput:
-        """input_ids [B, T] long; labels [B, T] (usually = input_ids) → ModelOutput(logits [B, T, V], loss).
-        `segments` (Segments.from_starts): the documents packed in the rows; no token sees another document."""
-        logits = self._logits(input_ids, segments=segments)
-        loss = None
-        if labels is not None:
-            # predict token t+1 from positions ≤ t; fp32 loss (fp64 stays fp64)
-            shifted = logits[:, :-1].flatten(0, 1)
-            shifted = shifted if shifted.dtype == torch.float64 else shifted.float()
-            loss = F.cross_entropy(shifted, labels[:, 1:].flatten(), ignore_index=-100)
-        return ModelOutput(logits=logits, loss=loss)
+        """input_ids [B, T] long → ModelOutput(logits [B, T, V]); with labels [B, T] (usually = input_ids)
+        → ModelOutput(None, loss). `segments` (Segments.from_starts): the documents packed in the rows; no token
+        sees another document."""
+        x = self._hidden(input_ids, segments=segments)
+        if labels is None:
+            return ModelOutput(logits=F.linear(x, self._head_weight()))
+        # position t predicts token t+1; the last position of a row predicts nothing (ignored): the mean over
+        # the counted tokens is that of F.cross_entropy on logits[:, :-1], without copying the hidden states
+        targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+        return ModelOutput(logits=None, loss=linear_cross_entropy(x.flatten(0, 1), self._head_weight(),
+                                                                  targets.flatten()))
 
     def new_cache(self, batch_size: int) -> DecodeCache:
         return DecodeCache([block.new_cache() for block in self.blocks], batch_size)

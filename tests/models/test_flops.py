@@ -83,7 +83,14 @@ def _grouped_mm_flop(a, b, *args, out_shape=None, **kw) -> int:
     return 2 * a[0] * a[1] * b[-1]
 
 
+def _linear_ce_flop(h, w, *args, out_shape=None, **kw) -> int:
+    """The loss (k3cli/ops/linear_ce): the logits' product, and with gradients (its last argument) dh's and
+    dw's, made in its forward."""
+    return 2 * h[0] * h[1] * w[0] * (3 if args[-1] else 1)
+
+
 CUSTOM = {
+    torch.ops.k3.linear_ce: _linear_ce_flop,
     aten._grouped_mm: _grouped_mm_flop,
     aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, out_shape=None, **kw:
         sdpa_flop_count(q, k, v),
@@ -112,7 +119,9 @@ def _build(preset, mode, extra):
 
 def _count(model, ids, backward=False):
     fc = FlopCounterMode(display=False, custom_mapping=CUSTOM)
-    with fc:
+    # a forward alone runs without autograd: the loss (k3cli/ops/linear_ce) then makes only the logits, where
+    # with autograd its forward also makes the head's two gradient products (and its backward none)
+    with fc, torch.set_grad_enabled(backward):
         out = model(ids, labels=ids)
         if backward:
             out.loss.backward()
