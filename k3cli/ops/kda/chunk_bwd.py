@@ -59,13 +59,15 @@ def _kda_bwd_state_step(qg, kd, eg, w, aqk, do, dh, dvn, b_ds, i_b, i_hv, i_bh, 
     return b_ds - _dot(tl.trans(b_w), b_dvn, PREC)
 
 
+# chunk counts (NT, N0, N1, L) follow each batch's documents under packing: not specialised on (Triton's
+# divisible-by-16 variants), else a first batch with a multiple of 16 compiled every kernel again mid-run
 @fast_launch
 @triton.autotune(
     configs=pick_configs(STATE_CONFIGS),
     key=["BK", "BT", "NBH", "V", "PREC"],
     prune_configs_by={"early_config_prune": prune_state_configs},
 )
-@triton.jit
+@triton.jit(do_not_specialize=["NT"])
 def _kda_bwd_state_kernel(qg, kd, eg, w, aqk, do, dht, dh, dvn, dh0, seqs, P0, T, NT, NBH,
                           HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -105,7 +107,7 @@ def _kda_bwd_state_kernel(qg, kd, eg, w, aqk, do, dht, dh, dvn, dh0, seqs, P0, T
 
 
 @fast_launch
-@triton.jit
+@triton.jit(do_not_specialize=["NT"])
 def _kda_bwd_vside_kernel(v, beta, tm, do, vn, dvn, dv, dy, dqk, dkk, dbeta_v, T, NT,
                           HV: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                           PREC: tl.constexpr):
@@ -184,7 +186,7 @@ def _diag_grads(dqk, dkk, base, b, i_rb, b_qb, b_kb, b_Gb, b_beta_b, scale, BT: 
 
 
 @fast_launch
-@triton.jit
+@triton.jit(do_not_specialize=["NT"])
 def _kda_bwd_scores_kernel(q, k, g, beta, dqk, dkk, dqs, dks, dgs, scale, T, NT,
                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                            BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
@@ -270,7 +272,7 @@ def _kda_bwd_scores_kernel(q, k, g, beta, dqk, dkk, dqs, dks, dgs, scale, T, NT,
 
 
 @fast_launch
-@triton.jit
+@triton.jit(do_not_specialize=["NT"])
 def _kda_bwd_kside_kernel(q, k, g, beta, mkk, h, dh, do, vn, dy, dqk, dkk, dqs, dks, dgs, dq, dk, dg, dbeta,
                           scale, T, NT, NBT,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,

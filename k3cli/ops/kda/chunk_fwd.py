@@ -224,8 +224,10 @@ def _store_u(v, u, b_tm, b_beta, r_t, m_t, i_hv, base, HV: tl.constexpr, V: tl.c
         tl.store(u + (base + o_t)[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_v[None, :])
 
 
+# chunk counts (NT, N0, N1, L) follow each batch's documents under packing: not specialised on (Triton's
+# divisible-by-16 variants), else a first batch with a multiple of 16 compiled every kernel again mid-run
 @fast_launch
-@triton.jit
+@triton.jit(do_not_specialize=["NT", "N0"])
 def _kda_fwd_gamma_kernel(q, k, g, beta, rows, gc, qg, kd, eg, w, scale, T, NT, N0, H: tl.constexpr,
                           HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                           GATHER: tl.constexpr):
@@ -372,7 +374,7 @@ def _scores(q_h, k_h, gc_n, rows, a, c, t_a, t_c, T, H: tl.constexpr, K: tl.cons
 
 
 @fast_launch
-@triton.jit
+@triton.jit(do_not_specialize=["NT", "N0"])
 def _kda_fwd_scores_kernel(q, k, gc, beta, rows, aqk, tm, mkk, scale, T, NT, N0, H: tl.constexpr,
                            HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                            PREC: tl.constexpr, STORE_MKK: tl.constexpr, PER_PAIR: tl.constexpr,
@@ -434,7 +436,7 @@ def _kda_fwd_scores_kernel(q, k, gc, beta, rows, aqk, tm, mkk, scale, T, NT, N0,
 
 
 @fast_launch
-@triton.jit
+@triton.jit(do_not_specialize=["NT", "N0"])
 def _kda_fwd_tail_kernel(v, beta, rows, w, u, tm, T, NT, N0, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                          PREC: tl.constexpr, GATHER: tl.constexpr):
@@ -533,7 +535,7 @@ def seq_launches(n: int) -> list[tuple[int, int]]:
     key=["BK", "BT", "NBH", "V", "PREC", "KD_T"],
     prune_configs_by={"early_config_prune": prune_state_configs},
 )
-@triton.jit
+@triton.jit(do_not_specialize=["NT", "N0", "N1", "L"])
 def _kda_fwd_state_kernel(qg, kd, eg, w, u, aqk, o, h0, ht, h, vn, seqs, rows, P0, T, NT, NBH, N0, N1, L,
                           SEG_STRIDE, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
