@@ -288,3 +288,30 @@ def test_varlen_layouts_made_ahead_are_kept_by_value():
     for cu, lay in zip(cus, lays):
         fresh = varlen._make_layout(cu.long(), 16, torch.device("cpu"))
         assert all(torch.equal(a, b) for a, b in zip(lay[:5], fresh[:5])) and lay.n_seq == fresh.n_seq
+
+
+@pytest.mark.gpu
+def test_new_document_layouts_compile_no_kernel_again():
+    """Packed batches of one shape (a fixed-capacity cu_seqlens, as training makes) whose chunk counts differ, one
+    a multiple of 16 and others not: after the first batch no chunk_kda kernel compiles again (Triton's
+    specialisation on divisibility by 16 compiled every kernel anew at the first such batch of a run)."""
+    from k3cli.ops.kda import chunk_bwd, chunk_fwd
+
+    kernels = [chunk_fwd._kda_fwd_gamma_kernel, chunk_fwd._kda_fwd_scores_kernel, chunk_fwd._kda_fwd_tail_kernel,
+               chunk_fwd._kda_fwd_state_kernel, chunk_bwd._kda_bwd_state_kernel, chunk_bwd._kda_bwd_vside_kernel,
+               chunk_bwd._kda_bwd_scores_kernel, chunk_bwd._kda_bwd_kside_kernel]
+
+    def compiled() -> int:
+        return sum(len(cache[0]) for kern in kernels for cache in kern.jit.device_caches.values())
+
+    T = 4096
+    q, k, v, g, beta, _ = kda_inputs(1, T, 4, 1, 64, 64, torch.bfloat16, "cuda", h0=False)
+    counts = []
+    # chunks of 64 tokens: 64 (a multiple of 16), then 65 and 66
+    for lens in ([T], [100, T - 100], [1000, 1000, 1000, T - 3000]):
+        cu = torch.full((T + 1,), T, dtype=torch.int32)
+        cu[:len(lens) + 1] = cu_of(lens)
+        leaves = [x.detach().requires_grad_(True) for x in (q, k, v, g, beta)]
+        chunk_kda(*leaves, chunk_size=64, cu_seqlens=cu)[0].float().square().sum().backward()
+        counts.append(compiled())
+    assert counts[0] > 0 and counts[1:] == counts[:1] * 2, counts
