@@ -56,13 +56,6 @@ WORLD = 2
 
 # ---- a tiny model, its optimizer, its batches, and the training step every run shares ------------
 
-@pytest.fixture(autouse=True)
-def _loss_rows_as_the_ranks_compute_them(monkeypatch):
-    """The ranks run without TRITON_INTERPRET (`run_ranks`): the loss's rows take their torch form there, so here too."""
-    import k3cli.ops.linear_ce as lce
-    monkeypatch.setattr(lce, "triton_runs", lambda device: device.type == "cuda")
-
-
 def tiny_model(seed: int = 0, attnres: str = "off"):
     from k3cli.config import load_config
     from k3cli.models.causal_lm import CausalLM

@@ -9,9 +9,11 @@ import torch
 import k3cli.ops.linear_ce as lce
 from k3cli.ops.linear_ce import (ce_rows, ce_rows_reference, linear_ce_op, linear_cross_entropy,
                                  linear_cross_entropy_reference)
+from k3cli.ops.custom import triton_runs
 from k3cli.testing import assert_close
 
-needs_triton = pytest.mark.skipif(not lce.triton_runs(torch.device("cpu")) and not torch.cuda.is_available(),
+INTERPRETED = triton_runs(torch.device("cpu"))
+needs_triton = pytest.mark.skipif(not INTERPRETED and not torch.cuda.is_available(),
                                   reason="the row kernel needs CUDA or TRITON_INTERPRET=1")
 
 
@@ -34,11 +36,11 @@ def loss_and_grads(fn, h, w, labels, **kw):
 
 @pytest.fixture(params=["kernel", "torch"])
 def path(request, monkeypatch):
-    """The row kernel (where it runs) or the torch form of the rows on the CPU."""
-    if request.param == "kernel" and not lce.triton_runs(torch.device("cpu")):
-        pytest.skip("the row kernel runs on a CPU under TRITON_INTERPRET=1 only")
-    if request.param == "torch":
-        monkeypatch.setattr(lce, "triton_runs", lambda device: False)
+    """The row kernel (on a CPU: under TRITON_INTERPRET=1, which the op leaves to these tests) or its torch form."""
+    if request.param == "kernel":
+        if not INTERPRETED:
+            pytest.skip("the row kernel runs on a CPU under TRITON_INTERPRET=1 only")
+        monkeypatch.setattr(lce, "_kernel_runs", lambda device: True)
     return request.param
 
 
