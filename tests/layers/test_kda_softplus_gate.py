@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from k3cli.layers.kda import KDAAttention
 from k3cli.layers.segments import Segments
 from k3cli.ops.kda import naive
-from k3cli.testing import assert_close
+from k3cli.testing import assert_close, scaled_max_error
 
 GATE_PARAMS = ("A_log", "dt_bias", "f_a.weight", "f_b.weight")
 
@@ -29,7 +29,8 @@ def run(m, x, **kw):
     m.zero_grad()
     x = x.detach().clone().requires_grad_(True)
     y = m(x, **kw)
-    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype).to(y.device))
+    # drawn in fp64 whatever y's dtype: a bf16 draw is another sequence of numbers, not a rounding of this one
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(y))
     return y.detach(), {"x": x.grad, **{n: p.grad.clone() for n, p in m.named_parameters()}}
 
 
@@ -148,13 +149,18 @@ def test_triton_decode_step_equals_the_torch_one():
 @pytest.mark.gpu
 @pytest.mark.parametrize("a_log", [0.0, 4.0])
 def test_bf16_on_the_gpu_follows_the_fp32_layer(a_log):
-    """The softplus gate in bf16 under autocast on CUDA (the Triton chunked path), against the same layer in fp32:
-    outputs and every gradient, at decays below −20 per step too."""
+    """The softplus gate in bf16 under autocast on CUDA (the Triton kernels), against the same layer in fp32:
+    outputs and every gradient, at decays below −20 per step too, each within twice the error of the torch path
+    in bf16 (its rounding alone; a conv weight's gradient, a sum over every token, carries ~6 %) or 1e-2."""
     m = make(a_log=a_log, backend="auto").float().cuda()
     x = torch.randn(2, 70, 24, device="cuda")
     y_ref, g_ref = run(m, x)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        y, g = run(m, x)
-    assert_close("y", y.float(), y_ref, 3e-2)
-    for name in g_ref:
-        assert_close(f"d{name}", g[name].float(), g_ref[name], 5e-2)
+    errs = {}
+    for backend in ("torch", "auto"):
+        m.backend = backend
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y, g = run(m, x)
+        errs[backend] = {"y": scaled_max_error(y.float(), y_ref),
+                         **{f"d{n}": scaled_max_error(g[n].float(), g_ref[n]) for n in g_ref}}
+    for name, err in errs["auto"].items():
+        assert err <= max(2 * errs["torch"][name], 1e-2), (name, err, errs["torch"][name])
