@@ -59,8 +59,8 @@ def _kda_bwd_state_step(qg, kd, eg, w, aqk, do, dh, dvn, b_ds, i_b, i_hv, i_bh, 
     return b_ds - _dot(tl.trans(b_w), b_dvn, PREC)
 
 
-# chunk counts (NT, N0, N1, L) follow each batch's documents under packing: not specialised on (Triton's
-# divisible-by-16 variants), else a first batch with a multiple of 16 compiled every kernel again mid-run
+# chunk counts (NT, N0, N1, L) follow each batch's documents under packing: unspecialised, else the first
+# batch whose count changes divisibility by 16 (Triton specialises on it) compiles each kernel again mid-run
 @fast_launch
 @triton.autotune(
     configs=pick_configs(STATE_CONFIGS),

@@ -224,8 +224,8 @@ def _store_u(v, u, b_tm, b_beta, r_t, m_t, i_hv, base, HV: tl.constexpr, V: tl.c
         tl.store(u + (base + o_t)[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_v[None, :])
 
 
-# chunk counts (NT, N0, N1, L) follow each batch's documents under packing: not specialised on (Triton's
-# divisible-by-16 variants), else a first batch with a multiple of 16 compiled every kernel again mid-run
+# chunk counts (NT, N0, N1, L) follow each batch's documents under packing: unspecialised, else the first
+# batch whose count changes divisibility by 16 (Triton specialises on it) compiles each kernel again mid-run
 @fast_launch
 @triton.jit(do_not_specialize=["NT", "N0"])
 def _kda_fwd_gamma_kernel(q, k, g, beta, rows, gc, qg, kd, eg, w, scale, T, NT, N0, H: tl.constexpr,
