@@ -4,9 +4,12 @@
 - `triton`: runs a Triton kernel, so it needs CUDA or the interpreter (`TRITON_INTERPRET=1`,
   which must be set before Python starts; `make test` does).
 
-and the Hugging Face libraries' offline mode for the whole suite.
+the Hugging Face libraries' offline mode for the whole suite, and under the interpreter the memory checks of
+kernel_memory.py on every Triton launch.
 """
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +20,11 @@ HAS_CUDA = torch.cuda.is_available()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 TRITON_RUNS = HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+if os.environ.get("TRITON_INTERPRET") == "1":   # loaded by path: the suite imports test modules by path too
+    _spec = importlib.util.spec_from_file_location("kernel_memory", Path(__file__).with_name("kernel_memory.py"))
+    kernel_memory = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(kernel_memory)
+    kernel_memory.install()
 
 
 def pytest_configure(config):
