@@ -57,8 +57,9 @@ def time_fn(fn, device, reps: int = 10) -> tuple[float, float, float]:
         med, p20, p80 = triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
         return med, p20, p80
     if interpreting():
-        reps = 1   # the interpreter's times say nothing of a GPU: one run after the warm-up exercises the path
-    fn()
+        reps = 1   # the interpreter's times say nothing of a GPU and it compiles nothing: one run exercises the path
+    else:
+        fn()
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
