@@ -24,14 +24,21 @@ class MemoryFault(RuntimeError):
 
 class _Launch:
     """One launch: its arguments' byte ranges, the ranges its pointer tables address, and what each program
-    loaded and stored."""
+    loaded and stored, as (address << PID_BITS) | program."""
 
     def __init__(self, name: str, ranges: list[tuple[int, int]], table_ranges: list[tuple[int, int]]):
         self.name, self.ranges, self.table_ranges = name, ranges, table_ranges
-        self.loads: list[tuple[np.ndarray, int]] = []
-        self.stores: list[tuple[np.ndarray, int]] = []
+        self.loads: list[np.ndarray] = []
+        self.stores: list[np.ndarray] = []
+
+    @property
+    def track(self) -> bool:
+        """Whether program ids fit beside the addresses (host addresses lie below 2**47 on Linux)."""
+        gx, gy, gz = interp.interpreter_builder.grid_dim
+        return gx * gy * gz <= 1 << PID_BITS
 
 
+PID_BITS = 17
 _launch: list[_Launch | None] = [None]
 _tables: dict[int, list[tuple[int, int]]] = {}   # a pointer table's data_ptr -> the ranges of its tensors
 
@@ -49,14 +56,18 @@ def _program() -> int:
     return x + gx * (y + gy * z)
 
 
+def _tagged(p: np.ndarray) -> np.ndarray:
+    return (p << np.uint64(PID_BITS)) | np.uint64(_program())
+
+
 def _access(ptrs, mask, what: str) -> np.ndarray | None:
     """The masked-in addresses of one access, checked against the launch's ranges."""
     launch = _launch[0]
     if launch is None:
         return None
-    p = np.asarray(ptrs.data).astype(np.uint64)
+    p = np.asarray(ptrs.data).astype(np.uint64, copy=False)
     # masks arrive as int1 arrays of 0/1: as an index they would gather, not select
-    p = p[np.broadcast_to(np.asarray(mask.data).astype(bool), p.shape)]
+    p = p[np.broadcast_to(np.asarray(mask.data).astype(bool, copy=False), p.shape)]
     if p.size == 0:
         return None
     lo, hi = int(p.min()), int(p.max())
@@ -77,21 +88,22 @@ def _check_programs(launch: _Launch) -> None:
     """No address stored by two programs, none loaded by a program other than the one that stores it."""
     if not launch.stores:
         return
-    pairs = np.unique(np.stack([np.concatenate([a for a, _ in launch.stores]),
-                                np.concatenate([np.full(a.size, p, np.uint64) for a, p in launch.stores])], 1), axis=0)
-    addr, first = np.unique(pairs[:, 0], return_index=True)
-    owners = np.diff(np.append(first, len(pairs)))
-    if (owners > 1).any():
-        a = int(addr[owners > 1][0])
-        raise MemoryFault(f"{launch.name}: {int((owners > 1).sum())} addresses stored by more than one program "
-                          f"(first {a:#x})")
-    owner = pairs[first, 1]
-    for a, p in launch.loads:
-        i = np.searchsorted(addr, a)
-        stored = (i < len(addr)) & (addr[np.minimum(i, len(addr) - 1)] == a)
-        if (owner[i[stored]] != p).any():
-            raise MemoryFault(f"{launch.name}: program {p} loads {int((owner[i[stored]] != p).sum())} addresses "
-                              f"that another program of the launch stores")
+    shift, low = np.uint64(PID_BITS), np.uint64((1 << PID_BITS) - 1)
+    stored = np.unique(np.concatenate(launch.stores))   # distinct (address, program) pairs, by address
+    addr = stored >> shift
+    twice = addr[1:] == addr[:-1]
+    if twice.any():
+        raise MemoryFault(f"{launch.name}: {int(twice.sum())} addresses stored by more than one program "
+                          f"(first {int(addr[1:][twice][0]):#x})")
+    if not launch.loads:
+        return
+    loaded = np.unique(np.concatenate(launch.loads))
+    i = np.searchsorted(addr, loaded >> shift)
+    hit = (i < len(addr)) & (addr[np.minimum(i, len(addr) - 1)] == loaded >> shift)
+    other = (stored[i[hit]] & low) != (loaded[hit] & low)
+    if other.any():
+        raise MemoryFault(f"{launch.name}: program {int(loaded[hit][other][0] & low)} loads {int(other.sum())} "
+                          f"addresses that another program of the launch stores")
 
 
 def install() -> None:
@@ -119,14 +131,14 @@ def install() -> None:
 
     def create_masked_load(self, ptrs, mask, other, *rest):
         p = _access(ptrs, mask, "load")
-        if p is not None:
-            _launch[0].loads.append((np.unique(p), _program()))
+        if p is not None and _launch[0].track:
+            _launch[0].loads.append(_tagged(p))
         return load(self, ptrs, mask, other, *rest)
 
     def create_masked_store(self, ptrs, value, mask, *rest):
         p = _access(ptrs, mask, "store")
-        if p is not None:
-            _launch[0].stores.append((np.unique(p), _program()))
+        if p is not None and _launch[0].track:
+            _launch[0].stores.append(_tagged(p))
         return store(self, ptrs, value, mask, *rest)
 
     def create_atomic_rmw(self, op, ptr, val, mask, *rest):
