@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3cli.ops.precision import work_dtype
+
 
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     """cap · tanh(x / cap): identity near 0, bounded by ±cap."""
@@ -16,7 +18,7 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
     gate, up: [..., F]. Computed in fp32 (fp64 stays fp64) and cast back to gate.dtype.
     """
-    wd = torch.float64 if gate.dtype == torch.float64 else torch.float32
+    wd = work_dtype(gate)
     g, u = gate.to(wd), up.to(wd)
     return (softcap(g, 4.0) * torch.sigmoid(g) * softcap(u, 25.0)).to(gate.dtype)
 
@@ -24,7 +26,7 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SiLU-GLU (SwiGLU's product): silu(g) ⊙ u, unbounded. Like `situ_glu`, computed in fp32 (fp64 stays
     fp64) and cast back to gate.dtype."""
-    wd = torch.float64 if gate.dtype == torch.float64 else torch.float32
+    wd = work_dtype(gate)
     return (F.silu(gate.to(wd)) * up.to(wd)).to(gate.dtype)
 
 

@@ -24,6 +24,7 @@ from torch import nn
 from k3cli.layers.linear import fused_linear
 from k3cli.layers.norm import RMSNorm
 from k3cli.layers.segments import Segments
+from k3cli.ops.precision import work_dtype
 
 
 @dataclass
@@ -135,7 +136,7 @@ class GatedMLA(nn.Module):
         else:
             q_abs = torch.einsum("bthd,hdj->bthj", q, self.W_UK)                     # (B, T, H, r)
         # scores and softmax in fp32 (fp64 stays fp64 for identity tests)
-        wd = torch.float64 if q.dtype == torch.float64 else torch.float32
+        wd = work_dtype(q)
         score = torch.einsum("bthj,bsj->bhts", q_abs, c).to(wd) * self.scale         # (B, H, T, S)
         if doc is not None:
             score = score.masked_fill(~_document_mask(doc)[:, None], float("-inf"))

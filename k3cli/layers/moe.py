@@ -24,6 +24,7 @@ from torch import nn
 from k3cli.layers.ffn import EXPERT_ACTS, SiTUExpert
 from k3cli.layers.linear import fused_linear, summed_linear
 from k3cli.layers.norm import RMSNorm
+from k3cli.ops.precision import work_dtype
 
 DISPATCH_MODES = ("grouped", "tiled", "loop", "dense")
 
@@ -149,7 +150,7 @@ class LatentMoE(nn.Module):
 
     def route(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (ids [T, K] long, weights [T, K] fp32, or fp64 for fp64 x)."""
-        wd = torch.float64 if x_TD.dtype == torch.float64 else torch.float32
+        wd = work_dtype(x_TD)
         # fp32 router even under autocast: near-tied scores would flip expert choices in bf16
         with torch.autocast(x_TD.device.type, enabled=False):
             scores_TE = torch.sigmoid(F.linear(x_TD.to(wd), self.router.weight.to(wd)))

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from k3cli.ops.precision import widen
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """RMS-normalise the last dim of x [..., D]; weight [D] or None (no gain). Returns x.dtype.
 
     fp32 for half inputs (the mean of squares underflows/overflows in bf16); fp64 stays fp64.
     """
-    xf = x if x.dtype == torch.float64 else x.float()
+    xf = widen(x)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
         y = y * weight.to(y.dtype)
@@ -23,5 +25,5 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     KDA's q / k normalisation (docs/math.md §2.1), shared by the layer and the kernels' torch paths; explicit
     dtypes so that under autocast q and k keep v's dtype (F.normalize's norm would promote them).
     """
-    xf = x if x.dtype == torch.float64 else x.float()
+    xf = widen(x)
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)

@@ -16,11 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from k3cli.ops.norm import rms_norm
-
-
-def _work_dtype(x: torch.Tensor) -> torch.dtype:
-    # fp64 inputs keep fp64 (tight identity tests); everything else runs in fp32
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+from k3cli.ops.precision import work_dtype
 
 
 def _fp32_math(fn):
@@ -35,7 +31,7 @@ def _fp32_math(fn):
 
 def source_keys(sources: Sequence[torch.Tensor], eps: float = 1e-6) -> list[torch.Tensor]:
     """RMS(v) without gain for each source [B, T, D], in the working dtype."""
-    return [rms_norm(v.to(_work_dtype(v)), None, eps) for v in sources]
+    return [rms_norm(v.to(work_dtype(v)), None, eps) for v in sources]
 
 
 @_fp32_math
@@ -58,7 +54,7 @@ def naive_attnres(sources, query, gain, eps: float = 1e-6, *, norm_weight=None, 
     Returns:
         h [B, T, D] in the sources' dtype; then y (if norm_weight), then α (if return_weights).
     """
-    wd = _work_dtype(sources[0])
+    wd = work_dtype(sources[0])
     keys = source_keys(sources, eps) if keys is None else keys
     w = _w_tilde(query, gain, wd)
     # a matvec per source and an accumulated weighted sum: einsum over [N, B, T, D] lowers to
@@ -89,7 +85,7 @@ def naive_attnres_phase1(sources, queries, gains, eps: float = 1e-6, *,
         online-softmax state per query, working dtype: m [S, B, T] (max score),
         l [S, B, T] (Σ_i exp(s_i − m)), o [S, B, T, D] (Σ_i exp(s_i − m) · v_i, unnormalised).
     """
-    wd = _work_dtype(sources[0])
+    wd = work_dtype(sources[0])
     keys = source_keys(sources, eps) if keys is None else keys
     w = _w_tilde(queries, gains, wd)
     s = torch.stack([key @ w.T for key in keys]).permute(3, 0, 1, 2)                    # (S, n, B, T)

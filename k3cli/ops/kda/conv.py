@@ -21,6 +21,7 @@ from torch import Tensor
 from k3cli.ops.checks import FLOATS, InputTypeError, check_number, check_tensor
 from k3cli.ops.custom import eager_function, reference_vjp, triton_runs
 from k3cli.ops.launch import cdiv, next_pow2
+from k3cli.ops.precision import widen
 
 _BT = 32          # rows per tile
 _BT_DA = 32       # rows per tile of the backward's first kernel
@@ -43,7 +44,7 @@ def short_conv_reference(x: Tensor, weight: Tensor, pos: Tensor | None = None, n
     cast to x's dtype. x [B, T, C]; weight [C, W]; pos [B, T] int or None; norm_dim divides C (0: no norm)."""
     B, T, C = x.shape
     W = weight.shape[-1]
-    xf = x if x.dtype == torch.float64 else x.float()
+    xf = widen(x)
     w = weight.to(xf.dtype)
     a = xf * w[:, W - 1]
     for j in range(1, W):

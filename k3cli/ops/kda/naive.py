@@ -8,10 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def _work_dtype(*xs: torch.Tensor | None) -> torch.dtype:
-    # fp64 inputs keep fp64 (identity tests); everything else runs in fp32
-    return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) else torch.float32
+from k3cli.ops.precision import widen, work_dtype
 
 
 def _expand_groups(x: torch.Tensor, hv: int) -> torch.Tensor:
@@ -33,7 +30,7 @@ def naive_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     scale = K ** -0.5 if scale is None else scale
-    wd = _work_dtype(q, k, v, g, beta, initial_state)
+    wd = work_dtype(q, k, v, g, beta, initial_state)
     q, k = _expand_groups(q, HV).to(wd), _expand_groups(k, HV).to(wd)
     v, g, beta = v.to(wd), g.to(wd), beta.to(wd)
     S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(wd)
@@ -52,7 +49,7 @@ def chunk_local_cumsum(g: torch.Tensor, chunk_size: int, reverse: bool = False) 
     B, T = g.shape[:2]
     n = -(-T // chunk_size)
     pad = n * chunk_size - T
-    x = g.float() if g.dtype != torch.float64 else g
+    x = widen(g)
     x = F.pad(x, (0, 0) * (g.dim() - 2) + (0, pad)).view(B, n, chunk_size, *g.shape[2:])
     if reverse:
         x = x.flip(2).cumsum(2).flip(2)
@@ -69,7 +66,7 @@ def naive_kda_gate(g_raw, A_log, dt_bias=None, lower_bound=-5.0):
     """
     if lower_bound is None:
         return naive_kda_softplus_gate(g_raw, A_log, dt_bias)
-    wd = _work_dtype(g_raw, A_log, dt_bias)
+    wd = work_dtype(g_raw, A_log, dt_bias)
     x = g_raw.to(wd)
     if dt_bias is not None:
         x = x + dt_bias.to(wd)
@@ -82,7 +79,7 @@ def naive_kda_softplus_gate(g_raw, A_log, dt_bias=None):
 
     Args: g_raw [B, T, HV, K]; A_log [HV]; dt_bias [HV, K] or None.  Returns g [B, T, HV, K].
     """
-    wd = _work_dtype(g_raw, A_log, dt_bias)
+    wd = work_dtype(g_raw, A_log, dt_bias)
     x = g_raw.to(wd)
     if dt_bias is not None:
         x = x + dt_bias.to(wd)
@@ -134,7 +131,7 @@ def chunk_layout(q, k, v, g, beta, initial_state, C: int):
     with the tail zero-padded, Γ = chunk-local cumsum of g, γ = Γ's last row (B, HV, n, 1, K))."""
     B, T = q.shape[:2]
     HV = v.shape[2]
-    wd = _work_dtype(q, k, v, g, beta, initial_state)
+    wd = work_dtype(q, k, v, g, beta, initial_state)
     n = max(1, -(-T // C))
     pad = n * C - T
 

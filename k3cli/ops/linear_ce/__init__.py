@@ -21,6 +21,7 @@ from torch import Tensor
 
 from k3cli.ops.custom import absent
 from k3cli.ops.launch import fast_launch, next_pow2
+from k3cli.ops.precision import widen, work_dtype
 
 # one chunk's logits stay below this many bytes counted at 4 per logit (2,048 tokens at a 32,768 vocabulary)
 CHUNK_BYTES = 2**28
@@ -29,18 +30,14 @@ CHUNK_BYTES = 2**28
 def linear_cross_entropy_reference(h: Tensor, w: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:
     """h [N, D], w [V, D], labels [N] -> mean cross-entropy over the counted tokens (full logits)."""
     z = F.linear(h, w)
-    return F.cross_entropy(z if z.dtype == torch.float64 else z.float(), labels, ignore_index=ignore_index)
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    return F.cross_entropy(widen(z), labels, ignore_index=ignore_index)
 
 
 def ce_rows_reference(z: Tensor, labels: Tensor, scale: Tensor, ignore_index: int,
                       grad: bool = True) -> tuple[Tensor, Tensor | None]:
     """Per row of logits z [R, V]: (logsumexp(z) − z[label], 0 where ignored) in fp32 (fp64 for fp64 z), and with
     `grad` dz = (softmax(z) − onehot(label))·scale (0 where ignored) in z's dtype. scale: a 0-dim tensor."""
-    zf = z.to(_acc(z.dtype))
+    zf = z.to(work_dtype(z))
     counted = labels != ignore_index
     y = torch.where(counted, labels, 0)[:, None]
     lse = torch.logsumexp(zf, 1)
@@ -88,7 +85,7 @@ def ce_rows(z: Tensor, labels: Tensor, scale: Tensor, ignore_index: int, grad: b
     """As `ce_rows_reference` by one Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1): returns the row losses;
     with `grad` z [R, V] (contiguous rows) is overwritten by dz."""
     R, V = z.shape
-    loss = torch.empty(R, dtype=_acc(z.dtype), device=z.device)
+    loss = torch.empty(R, dtype=work_dtype(z), device=z.device)
     if R:
         BLOCK = min(next_pow2(V), 4096)
         _ce_rows_kernel[(R,)](z, labels, loss, scale, z.stride(0), ignore_index, V=V, BLOCK=BLOCK, GRAD=grad,
@@ -110,7 +107,7 @@ def _mm_acc(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
 
 
 def _linear_ce(h: Tensor, w: Tensor, labels: Tensor, ignore_index: int, rows: int, grad: bool):
-    acc = _acc(h.dtype)
+    acc = work_dtype(h)
     kernel = _kernel_runs(h.device)
     counted = labels != ignore_index
     scale = 1 / counted.sum().to(acc)              # a device tensor: nothing is read back to the host
@@ -140,7 +137,7 @@ def linear_ce_op(h: Tensor, w: Tensor, labels: Tensor, ignore_index: int, rows: 
 
 @linear_ce_op.register_fake
 def _(h, w, labels, ignore_index, rows, grad):
-    acc = _acc(h.dtype)
+    acc = work_dtype(h)
     return (h.new_empty((), dtype=acc), h.new_empty(h.shape, dtype=acc) if grad else absent(h),
             h.new_empty(w.shape, dtype=acc) if grad else absent(h))
 
