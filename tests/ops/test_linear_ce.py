@@ -7,9 +7,14 @@ import pytest
 import torch
 
 import k3cli.ops.linear_ce as lce
-from k3cli.ops.linear_ce import (ce_rows, ce_rows_reference, linear_ce_op, linear_cross_entropy,
-                                 linear_cross_entropy_reference)
 from k3cli.ops.custom import triton_runs
+from k3cli.ops.linear_ce import (
+    ce_rows,
+    ce_rows_reference,
+    linear_ce_op,
+    linear_cross_entropy,
+    linear_cross_entropy_reference,
+)
 from k3cli.testing import assert_close
 
 INTERPRETED = triton_runs(torch.device("cpu"))
