@@ -20,6 +20,9 @@ HAS_CUDA = torch.cuda.is_available()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 TRITON_RUNS = HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+if os.environ.get("PYTEST_XDIST_WORKER") and not HAS_CUDA:
+    # one intra-op thread per xdist worker: with a worker per core, more threads spin against each other
+    torch.set_num_threads(1)
 if os.environ.get("TRITON_INTERPRET") == "1":   # loaded by path: the suite imports test modules by path too
     _spec = importlib.util.spec_from_file_location("kernel_memory", Path(__file__).with_name("kernel_memory.py"))
     kernel_memory = importlib.util.module_from_spec(_spec)
