@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from k3cli.ops.norm import rms_norm
-from k3cli.ops.precision import work_dtype
+from k3cli.ops.precision import widen, work_dtype
 
 
 def _fp32_math(fn):
@@ -31,7 +31,7 @@ def _fp32_math(fn):
 
 def source_keys(sources: Sequence[torch.Tensor], eps: float = 1e-6) -> list[torch.Tensor]:
     """RMS(v) without gain for each source [B, T, D], in the working dtype."""
-    return [rms_norm(v.to(work_dtype(v)), None, eps) for v in sources]
+    return [rms_norm(widen(v), None, eps) for v in sources]
 
 
 @_fp32_math

@@ -37,7 +37,7 @@ def ce_rows_reference(z: Tensor, labels: Tensor, scale: Tensor, ignore_index: in
                       grad: bool = True) -> tuple[Tensor, Tensor | None]:
     """Per row of logits z [R, V]: (logsumexp(z) − z[label], 0 where ignored) in fp32 (fp64 for fp64 z), and with
     `grad` dz = (softmax(z) − onehot(label))·scale (0 where ignored) in z's dtype. scale: a 0-dim tensor."""
-    zf = z.to(work_dtype(z))
+    zf = widen(z)
     counted = labels != ignore_index
     y = torch.where(counted, labels, 0)[:, None]
     lse = torch.logsumexp(zf, 1)
