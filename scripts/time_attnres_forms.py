@@ -1,7 +1,8 @@
 """Training-step time per AttnRes overlay and mixer implementation, interleaved round by round in one process.
 
 Each variant is `OVERLAY` or `OVERLAY:IMPL` (IMPL: fused = the Triton kernels, two_phase = the torch form,
-auto = what the model picks); every one runs `k3 bench-train`'s step and interleaved rounds (`time_variants` in
+auto = what the model picks), optionally followed by `+KEY=VALUE` config overrides (`block+model.fp32_residual=false`);
+every one runs `k3 bench-train`'s step and interleaved rounds (`time_variants` in
 k3cli/bench/train.py: forward, backward, clipping, fused AdamW, MoE balancing on synthetic tokens), compiled with --compile. Prints the median step, its spread, the
 ratio to the first variant and tokens/s. The rule `wants_kernels` (k3cli/layers/attnres.py) follows from it:
 
@@ -24,7 +25,7 @@ from k3cli.train import Batch, resolve_device
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("variants", nargs="+", help="OVERLAY or OVERLAY:IMPL, the first the reference")
+    ap.add_argument("variants", nargs="+", help="OVERLAY[:IMPL][+KEY=VALUE...], the first the reference")
     ap.add_argument("--preset", default="k3-toy")
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--seq-len", type=int, default=256)
@@ -37,8 +38,9 @@ def main() -> None:
     cuda = device.type == "cuda"
     variants = []
     for spec in args.variants:
-        overlay, _, impl = spec.partition(":")
-        cfg = load_config(args.preset, attnres=overlay)
+        head, *overrides = spec.split("+")
+        overlay, _, impl = head.partition(":")
+        cfg = load_config(args.preset, overrides=overrides, attnres=overlay)
         if impl and cfg.model.attnres.mode == "off":
             raise SystemExit(f"{spec}: attnres={overlay} has no mixer to choose an implementation for")
         variants.append(Variant(spec, "triton" if cuda else "torch", args.compile, False, attnres=overlay, cfg=cfg,
@@ -47,10 +49,10 @@ def main() -> None:
     ids = torch.randint(1, variants[0].cfg.model.vocab_size, (args.batch, args.seq_len), generator=gen).to(device)
     time_variants(variants, variants[0].cfg, {False: Batch(ids, None)}, device, args.steps, args.warmup)
     ref = statistics.median(variants[0].times)
-    print(f"\n{'variant':<20} {'step ms':>9} {'min':>8} {'max':>8} {'× ref':>7} {'tokens/s':>12}")
+    print(f"\n{'variant':<36} {'step ms':>9} {'min':>8} {'max':>8} {'× ref':>7} {'tokens/s':>12}")
     for v in variants:
         med = statistics.median(v.times)
-        print(f"{v.name:<20} {1e3 * med:9.2f} {1e3 * min(v.times):8.2f} {1e3 * max(v.times):8.2f} "
+        print(f"{v.name:<36} {1e3 * med:9.2f} {1e3 * min(v.times):8.2f} {1e3 * max(v.times):8.2f} "
               f"{med / ref:7.3f} {args.batch * args.seq_len / med:12,.0f}")
 
 

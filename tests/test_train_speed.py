@@ -275,11 +275,12 @@ def test_time_attnres_forms_runs_on_cpu():
     from pathlib import Path
     script = Path(__file__).resolve().parents[1] / "scripts" / "time_attnres_forms.py"
     r = subprocess.run([sys.executable, str(script), "--device", "cpu", "--batch", "2", "--seq-len", "32", "--steps",
-                        "2", "--warmup", "1", "off", "block:two_phase"], capture_output=True, text=True, timeout=300)
+                        "2", "--warmup", "1", "off", "block:two_phase+model.fp32_residual=false"], capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     table = r.stdout.split("tokens/s\n", 1)[1].splitlines()
     rows = {line.split()[0]: line.split() for line in table if line.strip()}
-    assert set(rows) == {"off", "block:two_phase"} and rows["off"][4] == "1.000"
+    assert set(rows) == {"off", "block:two_phase+model.fp32_residual=false"} and rows["off"][4] == "1.000"
     r = subprocess.run([sys.executable, str(script), "--device", "cpu", "off:fused"], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode != 0 and "has no mixer" in r.stderr

@@ -84,6 +84,8 @@ class CausalLM(nn.Module):
         """input_ids [B, T] -> the final normed hidden states [B, T, D] the LM head reads."""
         caches = caches or [None] * len(self.blocks)
         x = self.embed_tokens(input_ids)                                           # (B, T, D)
+        if not self.config.fp32_residual and torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         recompute = self.activation_checkpointing == "block" and self.training and torch.is_grad_enabled()
         if self.attnres is None:
             for block, cache in zip(self.blocks, caches):

@@ -128,6 +128,9 @@ class ModelConfig:
     norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
+    # the residual stream (AttnRes: its sources) under autocast: fp32 (as the embedding), or false for the
+    # autocast dtype, which halves the bytes the residual adds, norms and depth mixes move
+    fp32_residual: bool = True
     mla_layers: str = ""  # k3: 0-based blocks that are MLA, e.g. "3,7,11" ("" = every 4th and the last)
     first_dense_layers: int = 0  # k3: the first N blocks' FFN is a dense SwiGLU (intermediate_size), not the MoE
     kda: KDALayerConfig = field(default_factory=KDALayerConfig)
