@@ -3,7 +3,7 @@ the Triton kernels are tested against, and the torch path of the model's AttnRes
 
 Shapes: a source v_i is [B, T, D]; `sources` is a list of n such tensors or one stacked
 [n, B, T, D] tensor; a query / gain is [D] (one sublayer) or [S, D] (a block's S sublayers).
-gain None: `query` is w̃ = query ⊙ gain already. `keys`: `source_keys(sources)` if already computed
+gain None: `query` is w̃ = query ⊙ gain already. `keys`: `source_keys(sources)` (each source's 1 / RMS per token) if already computed
 (the mixer caches them: each source is a key for every later sublayer).
 All softmax math runs in fp32 (fp64 for fp64 inputs); outputs are cast back to the sources' dtype
 except the phase-1 state (m, l, o), which stays in the working dtype.
@@ -30,8 +30,16 @@ def _fp32_math(fn):
 
 
 def source_keys(sources: Sequence[torch.Tensor], eps: float = 1e-6) -> list[torch.Tensor]:
-    """RMS(v) without gain for each source [B, T, D], in the working dtype."""
-    return [rms_norm(widen(v), None, eps) for v in sources]
+    """1 / RMS(v) per token [B, T] for each source [B, T, D], in the working dtype: a score is
+    (v · w̃) / RMS(v), so the normalised source is never formed, nor kept for the backward."""
+    return [torch.rsqrt(widen(v).pow(2).mean(-1) + eps) for v in sources]
+
+
+def _score(v: torch.Tensor, inv_rms: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """w̃ · RMS(v) for one source v [B, T, D] (1 / RMS(v) given, [B, T]) against w [D] -> [B, T],
+    or against S rows wᵀ [D, S] -> [B, T, S]."""
+    s = v.to(w.dtype) @ w
+    return s * (inv_rms if w.dim() == 1 else inv_rms[..., None])
 
 
 @_fp32_math
@@ -59,7 +67,7 @@ def naive_attnres(sources, query, gain, eps: float = 1e-6, *, norm_weight=None, 
     w = _w_tilde(query, gain, wd)
     # a matvec per source and an accumulated weighted sum: einsum over [N, B, T, D] lowers to
     # B·T tiny bmms and was ~4× slower on CPU for k3-toy
-    s = torch.stack([key @ w for key in keys])                                           # (n, B, T)
+    s = torch.stack([_score(v, r, w) for v, r in zip(sources, keys)])                   # (n, B, T)
     alpha = s.softmax(0)
     h = sum(alpha[i, ..., None] * v.to(wd) for i, v in enumerate(sources))              # (B, T, D)
     out = [h.to(sources[0].dtype)]
@@ -88,7 +96,7 @@ def naive_attnres_phase1(sources, queries, gains, eps: float = 1e-6, *,
     wd = work_dtype(sources[0])
     keys = source_keys(sources, eps) if keys is None else keys
     w = _w_tilde(queries, gains, wd)
-    s = torch.stack([key @ w.T for key in keys]).permute(3, 0, 1, 2)                    # (S, n, B, T)
+    s = torch.stack([_score(v, r, w.T) for v, r in zip(sources, keys)]).permute(3, 0, 1, 2)   # (S, n, B, T)
     m = s.amax(1) if m is None else m.detach().to(wd)                                     # (S, B, T)
     p = (s - m[:, None]).exp()
     o = sum(p[:, j, ..., None] * v.to(wd) for j, v in enumerate(sources))                # (S, B, T, D)
@@ -113,7 +121,7 @@ def naive_attnres_merge(m, l, o, partial, query, gain, eps: float = 1e-6, *, nor
         h = o / l[..., None]
     else:
         p = partial.to(o.dtype)
-        s = rms_norm(p, None, eps) @ _w_tilde(query, gain, o.dtype)                        # (B, T)
+        s = _score(p, source_keys([p], eps)[0], _w_tilde(query, gain, o.dtype))              # (B, T)
         m_new = torch.maximum(m, s)
         a, b = (m - m_new).exp(), (s - m_new).exp()
         h = (o * a[..., None] + b[..., None] * p) / (l * a + b)[..., None]
