@@ -127,7 +127,7 @@ class AttnResMixer(nn.Module):
         return h if norm is None else norm(h)
 
     def _full(self, emb, sublayers, ops, rows, norms, final_norm):
-        # the torch form caches 1 / RMS(v) per source (each is a key for every later sublayer)
+        # the torch form caches each source's key (`source_keys`: a scale per token) for every later sublayer
         sources, keys = [emb], (None if ops else source_keys([emb], self.eps))
         for l, f in enumerate(sublayers):
             v = f(self._mix(sources, keys, l, ops, rows, norms[l])).to(emb.dtype)

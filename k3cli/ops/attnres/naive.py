@@ -3,7 +3,7 @@ the Triton kernels are tested against, and the torch path of the model's AttnRes
 
 Shapes: a source v_i is [B, T, D]; `sources` is a list of n such tensors or one stacked
 [n, B, T, D] tensor; a query / gain is [D] (one sublayer) or [S, D] (a block's S sublayers).
-gain None: `query` is w̃ = query ⊙ gain already. `keys`: `source_keys(sources)` (each source's 1 / RMS per token) if already computed
+gain None: `query` is w̃ = query ⊙ gain already. `keys`: `source_keys(sources)` if already computed
 (the mixer caches them: each source is a key for every later sublayer).
 All softmax math runs in fp32 (fp64 for fp64 inputs); outputs are cast back to the sources' dtype
 except the phase-1 state (m, l, o), which stays in the working dtype.
@@ -30,13 +30,13 @@ def _fp32_math(fn):
 
 
 def source_keys(sources: Sequence[torch.Tensor], eps: float = 1e-6) -> list[torch.Tensor]:
-    """1 / RMS(v) per token [B, T] for each source [B, T, D], in the working dtype: a score is
-    (v · w̃) / RMS(v), so the normalised source is never formed, nor kept for the backward."""
+    """1 / sqrt(mean(v²) + eps) per token [B, T] for each source [B, T, D], in the working dtype: the score
+    w̃ · RMS(v) is (w̃ · v) times it, so the normalised source RMS(v) is never formed, nor kept for the backward."""
     return [torch.rsqrt(widen(v).pow(2).mean(-1) + eps) for v in sources]
 
 
 def _score(v: torch.Tensor, inv_rms: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """w̃ · RMS(v) for one source v [B, T, D] (1 / RMS(v) given, [B, T]) against w [D] -> [B, T],
+    """w̃ · RMS(v) for one source v [B, T, D] from its key (`source_keys`, [B, T]): against w [D] -> [B, T],
     or against S rows wᵀ [D, S] -> [B, T, S]."""
     s = v.to(w.dtype) @ w
     return s * (inv_rms if w.dim() == 1 else inv_rms[..., None])
