@@ -24,12 +24,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3cli.ops.attnres.verify import compare, make_inputs, rounded, run_block, run_full
+from k3cli.ops.attnres.verify import compare, make_inputs, rounded, run_block, run_full, upstream_grads
 from k3cli.ops.kda import chunk_kda, chunk_local_cumsum, fused_recurrent_kda, kda_gate
 from k3cli.ops.kda.naive import naive_kda_gate, naive_recurrent_kda
 from k3cli.ops.kda.torch_chunk import torch_chunk_kda
 from k3cli.ops.kda.verify import TOL as KDA_TOL
-from k3cli.ops.norm import l2norm
+from k3cli.ops.norm import l2norm, rms_norm
 from k3cli.testing import assert_close, relative_rms_error
 
 # the interpreter's numpy exp overflows to inf inside sigmoid at saturated gates: 1 / (1 + inf) = 0 is exact
@@ -399,8 +399,49 @@ def test_attnres_extremes(case, form, dtype):
     got, ref = run("triton", inputs, dtype, stacked=stacked), run("naive", inputs, torch.float64, stacked=stacked)
     for key, x in got.items():
         assert x is None or torch.isfinite(x).all(), f"{key} is not finite"
-    bad = [f"{n}: {e:.3g} > {t:.3g}" for n, e, _, t, ok in compare(got, ref, dtype) if not ok]
+    # a saturated softmax: d query and d gain vanish in fp64, so they are held to their rounding bound instead
+    vanishing = {k for k in ("dquery", "dgain") if ref[k].double().pow(2).mean().sqrt() <= 1e-12}
+    if vanishing:
+        bound = vanishing_dw_bound(inputs, ref, form)
+        _, _, query, gain, _ = inputs
+        for k in vanishing:
+            factor = (gain if k == "dquery" else query)[: bound.shape[0]].cpu().abs()
+            err = (got[k].double().cpu() - ref[k].cpu()).abs()
+            assert (err <= bound * factor).all(), f"{k}: |error| {err.max():.3g} above its rounding bound"
+    bad = [f"{n}: {e:.3g} > {t:.3g}" for n, e, _, t, ok in compare(got, ref, dtype) if not ok and n not in vanishing]
     assert not bad, "; ".join(bad)
+
+
+def vanishing_dw_bound(inputs, ref, form, eps=1e-6):
+    """Elementwise bound [S, D] on the fp32 kernels' d w̃ where its fp64 value vanishes.
+
+    d w̃_q = Σ_{j,t} P_qjt r_jt (dh_q·v_j − dh_q·h_q) v_j, with P the softmax weights over the sources v_j
+    (the block form's partial among them), r_j = 1/RMS(v_j), dh_q the gradient reaching h_q. Saturated,
+    v_j = h_q where P = 1 and P = 0 elsewhere, so the difference is exactly 0 in fp64. The kernels form the two
+    dot products as separate fp32 sums; the block form in two kernels (phase-1 backward and merge backward)
+    whose autotuned tile shapes may sum in different orders, each off by at most γ_D Σ|terms|, γ_D = D·2^-24.
+    With sources and queries ×1e4 the bf16 block case failed the relative table on an H100 (which compares the
+    absolute error where the reference vanishes); two summation orders of its dot products give d gain ~1e2
+    against a true 1e-104. The bound is ~2e-4 of d query's scale with the same sources and query ×1 (1.3e5)."""
+    srcs, partial, query, gain, nw = [t.cpu() if torch.is_tensor(t) else [s.cpu() for s in t] for t in inputs]
+    D = nw.shape[0]
+    if form == "block":
+        names = [f"{o}{r}" for r in range(query.shape[0]) for o in ("h", "y")]
+    else:
+        names, query, gain, partial = ["h", "y"], query[:1], gain[:1], None
+    ups = dict(zip(names, upstream_grads([ref[n].cpu() for n in names])))
+    bound = torch.zeros(query.shape[0], D, dtype=torch.float64)
+    for q in range(query.shape[0]):
+        h_name = f"h{q}" if form == "block" else "h"
+        h = ref[h_name].detach().cpu().requires_grad_(True)
+        y = rms_norm(h, nw, 1e-6)
+        dh = ups[h_name] + torch.autograd.grad(y, h, ups[h_name.replace("h", "y")])[0]
+        v = torch.stack(srcs + ([partial] if form == "block" and q > 0 else []))
+        r = v.pow(2).mean(-1).add(eps).rsqrt()
+        weight = torch.softmax((v @ (query[q] * gain[q])) * r, dim=0)
+        terms = (dh * v).abs().sum(-1) + (dh * h.detach()).abs().sum(-1)
+        bound[q] = D * 2.0 ** -24 * torch.einsum("jbt,jbtd->d", weight * r * terms, v.abs())
+    return bound
 
 
 @pytest.mark.triton

@@ -64,11 +64,14 @@ def _leaves(tensors, dtype):
     return [t.detach().to(dtype).requires_grad_(True) for t in tensors]
 
 
-def _backprop(outs: list[torch.Tensor], seed: int = 123) -> None:
+def upstream_grads(outs: list[torch.Tensor], seed: int = 123) -> list[torch.Tensor]:
+    """The fp64 gradients the runs feed to their outputs (in the order of `outs`), on the outputs' device."""
     gen = torch.Generator().manual_seed(seed)
-    loss = sum((o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device)).sum()
-               for o in outs)
-    loss.backward()
+    return [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device) for o in outs]
+
+
+def _backprop(outs: list[torch.Tensor]) -> None:
+    sum((o.double() * g).sum() for o, g in zip(outs, upstream_grads(outs))).backward()
 
 
 def run_full(impl: str, inputs, dtype, stacked: bool = False, norm: bool = True, eps: float = 1e-6) -> dict:
