@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from k3cli.ops.attnres.naive import source_keys
 from k3cli.ops.attnres.verify import compare, make_inputs, rounded, run_block, run_full, upstream_grads
 from k3cli.ops.kda import chunk_kda, chunk_local_cumsum, fused_recurrent_kda, kda_gate
 from k3cli.ops.kda.naive import naive_kda_gate, naive_recurrent_kda
@@ -424,23 +425,19 @@ def vanishing_dw_bound(inputs, ref, form, eps=1e-6):
     absolute error where the reference vanishes); two summation orders of its dot products give d gain ~1e2
     against a true 1e-104. The bound is ~2e-4 of d query's scale with the same sources and query ×1 (1.3e5)."""
     srcs, partial, query, gain, nw = [t.cpu() if torch.is_tensor(t) else [s.cpu() for s in t] for t in inputs]
-    D = nw.shape[0]
-    if form == "block":
-        names = [f"{o}{r}" for r in range(query.shape[0]) for o in ("h", "y")]
-    else:
-        names, query, gain, partial = ["h", "y"], query[:1], gain[:1], None
+    # the outputs the run fed gradients to, in its order: h0, y0, h1, ... (block) or h, y (full, query 0)
+    suffixes = [str(q) for q in range(query.shape[0])] if form == "block" else [""]
+    names = [f"{o}{x}" for x in suffixes for o in ("h", "y")]
     ups = dict(zip(names, upstream_grads([ref[n].cpu() for n in names])))
-    bound = torch.zeros(query.shape[0], D, dtype=torch.float64)
-    for q in range(query.shape[0]):
-        h_name = f"h{q}" if form == "block" else "h"
-        h = ref[h_name].detach().cpu().requires_grad_(True)
-        y = rms_norm(h, nw, 1e-6)
-        dh = ups[h_name] + torch.autograd.grad(y, h, ups[h_name.replace("h", "y")])[0]
-        v = torch.stack(srcs + ([partial] if form == "block" and q > 0 else []))
-        r = v.pow(2).mean(-1).add(eps).rsqrt()
+    bound = torch.zeros(len(suffixes), nw.shape[0], dtype=torch.float64)
+    for q, x in enumerate(suffixes):
+        h = ref[f"h{x}"].detach().cpu().requires_grad_(True)
+        dh = ups[f"h{x}"] + torch.autograd.grad(rms_norm(h, nw, 1e-6), h, ups[f"y{x}"])[0]
+        vs = srcs + ([partial] if form == "block" and q > 0 else [])
+        v, r = torch.stack(vs), torch.stack(source_keys(vs, eps))
         weight = torch.softmax((v @ (query[q] * gain[q])) * r, dim=0)
         terms = (dh * v).abs().sum(-1) + (dh * h.detach()).abs().sum(-1)
-        bound[q] = D * 2.0 ** -24 * torch.einsum("jbt,jbtd->d", weight * r * terms, v.abs())
+        bound[q] = nw.shape[0] * 2.0 ** -24 * torch.einsum("jbt,jbtd->d", weight * r * terms, v.abs())
     return bound
 
 
