@@ -358,21 +358,6 @@ def _score_diag(q_h, k_h, gc_n, rows, a, t_a, T, H: tl.constexpr, K: tl.constexp
     return b_sq, b_sk
 
 
-@triton.jit
-def _scores(q_h, k_h, gc_n, rows, a, c, t_a, t_c, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-            BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, GATHER: tl.constexpr, EXACT: tl.constexpr):
-    """The raw products of block (a, c): anchored (`_score_pair`), or with EXACT the diagonal one pair by
-    pair (`_score_diag`, for decay without a lower bound)."""
-    if EXACT:
-        if c == a:
-            b_sq, b_sk = _score_diag(q_h, k_h, gc_n, rows, a, t_a, T, H, K, BT, BC, BK, GATHER)
-        else:
-            b_sq, b_sk = _score_pair(q_h, k_h, gc_n, rows, a, c, t_a, t_c, T, H, K, BT, BC, BK, PREC, GATHER)
-    else:
-        b_sq, b_sk = _score_pair(q_h, k_h, gc_n, rows, a, c, t_a, t_c, T, H, K, BT, BC, BK, PREC, GATHER)
-    return b_sq, b_sk
-
-
 @fast_launch
 @triton.jit(do_not_specialize=["NT", "N0"])
 def _kda_fwd_scores_kernel(q, k, gc, beta, rows, aqk, tm, mkk, scale, T, NT, N0, H: tl.constexpr,
@@ -412,11 +397,19 @@ def _kda_fwd_scores_kernel(q, k, gc, beta, rows, aqk, tm, mkk, scale, T, NT, N0,
     t_a = i_n * BT + a * BC
     p_row = (base + i_row)[:, None] * BT
     # runtime loops (not unrolled: unrolled, the compiler kept every pair's tiles live, 255 registers)
+    # EXACT: the diagonal block outside the anchored loop, not behind a runtime branch between the two forms
     if PER_PAIR:
         c = c_first
         j_col = c * BC + o_c
-        b_sq, b_sk = _scores(q_h, k_h, gc_n, rows, a, c, t_a, i_n * BT + c * BC, T, H, K, BT, BC, BK, PREC, GATHER,
-                             EXACT)
+        if EXACT:
+            if c == a:
+                b_sq, b_sk = _score_diag(q_h, k_h, gc_n, rows, a, t_a, T, H, K, BT, BC, BK, GATHER)
+            else:
+                b_sq, b_sk = _score_pair(q_h, k_h, gc_n, rows, a, c, t_a, i_n * BT + c * BC, T, H, K, BT, BC, BK,
+                                         PREC, GATHER)
+        else:
+            b_sq, b_sk = _score_pair(q_h, k_h, gc_n, rows, a, c, t_a, i_n * BT + c * BC, T, H, K, BT, BC, BK,
+                                     PREC, GATHER)
         _store_score_block(aqk, tm, mkk, p_row + j_col[None, :], i_row, j_col, b_sq, b_sk, b_beta, scale, STORE_MKK)
         # the diagonal block's program also writes the zero blocks right of it (none when the chunk is one
         # sub-chunk; the loop left in for NC = 1 crashes Triton's coalesce pass)
@@ -425,14 +418,25 @@ def _kda_fwd_scores_kernel(q, k, gc, beta, rows, aqk, tm, mkk, scale, T, NT, N0,
                 _store_zero_blocks(aqk, tm, mkk, p_row, i_row, a + 1, o_c, b_beta, scale, NC, BC, STORE_MKK)
     else:
         c = c_first
-        while c <= a:
-            j_col = c * BC + o_c
-            b_sq, b_sk = _scores(q_h, k_h, gc_n, rows, a, c, t_a, i_n * BT + c * BC, T, H, K, BT, BC, BK, PREC,
-                                 GATHER, EXACT)
+        c_end = a + 1
+        if EXACT:
+            c_end = a
+        if NC > 1 or not EXACT:   # (an empty loop crashes Triton's coalesce pass)
+            while c < c_end:
+                j_col = c * BC + o_c
+                b_sq, b_sk = _score_pair(q_h, k_h, gc_n, rows, a, c, t_a, i_n * BT + c * BC, T, H, K, BT, BC, BK,
+                                         PREC, GATHER)
+                _store_score_block(aqk, tm, mkk, p_row + j_col[None, :], i_row, j_col, b_sq, b_sk, b_beta, scale,
+                                   STORE_MKK)
+                c += 1
+        if EXACT:
+            j_col = a * BC + o_c
+            b_sq, b_sk = _score_diag(q_h, k_h, gc_n, rows, a, t_a, T, H, K, BT, BC, BK, GATHER)
             _store_score_block(aqk, tm, mkk, p_row + j_col[None, :], i_row, j_col, b_sq, b_sk, b_beta, scale,
                                STORE_MKK)
             c += 1
-        _store_zero_blocks(aqk, tm, mkk, p_row, i_row, c, o_c, b_beta, scale, NC, BC, STORE_MKK)
+        if NC > 1:   # (one sub-chunk has none, and an empty loop crashes the coalesce pass)
+            _store_zero_blocks(aqk, tm, mkk, p_row, i_row, c, o_c, b_beta, scale, NC, BC, STORE_MKK)
 
 
 @fast_launch
