@@ -153,7 +153,7 @@ class GatedMLA(nn.Module):
         """q [B, T, H, d_q + d_r], c [B, T, r + d_r] -> õ [B, H, T, d_v] via per-head k, v and causal SDPA; with `doc`
         [B, T] block-diagonal causal (docs/math.md §10): FlexAttention on CUDA, whose block mask skips the
         blocks between documents and never holds a [T, T] mask; on CPU, where FlexAttention has no backward,
-        SDPA with the [B, 1, T, T] boolean mask."""
+        and for head sizes below 16, SDPA with the [B, 1, T, T] boolean mask."""
         if self.qk_rope_head_dim:
             r = self.kv_lora_rank
             c, k_r = c[..., :r], c[..., r:]
@@ -164,9 +164,13 @@ class GatedMLA(nn.Module):
         q = q.transpose(1, 2)                                                        # (B, H, T, d_q + d_r)
         if doc is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        if q.is_cuda:
+        if q.is_cuda and min(q.shape[-1], v.shape[-1]) >= FLEX_MIN_HEAD_DIM:
             return _flex_document_attention(q, k, v, doc, self.scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=_document_mask(doc)[:, None], scale=self.scale)
+
+
+# FlexAttention's kernels need query-key and value head sizes of at least 16 (tiny test models have less)
+FLEX_MIN_HEAD_DIM = 16
 
 
 def _document_mask(doc: torch.Tensor) -> torch.Tensor:
