@@ -253,13 +253,20 @@ def test_varlen_layout_is_reused_only_for_equal_boundaries():
                                                                                         torch.device("cpu")).dst)
 
 
-def test_varlen_layout_gives_each_sequence_its_chunks_longest_first():
+@pytest.mark.parametrize("trailing", [0, 5], ids=["exact", "fixed-capacity"])
+def test_varlen_layout_gives_each_sequence_its_chunks_longest_first(trailing):
     """`seqs`, the scans' table: one row per sequence (empty ones included, with no chunk), its chunk range
     exactly ceil(length / C) chunks starting where its first token was laid out, the ranges disjoint and
-    covering every chunk, longest first."""
+    covering every chunk, longest first. A fixed-capacity cu_seqlens (trailing empty sequences, laid out
+    apart from the others) changes nothing but those rows, which come last in their order."""
     from k3cli.ops.kda import varlen
-    lens, C = [7, 0, 33, 0, 16, 1], 16
+    lens, C = [7, 0, 33, 0, 16, 1] + [0] * trailing, 16
     lay = varlen._make_layout(cu_of(lens).long(), C, torch.device("cpu"))
+    if trailing:
+        exact = varlen._make_layout(cu_of(lens[:-trailing]).long(), C, torch.device("cpu"))
+        assert all(torch.equal(a, b) for a, b in zip(lay[:4], exact[:4])) and lay.n_run == exact.n_run
+        assert torch.equal(lay.seqs[:-trailing], exact.seqs)
+        assert [r[0] for r in lay.seqs[-trailing:].tolist()] == list(range(len(lens) - trailing, len(lens)))
     rows = lay.seqs.tolist()
     assert sorted(r[0] for r in rows) == list(range(len(lens)))
     counts = [n1 - n0 for _, n0, n1 in rows]
