@@ -149,11 +149,10 @@ _FWD_OUT = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
 
 def _kernels(x: Tensor, bounded: bool) -> bool:
     """Whether the Triton kernels run on inputs like `x` (v): where Triton runs, except for a decay without
-    lower bound in fp32 "tf32x3" dots (fp32 inputs, TF32 not allowed) on CUDA, where fp32 T100 G2 K16 V32
-    C64 faults in the backward state kernel (README.md "Exponents"; "ieee" or "tf32" dots, 16-bit inputs and
-    the interpreter pass): the torch form runs there."""
-    return triton_runs(x.device) and (bounded or x.device.type != "cuda" or x.dtype != torch.float32
-                                      or torch_allows_tf32())
+    lower bound in fp32 on CUDA, where fp32 T100 G2 K16 V32 C64 faults in the backward state kernel with its
+    "tf32x3" dots (README.md "Exponents"; 16-bit inputs and the interpreter pass): the torch form runs there.
+    By dtype alone, not the TF32 setting, so that the forward and its backward always agree."""
+    return triton_runs(x.device) and (bounded or x.device.type != "cuda" or x.dtype != torch.float32)
 
 
 def _chunk_kda_impl(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, store_mkk, bounded):
