@@ -367,8 +367,8 @@ def bench_train_cmd(
 
     Eager is the reference; --compile adds the compiled step and, on CUDA with the Triton ops, the
     torch ops are timed too (eager, and compiled with --compile), all interleaved in this one run:
-    median step time with its spread, tokens/s, TFLOP/s (analytic FLOPs, docs/math.md §9), MFU and
-    peak memory. The variants use the document mask as `k3 train` does (data.document_mask); one more
+    median step time with its spread, the host's time to enqueue it (near the step time: host-bound),
+    tokens/s, TFLOP/s (analytic FLOPs, docs/math.md §9), MFU and peak memory. The variants use the document mask as `k3 train` does (data.document_mask); one more
     eager variant has it the other way, for its cost."""
     from k3cli.bench.train import bench_train
     from k3cli.console import print_bench_train

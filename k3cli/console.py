@@ -139,12 +139,13 @@ def print_bench_train(console: Console, res: dict) -> None:
     title = (f"bench-train on {res['device']}: batch {res['batch']} × {res['seq_len']} tokens, "
              f"{res['steps']} timed steps after {res['warmup']} warm-up")
     table = Table(title=title)
-    for col in ("variant", "step ms (median)", "min–max ms", "tokens/s", "TFLOP/s", "MFU", "peak mem GB",
-                "× eager"):
+    for col in ("variant", "step ms (median)", "min–max ms", "host ms", "tokens/s", "TFLOP/s", "MFU",
+                "peak mem GB", "× eager"):
         table.add_column(col, justify="left" if col == "variant" else "right")
     for r in res["rows"]:
         table.add_row(f"{r['variant']} ({r['backend']})", f"{r['step_ms']:.2f}",
-                      f"{r['min_ms']:.2f}–{r['max_ms']:.2f}", f"{r['tokens_per_s']:,.0f}", f"{r['tflops']:.4g}",
+                      f"{r['min_ms']:.2f}–{r['max_ms']:.2f}", f"{r['host_ms']:.2f}", f"{r['tokens_per_s']:,.0f}",
+                      f"{r['tflops']:.4g}",
                       "-" if r["mfu"] is None else f"{100 * r['mfu']:.2f}%", f"{r['peak_mem_gb']:.2f}",
                       f"{r['speedup_vs_eager']:.3f}")
     console.print(table)
@@ -158,6 +159,9 @@ def print_bench_train(console: Console, res: dict) -> None:
             continue
         console.print(f"{k.replace('_vs_', ' / ')}: {v:.3f}× faster" if v >= 1 else
                       f"{k.replace('_vs_', ' / ')}: {v:.3f}× ({1 / v:.2f}× slower)")
+    if res["device_type"] != "cpu":
+        console.print("host ms: the median time until the step call returned, from an idle GPU (the host's "
+                      "time to enqueue the step); near the step time, the step is host-bound", highlight=False)
     if res["device_type"] == "cpu":
         console.print(f"[yellow]CPU figures ({res['threads']} threads; peak memory is the process's peak RSS), "
                       "not GPU figures.[/]")

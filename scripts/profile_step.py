@@ -75,7 +75,7 @@ def run(preset: str, attnres: str, batch: int, seq: int, device: torch.device, c
           f"warm-up {warmup} steps {time.perf_counter() - t0:.1f} s", flush=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities, record_shapes=matmuls > 0) as prof:
-        wall = sum(timed_step(v, batch_, device) for _ in range(steps)) / steps
+        wall = sum(timed_step(v, batch_, device)[0] for _ in range(steps)) / steps
     if trace:
         prof.export_chrome_trace(trace.replace(".json", f"-{attnres}.json"))
     events = prof.key_averages()

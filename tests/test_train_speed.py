@@ -108,6 +108,7 @@ def test_bench_train_runs_on_cpu():
     row, plain = res["rows"]   # as k3 train runs (the document mask on), then without it
     assert res["device_type"] == "cpu" and res["batch"] == 2 and res["seq_len"] == 32 and res["document_mask"]
     assert row["variant"] == "eager" and row["min_ms"] <= row["step_ms"] <= row["max_ms"]
+    assert 0 < row["host_ms"] <= row["max_ms"]   # on a CPU the host runs the whole step
     assert row["tokens_per_s"] == pytest.approx(64 / (row["step_ms"] / 1e3))
     assert row["mfu"] is None and set(res["ratios"]) == {"document_mask_cost"}
     assert plain["variant"] == "no-document-mask" and res["documents_per_row"] > 1

@@ -50,6 +50,7 @@ class Variant:
     step: TrainStep = None
     feed: Prefetcher | None = None    # with --loader: the training loop's input pipeline
     times: list[float] = field(default_factory=list)
+    host_times: list[float] = field(default_factory=list)   # the host's part: until the step call returns
     peak_mem: int = 0
 
 
@@ -98,14 +99,17 @@ def build_variant(cfg: RunConfig, v: Variant, device: torch.device) -> None:
     v.step = TrainStep(v.model, forward, opt, sched, accum=1, grad_clip=cfg.train.grad_clip, device=device)
 
 
-def timed_step(v: Variant, batch: Batch, device: torch.device) -> float:
+def timed_step(v: Variant, batch: Batch, device: torch.device) -> tuple[float, float]:
     """One training step of v (the loop's `TrainStep`) on `batch`, or on the next batch of v's input
-    pipeline when it has one, synchronised: its seconds."""
+    pipeline when it has one, from an idle device: (its seconds, synchronised; the seconds until the step
+    call returned, the host's time to enqueue it). Equal on a CPU; on a GPU a host time near the step time
+    means the step is host-bound (or launched more kernels than the driver queues, which also waits)."""
     _sync(device)
     t0 = time.perf_counter()
     v.step(v.feed.next_batch if v.feed is not None else lambda: batch)
+    t_host = time.perf_counter() - t0
     _sync(device)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, t_host
 
 
 def synthetic_tokens(cfg: RunConfig, windows: int) -> torch.Tensor:
@@ -142,7 +146,9 @@ def time_variants(variants: list[Variant], cfg: RunConfig, batches: dict[bool, B
             for v in variants:
                 if device.type == "cuda":   # per variant: the process-wide peak would be the largest variant's
                     torch.cuda.reset_peak_memory_stats(device)
-                v.times.append(timed_step(v, batches[v.masked], device))
+                step_s, host_s = timed_step(v, batches[v.masked], device)
+                v.times.append(step_s)
+                v.host_times.append(host_s)
                 if device.type == "cuda":
                     v.peak_mem = max(v.peak_mem, torch.cuda.max_memory_allocated(device))
     finally:
@@ -194,6 +200,7 @@ def bench_train(cfg: RunConfig, steps: int = 10, warmup: int = 3, compile: bool 
         tflops = B * T * fpt_of[v.name] / med / 1e12
         rows.append({"variant": v.name, "backend": v.backend, "compiled": v.compiled, "attnres": v.attnres,
                      "step_ms": 1e3 * med, "min_ms": 1e3 * min(v.times), "max_ms": 1e3 * max(v.times),
+                     "host_ms": 1e3 * statistics.median(v.host_times),
                      "tokens_per_s": B * T / med, "tflops": tflops, "mfu": tflops / peak if peak else None,
                      "peak_mem_gb": v.peak_mem / 2**30, "speedup_vs_eager": ref / med})
     by = {r["variant"]: r["step_ms"] for r in rows}
