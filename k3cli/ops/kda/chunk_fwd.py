@@ -397,7 +397,7 @@ def _kda_fwd_scores_kernel(q, k, gc, beta, rows, aqk, tm, mkk, scale, T, NT, N0,
     t_a = i_n * BT + a * BC
     p_row = (base + i_row)[:, None] * BT
     # runtime loops (not unrolled: unrolled, the compiler kept every pair's tiles live, 255 registers)
-    # EXACT: the diagonal block outside the anchored loop, not behind a runtime branch between the two forms
+    # EXACT per sub-chunk: the diagonal block after the anchored loop (a branch inside it faulted on CUDA)
     if PER_PAIR:
         c = c_first
         j_col = c * BC + o_c
