@@ -358,6 +358,21 @@ def _score_diag(q_h, k_h, gc_n, rows, a, t_a, T, H: tl.constexpr, K: tl.constexp
     return b_sq, b_sk
 
 
+@triton.jit
+def _scores(q_h, k_h, gc_n, rows, a, c, t_a, t_c, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+            BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, GATHER: tl.constexpr, EXACT: tl.constexpr):
+    """The raw products of block (a, c): anchored (`_score_pair`), or with EXACT the diagonal one pair by
+    pair (`_score_diag`). Once per program only: this branch inside the per-sub-chunk loop faulted on CUDA."""
+    if EXACT:
+        if c == a:
+            b_sq, b_sk = _score_diag(q_h, k_h, gc_n, rows, a, t_a, T, H, K, BT, BC, BK, GATHER)
+        else:
+            b_sq, b_sk = _score_pair(q_h, k_h, gc_n, rows, a, c, t_a, t_c, T, H, K, BT, BC, BK, PREC, GATHER)
+    else:
+        b_sq, b_sk = _score_pair(q_h, k_h, gc_n, rows, a, c, t_a, t_c, T, H, K, BT, BC, BK, PREC, GATHER)
+    return b_sq, b_sk
+
+
 @fast_launch
 @triton.jit(do_not_specialize=["NT", "N0"])
 def _kda_fwd_scores_kernel(q, k, gc, beta, rows, aqk, tm, mkk, scale, T, NT, N0, H: tl.constexpr,
@@ -401,15 +416,8 @@ def _kda_fwd_scores_kernel(q, k, gc, beta, rows, aqk, tm, mkk, scale, T, NT, N0,
     if PER_PAIR:
         c = c_first
         j_col = c * BC + o_c
-        if EXACT:
-            if c == a:
-                b_sq, b_sk = _score_diag(q_h, k_h, gc_n, rows, a, t_a, T, H, K, BT, BC, BK, GATHER)
-            else:
-                b_sq, b_sk = _score_pair(q_h, k_h, gc_n, rows, a, c, t_a, i_n * BT + c * BC, T, H, K, BT, BC, BK,
-                                         PREC, GATHER)
-        else:
-            b_sq, b_sk = _score_pair(q_h, k_h, gc_n, rows, a, c, t_a, i_n * BT + c * BC, T, H, K, BT, BC, BK,
-                                     PREC, GATHER)
+        b_sq, b_sk = _scores(q_h, k_h, gc_n, rows, a, c, t_a, i_n * BT + c * BC, T, H, K, BT, BC, BK, PREC, GATHER,
+                             EXACT)
         _store_score_block(aqk, tm, mkk, p_row + j_col[None, :], i_row, j_col, b_sq, b_sk, b_beta, scale, STORE_MKK)
         # the diagonal block's program also writes the zero blocks right of it (none when the chunk is one
         # sub-chunk; the loop left in for NC = 1 crashes Triton's coalesce pass)
