@@ -147,16 +147,8 @@ def _forward_reference(q, k, v, g, beta, h0, scale: float, C: int, output_final_
 _FWD_OUT = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
-def _kernels(x: Tensor, bounded: bool) -> bool:
-    """Whether the Triton kernels run on inputs like `x` (v): where Triton runs, except for a decay without
-    lower bound in fp32 on CUDA, where fp32 T100 G2 K16 V32 C64 faults in the backward state kernel with its
-    "tf32x3" dots (README.md "Exponents"; 16-bit inputs and the interpreter pass): the torch form runs there.
-    By dtype alone, not the TF32 setting, so that the forward and its backward always agree."""
-    return triton_runs(x.device) and (bounded or x.device.type != "cuda" or x.dtype != torch.float32)
-
-
 def _chunk_kda_impl(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, store_mkk, bounded):
-    if _kernels(v, bounded):
+    if triton_runs(v.device):
         return _forward(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, store_mkk, bounded)
     return _forward_reference(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state)
 
@@ -179,7 +171,7 @@ def _(q, k, v, g, beta, initial_state, scale, chunk_size, output_final_state, st
     K = q.shape[-1]
     o = torch.empty(B, T, HV, V, device=v.device, dtype=v.dtype)
     ht = torch.empty(B, HV, K, V, device=v.device, dtype=torch.float32) if output_final_state else absent(v)
-    if not _kernels(v, bounded):
+    if not triton_runs(v.device):
         return (o, ht, *(absent(v) for _ in Intra._fields[:-1]))
     # the buffers' dtypes do not depend on the TF32 setting (only the dot precisions do)
     it = intra_buffers(B, T, HV, K, V, chunk_size, plan(B, T, HV, K, V, chunk_size, v.dtype, v.is_cuda),
@@ -236,7 +228,7 @@ _BWD_OUT = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 def _chunk_kda_bwd_impl(q, k, v, g, beta, initial_state, w, u, qg, kd, eg, aqk, tm, mkk, do, dht, scale,
                         chunk_size, bounded):
-    if _kernels(v, bounded):
+    if triton_runs(v.device):
         return _backward(q, k, v, g, beta, initial_state, Intra(w, u, qg, kd, eg, aqk, tm, mkk, gc=None), do,
                          dht, scale, chunk_size, bounded)
     return _backward_reference(q, k, v, g, beta, initial_state, do, dht, scale, chunk_size)
@@ -356,7 +348,7 @@ def _chunk_kda_varlen_impl(q, k, v, g, beta, initial_state, cu_seqlens, scale, c
                            reference=False, bounded=True, keep=False):
     """The op's (o, ht); with `keep` (Triton path only) also `_forward_varlen`'s stage-1 buffers."""
     kept = ()
-    if _kernels(v, bounded) and not reference:
+    if triton_runs(v.device) and not reference:
         o, ht, *kept = _forward_varlen(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size,
                                        output_final_state, keep, bounded)
     else:
@@ -385,7 +377,7 @@ def chunk_kda_varlen_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
 
 def _chunk_kda_varlen_bwd_impl(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, chunk_size,
                                reference=False, bounded=True):
-    if _kernels(v, bounded) and not reference:
+    if triton_runs(v.device) and not reference:
         return _backward_varlen(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, chunk_size,
                                 bounded=bounded)
 
@@ -434,7 +426,7 @@ class _ChunkKDAVarlen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, cu_seqlens, scale, chunk_size, output_final_state, reference, bounded):
         inputs = (q, k, v, g, beta, h0, cu_seqlens, scale, chunk_size, output_final_state, reference, bounded)
-        ctx.keep = _kernels(v, bounded) and not reference and any(ctx.needs_input_grad[:6])
+        ctx.keep = triton_runs(v.device) and not reference and any(ctx.needs_input_grad[:6])
         o, ht, *kept = _chunk_kda_varlen_impl(*inputs, keep=ctx.keep)
         saved = None
         if ctx.keep:
