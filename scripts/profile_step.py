@@ -6,10 +6,14 @@ over `--steps` steps. Prints the step's wall time (the profiler lengthens it, by
 compiled k3-toy step), kernels per
 step, device-busy time per step, the busy time grouped by component (kernel-name patterns below) and
 the largest kernels. A step whose device-busy time is far below its wall time is host-bound.
+`--document-mask` profiles the step on packed documents, as `k3 train` trains by default; `--host N` adds
+the steps' rate when the host runs ahead (no synchronisation between them) and the N host ops with the most
+CPU time of their own, to see where a host-bound step's enqueueing goes.
 
     .venv/bin/python scripts/profile_step.py --preset k3-toy --batch 512 --compile --attnres off block
     .venv/bin/python scripts/profile_step.py --preset k3-0.5b --batch 8 --seq-len 4096 --compile --trace /tmp/t.json
     .venv/bin/python scripts/profile_step.py --preset k3-0.5b --batch 16 --seq-len 4096 --compile --attnres off --matmuls 30
+    .venv/bin/python scripts/profile_step.py --preset k3-toy --batch 512 --compile --attnres off --document-mask --host 30
 
 `--device cpu` runs fp32 without device figures (a smoke test of the script).
 """
@@ -22,9 +26,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from k3cli.bench.train import Variant, build_variant, timed_step
+from k3cli.bench.train import Variant, build_variant, synthetic_tokens, timed_step
 from k3cli.config import load_config
-from k3cli.train import Batch, resolve_device
+from k3cli.train import Batch, document_segments, resolve_device
 
 # first match wins; names are CUDA kernel names as the profiler reports them
 COMPONENTS = [
@@ -59,34 +63,50 @@ def component(name: str) -> str:
 
 def run(preset: str, attnres: str, batch: int, seq: int, device: torch.device, compiled: bool,
         mode: str, steps: int, warmup: int, top: int, trace: str | None, impl: str = "auto",
-        matmuls: int = 0) -> None:
+        matmuls: int = 0, masked: bool = False, host: int = 0) -> None:
     cfg = load_config(preset, attnres=attnres)
     cfg.train.compile_mode = mode
+    cfg.train.seq_len = seq
     cuda = device.type == "cuda"
-    v = Variant("profile", "triton" if cuda else "torch", compiled, masked=False, attnres_impl=impl if cuda else None)
+    v = Variant("profile", "triton" if cuda else "torch", compiled, masked=masked, attnres_impl=impl if cuda else None)
     build_variant(cfg, v, device)
-    ids = torch.randint(1, cfg.model.vocab_size, (batch, seq), device=device)
-    batch_ = Batch(ids, None)
+    if masked:   # bench-train's batch: documents of mean length T / 4
+        ids = synthetic_tokens(cfg, batch)
+        batch_ = Batch(ids.to(device), document_segments(ids, device, True))
+    else:
+        batch_ = Batch(torch.randint(1, cfg.model.vocab_size, (batch, seq), device=device), None)
     t0 = time.perf_counter()
     for _ in range(warmup):
         timed_step(v, batch_, device)
     form = f" ({impl})" if cuda and attnres != "off" else ""
-    print(f"\n== {preset} attnres={attnres}{form} B{batch} T{seq} {'compiled' if compiled else 'eager'}: "
-          f"warm-up {warmup} steps {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"\n== {preset} attnres={attnres}{form} B{batch} T{seq} {'compiled' if compiled else 'eager'}"
+          f"{', document mask' if masked else ''}: warm-up {warmup} steps {time.perf_counter() - t0:.1f} s", flush=True)
+    if host:
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            v.step(lambda: batch_)
+        sync()
+        print(f"run ahead: {(time.perf_counter() - t0) / steps * 1e3:.2f} ms/step over {steps} steps "
+              f"(the host enqueues the next step while the device runs this one)")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities, record_shapes=matmuls > 0) as prof:
-        wall = sum(timed_step(v, batch_, device)[0] for _ in range(steps)) / steps
+        times = [timed_step(v, batch_, device) for _ in range(steps)]
+    wall, host_s = (sum(t[i] for t in times) / steps for i in (0, 1))
     if trace:
         prof.export_chrome_trace(trace.replace(".json", f"-{attnres}.json"))
     events = prof.key_averages()
     kernels = kernel_events(events)
     busy = sum(e.self_device_time_total for e in kernels) / steps / 1e3
     launches = sum(e.count for e in kernels) / steps
-    print(f"step {wall * 1e3:.2f} ms wall, {launches:.0f} kernels/step, device busy {busy:.2f} ms/step")
+    print(f"step {wall * 1e3:.2f} ms wall, {host_s * 1e3:.2f} ms host, {launches:.0f} kernels/step, "
+          f"device busy {busy:.2f} ms/step")
     if matmuls:
         print_matmuls(prof, steps, matmuls, cuda)
+    if host or not cuda:
+        print(events.table(sort_by="self_cpu_time_total", row_limit=host or top, max_name_column_width=60))
     if not cuda:
-        print(events.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
         return
     groups: dict[str, float] = {}
     for e in kernels:
@@ -125,13 +145,16 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=30, help="largest kernels listed")
     ap.add_argument("--matmuls", type=int, default=0, help="also list the N largest matrix products by input shape")
+    ap.add_argument("--document-mask", action="store_true", help="packed documents with the document mask, as k3 train")
+    ap.add_argument("--host", type=int, default=0, metavar="N",
+                    help="also the run-ahead step rate and the N host ops with the most CPU time of their own")
     ap.add_argument("--trace", help="write a Chrome trace per overlay (NAME-<overlay>.json)")
     ap.add_argument("--device", default="cuda", help="cuda (bf16 autocast) | cpu (fp32: a smoke test of the script)")
     args = ap.parse_args()
     device = resolve_device(args.device)
     for attnres in args.attnres:
         run(args.preset, attnres, args.batch, args.seq_len, device, args.compile, args.mode, args.steps,
-            args.warmup, args.top, args.trace, args.impl, args.matmuls)
+            args.warmup, args.top, args.trace, args.impl, args.matmuls, args.document_mask, args.host)
 
 
 if __name__ == "__main__":

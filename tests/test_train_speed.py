@@ -262,11 +262,13 @@ def test_profile_step_runs_on_cpu():
     from pathlib import Path
     script = Path(__file__).resolve().parents[1] / "scripts" / "profile_step.py"
     r = subprocess.run([sys.executable, str(script), "--device", "cpu", "--batch", "2", "--seq-len", "32", "--attnres",
-                        "off", "block", "--steps", "1", "--warmup", "1", "--top", "3", "--matmuls", "4"],
+                        "off", "block", "--steps", "1", "--warmup", "1", "--top", "3", "--matmuls", "4",
+                        "--document-mask", "--host", "3"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "== k3-toy attnres=off B2 T32 eager" in r.stdout and "== k3-toy attnres=block B2 T32 eager" in r.stdout
-    assert r.stdout.count("kernels/step") == 2
+    for mode in ("off", "block"):
+        assert f"== k3-toy attnres={mode} B2 T32 eager, document mask" in r.stdout
+    assert r.stdout.count("kernels/step") == 2 and r.stdout.count("run ahead:") == 2
     assert r.stdout.count("matrix-product ops:") == 2 and "aten::mm " in r.stdout
 
 
