@@ -109,14 +109,15 @@ def rows(K: int, BT: int, dtype: torch.dtype = torch.bfloat16):
                             c.num_warps, c.num_stages))
     bwd = dict(stage1, dht=f32, dh=f32, dvn=f32, dh0=f32, h=f32, vn=f32, dy=f32, dqk=f32, dkk=f32, dbeta_v=f32,
                dqs=f32, dks=f32, dgs=f32, dg=f32, dbeta=f32, seqs="i32")
-    for c in _scan_configs(bwd, V, BK, BT, p.prec, kd_t=None):
+    state_prec = B.state_precision(p.prec)
+    for c in _scan_configs(bwd, V, BK, BT, state_prec, kd_t=None):
         out.append((f"bwd reverse scan BV{c.kwargs['BV']} {c.num_warps}w {c.num_stages}s", B._kda_bwd_state_kernel,
                     bwd, dict(HV=H, K=K, V=V, BT=BT, BK=BK, BV=c.kwargs["BV"], USE_DHT=False, STORE_DH0=False,
-                              INTERPRET=False, PREC=p.prec, VARLEN=False), c.num_warps, c.num_stages))
+                              INTERPRET=False, PREC=state_prec, VARLEN=False), c.num_warps, c.num_stages))
         out.append((f"bwd reverse scan varlen BV{c.kwargs['BV']} {c.num_warps}w {c.num_stages}s",
                     B._kda_bwd_state_kernel, bwd,
                     dict(HV=H, K=K, V=V, BT=BT, BK=BK, BV=c.kwargs["BV"], USE_DHT=True, STORE_DH0=True,
-                         INTERPRET=False, PREC=p.prec, VARLEN=True), c.num_warps, c.num_stages))
+                         INTERPRET=False, PREC=state_prec, VARLEN=True), c.num_warps, c.num_stages))
     out.append(("bwd V side", B._kda_bwd_vside_kernel, bwd, dict(HV=H, V=V, BT=BT, BV=BV, PREC=p.prec),
                 B.SIDE_WARPS, 1))
     for exact in (False, True):

@@ -347,6 +347,12 @@ def _kda_bwd_kside_kernel(q, k, g, beta, mkk, h, dh, do, vn, dy, dqk, dkk, dqs, 
     tl.store(dbeta + i_k.to(tl.int64) * NBT * HV + tok * HV + i_hv, b_dbeta, mask=m_t)
 
 
+def state_precision(precision: str) -> str:
+    """The reverse scan's dot precision for the plan's `precision`: "ieee" for fp32 inputs, whose "tf32x3" dots
+    faulted here with an illegal address on sm_90 (fp32 T100 G2 K16 V32 C64)."""
+    return "ieee" if precision == "tf32x3" else precision
+
+
 def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, need_dh0: bool,
                   precision: str, seqs=None, n_run: int | None = None):
     """Launch the reverse scan. Returns dh [B*HV, NT, K, V] fp32 (grad of each chunk's END state),
@@ -361,8 +367,7 @@ def kda_bwd_state(it: Intra, do, dht, B: int, T: int, HV: int, chunk_size: int, 
     dvn = torch.empty(B * HV, NT * BT, V, device=dev, dtype=torch.float32)
     n_seq = 1 if seqs is None else len(seqs)
     dh0 = torch.empty(B * n_seq, HV, K, V, device=dev, dtype=torch.float32) if need_dh0 else None
-    # "tf32x3" dots fault here with an illegal address on sm_90 (fp32 T100 G2 K16 V32 C64); fp32 gets "ieee"
-    precision = "ieee" if precision == "tf32x3" else precision
+    precision = state_precision(precision)
     for p0, n_p in seq_launches(n_seq if need_dh0 or n_run is None else n_run):
         _kda_bwd_state_kernel[lambda meta, n_p=n_p: (cdiv(V, meta["BV"]), B * HV, n_p)](
             it.qg, it.kd, it.eg, it.w, it.aqk, do, dht, dh, dvn, dh0, seqs, p0, T, NT, next_pow2(B * HV * n_seq),
