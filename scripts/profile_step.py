@@ -26,9 +26,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from k3cli.bench.train import Variant, build_variant, synthetic_tokens, timed_step
+from k3cli.bench.train import Variant, build_variant, synthetic_batch, timed_step
 from k3cli.config import load_config
-from k3cli.train import Batch, document_segments, resolve_device
+from k3cli.train import Batch, resolve_device
 
 # first match wins; names are CUDA kernel names as the profiler reports them
 COMPONENTS = [
@@ -71,8 +71,7 @@ def run(preset: str, attnres: str, batch: int, seq: int, device: torch.device, c
     v = Variant("profile", "triton" if cuda else "torch", compiled, masked=masked, attnres_impl=impl if cuda else None)
     build_variant(cfg, v, device)
     if masked:   # bench-train's batch: documents of mean length T / 4
-        ids = synthetic_tokens(cfg, batch)
-        batch_ = Batch(ids.to(device), document_segments(ids, device, True))
+        batch_ = synthetic_batch(cfg, batch, device)
     else:
         batch_ = Batch(torch.randint(1, cfg.model.vocab_size, (batch, seq), device=device), None)
     t0 = time.perf_counter()

@@ -120,6 +120,12 @@ def synthetic_tokens(cfg: RunConfig, windows: int) -> torch.Tensor:
     return torch.where(torch.rand(windows, T, generator=g) < 4 / T, EOT_ID, ids)
 
 
+def synthetic_batch(cfg: RunConfig, windows: int, device: torch.device) -> Batch:
+    """`synthetic_tokens` on `device` with their documents (the document mask's segments)."""
+    ids = synthetic_tokens(cfg, windows)
+    return Batch(ids.to(device), document_segments(ids, device, True))
+
+
 def time_variants(variants: list[Variant], cfg: RunConfig, batches: dict[bool, Batch], device: torch.device,
                   steps: int, warmup: int, log=print, loader: bool = False) -> None:
     """Build each variant (from its own config, else `cfg`) and run its warm-up steps, then time `steps`
@@ -181,10 +187,9 @@ def bench_train(cfg: RunConfig, steps: int = 10, warmup: int = 3, compile: bool 
                              f"it times {', '.join(names)}")
         variants = [v for v in variants if v.name in only]
     B, T = cfg.train.micro_batch_size, cfg.train.seq_len
-    ids = synthetic_tokens(cfg, B)
-    segments = document_segments(ids, device, True)
-    ids = ids.to(device)
-    batches = {False: Batch(ids, None), True: Batch(ids, segments)}
+    documents = synthetic_batch(cfg, B, device)
+    segments = documents.segments
+    batches = {False: Batch(documents.ids, None), True: documents}
     time_variants(variants, cfg, batches, device, steps, warmup, log, loader)
     fpt_of = {v.name: flops_per_token((v.cfg or cfg).model, T)["total"] for v in variants}
     fpt = fpt_of[variants[0].name]
