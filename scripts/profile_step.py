@@ -7,8 +7,9 @@ compiled k3-toy step), kernels per
 step, device-busy time per step, the busy time grouped by component (kernel-name patterns below) and
 the largest kernels. A step whose device-busy time is far below its wall time is host-bound.
 `--document-mask` profiles the step on packed documents, as `k3 train` trains by default; `--host N` adds
-the steps' rate when the host runs ahead (no synchronisation between them) and the N host ops with the most
-CPU time of their own, to see where a host-bound step's enqueueing goes.
+the steps' rate when the host runs ahead (no synchronisation between them), with one batch kept on the device
+and with a fresh batch each step from the loop's batch thread, the garbage collector's time within each, and
+the N host ops with the most CPU time of their own, to see where a host-bound step's enqueueing goes.
 
     .venv/bin/python scripts/profile_step.py --preset k3-toy --batch 512 --compile --attnres off block
     .venv/bin/python scripts/profile_step.py --preset k3-0.5b --batch 8 --seq-len 4096 --compile --trace /tmp/t.json
@@ -20,13 +21,14 @@ CPU time of their own, to see where a host-bound step's enqueueing goes.
 from __future__ import annotations
 
 import argparse
+import gc
 import re
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from k3cli.bench.train import Variant, build_variant, synthetic_batch, timed_step
+from k3cli.bench.train import Variant, build_variant, loader_feed, synthetic_batch, timed_step
 from k3cli.config import load_config
 from k3cli.train import Batch, resolve_device
 
@@ -81,14 +83,16 @@ def run(preset: str, attnres: str, batch: int, seq: int, device: torch.device, c
     print(f"\n== {preset} attnres={attnres}{form} B{batch} T{seq} {'compiled' if compiled else 'eager'}"
           f"{', document mask' if masked else ''}: warm-up {warmup} steps {time.perf_counter() - t0:.1f} s", flush=True)
     if host:
-        sync = torch.cuda.synchronize if cuda else (lambda: None)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            v.step(lambda: batch_)
-        sync()
-        print(f"run ahead: {(time.perf_counter() - t0) / steps * 1e3:.2f} ms/step over {steps} steps "
-              f"(the host enqueues the next step while the device runs this one)")
+        run_ahead(v, lambda: batch_, steps, cuda, "one batch kept on the device")
+        cfg.train.micro_batch_size = batch
+        v.feed = loader_feed(cfg, v, device)
+        try:
+            for _ in range(2):   # fill the batch thread's queue
+                v.step(v.feed.next_batch)
+            run_ahead(v, v.feed.next_batch, steps, cuda, "a fresh batch each step from the loop's batch thread")
+        finally:
+            v.feed.close()
+            v.feed = None
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities, record_shapes=matmuls > 0) as prof:
         times = [timed_step(v, batch_, device) for _ in range(steps)]
@@ -117,6 +121,32 @@ def run(preset: str, attnres: str, batch: int, seq: int, device: torch.device, c
     print(f"\n{'kernel':<90} {'calls':>6} {'ms/step':>9}")
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
         print(f"{e.key[:90]:<90} {e.count // steps:6d} {e.self_device_time_total / steps / 1e3:9.3f}")
+
+
+def run_ahead(v: Variant, next_batch, steps: int, cuda: bool, feed: str) -> None:
+    """Prints the steps' rate when the host runs ahead (no synchronisation between steps, as in k3 train) and
+    the garbage collector's time and full collections within them, which a host-bound step pays in full."""
+    gc_ms, gc_n, t = [0.0], [0], [0.0]
+
+    def watch(phase, info):
+        if phase == "start":
+            t[0] = time.perf_counter()
+        else:
+            gc_ms[0] += (time.perf_counter() - t[0]) * 1e3
+            gc_n[0] += info["generation"] == 2
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    gc.callbacks.append(watch)
+    t0 = time.perf_counter()
+    try:
+        for _ in range(steps):
+            v.step(next_batch)
+        sync()
+    finally:
+        gc.callbacks.remove(watch)
+    print(f"run ahead, {feed}: {(time.perf_counter() - t0) / steps * 1e3:.2f} ms/step over {steps} steps "
+          f"(garbage collection {gc_ms[0] / steps:.2f} ms/step, {gc_n[0]} full collections)")
 
 
 def print_matmuls(prof, steps: int, top: int, cuda: bool) -> None:

@@ -126,6 +126,15 @@ def synthetic_batch(cfg: RunConfig, windows: int, device: torch.device) -> Batch
     return Batch(ids.to(device), document_segments(ids, device, True))
 
 
+def loader_feed(cfg: RunConfig, v: Variant, device: torch.device) -> Prefetcher:
+    """The training loop's input pipeline (batch thread, pinned copies) for built variant v, over a stream of
+    `synthetic_tokens`: batches of cfg's micro-batch size and sequence length, fresh each step."""
+    B, T = cfg.train.micro_batch_size, cfg.train.seq_len
+    stream = synthetic_tokens(cfg, 4 * B).flatten().numpy()
+    return Prefetcher(PackedLoader(stream, T, B, seed=cfg.train.seed), cfg.model.vocab_size, v.masked, device,
+                      prepare=lambda s, m=v.model: m.prepare_documents(s, device))
+
+
 def time_variants(variants: list[Variant], cfg: RunConfig, batches: dict[bool, Batch], device: torch.device,
                   steps: int, warmup: int, log=print, loader: bool = False) -> None:
     """Build each variant (from its own config, else `cfg`) and run its warm-up steps, then time `steps`
@@ -136,10 +145,7 @@ def time_variants(variants: list[Variant], cfg: RunConfig, batches: dict[bool, B
         log(f"bench-train: building {v.name} ({v.backend} ops{', torch.compile' if v.compiled else ''})")
         build_variant(v.cfg or cfg, v, device)
         if loader:
-            B, T = cfg.train.micro_batch_size, cfg.train.seq_len
-            stream = synthetic_tokens(cfg, 4 * B).flatten().numpy()
-            v.feed = Prefetcher(PackedLoader(stream, T, B, seed=cfg.train.seed), cfg.model.vocab_size, v.masked,
-                                device, prepare=lambda s, m=v.model: m.prepare_documents(s, device))
+            v.feed = loader_feed(cfg, v, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
