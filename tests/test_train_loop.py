@@ -58,6 +58,22 @@ def test_prefetcher_gives_the_loader_batches_and_the_consumed_position():
         feed.close()
 
 
+def test_the_batch_thread_runs_torch_on_one_thread_and_leaves_the_callers_count():
+    """The batch thread's torch ops use one intra-op thread, so they start no second OpenMP team beside the
+    step's; the training thread keeps its count (a compiled step guards it)."""
+    before, seen = torch.get_num_threads(), []
+    tokens = (np.arange(4000) * 7) % 50
+    feed = Prefetcher(PackedLoader(tokens, 10, 4, seed=3), 50, True, torch.device("cpu"),
+                      prepare=lambda segments: seen.append(torch.get_num_threads()))
+    try:
+        for _ in range(3):
+            feed.next_batch()
+    finally:
+        feed.close()
+    assert seen and set(seen) == {1}
+    assert torch.get_num_threads() == before
+
+
 def test_prefetcher_raises_a_bad_batch_where_it_is_due():
     tokens = np.full(400, 7)
     tokens[250:260] = 99   # window 25 of 40, in the second batch of the first epoch's order or later
