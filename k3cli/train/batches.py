@@ -80,7 +80,7 @@ class Prefetcher:
     def _run(self) -> None:
         try:
             # one intra-op thread here (the setting is per thread): a second OpenMP team spinning beside the
-            # step's own made k3 train's CPU steps 1.75x slower and takes cores from a GPU step's launching thread
+            # step's made k3 train's CPU steps 1.75x slower
             torch.set_num_threads(1)
             if self._cuda is not None:
                 torch.cuda.set_device(self._cuda)
