@@ -68,7 +68,7 @@ def run(preset: str, attnres: str, batch: int, seq: int, device: torch.device, c
         matmuls: int = 0, masked: bool = False, host: int = 0) -> None:
     cfg = load_config(preset, attnres=attnres)
     cfg.train.compile_mode = mode
-    cfg.train.seq_len = seq
+    cfg.train.seq_len, cfg.train.micro_batch_size = seq, batch
     cuda = device.type == "cuda"
     v = Variant("profile", "triton" if cuda else "torch", compiled, masked=masked, attnres_impl=impl if cuda else None)
     build_variant(cfg, v, device)
@@ -84,7 +84,6 @@ def run(preset: str, attnres: str, batch: int, seq: int, device: torch.device, c
           f"{', document mask' if masked else ''}: warm-up {warmup} steps {time.perf_counter() - t0:.1f} s", flush=True)
     if host:
         run_ahead(v, lambda: batch_, steps, cuda, "one batch kept on the device")
-        cfg.train.micro_batch_size = batch
         v.feed = loader_feed(cfg, v, device)
         try:
             for _ in range(2):   # fill the batch thread's queue
@@ -176,7 +175,8 @@ def main() -> None:
     ap.add_argument("--matmuls", type=int, default=0, help="also list the N largest matrix products by input shape")
     ap.add_argument("--document-mask", action="store_true", help="packed documents with the document mask, as k3 train")
     ap.add_argument("--host", type=int, default=0, metavar="N",
-                    help="also the run-ahead step rate and the N host ops with the most CPU time of their own")
+                    help="also the run-ahead step rate (one kept batch; the loop's batch thread) and the N host ops with the "
+                         "most CPU time of their own")
     ap.add_argument("--trace", help="write a Chrome trace per overlay (NAME-<overlay>.json)")
     ap.add_argument("--device", default="cuda", help="cuda (bf16 autocast) | cpu (fp32: a smoke test of the script)")
     args = ap.parse_args()
