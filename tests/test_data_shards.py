@@ -91,6 +91,18 @@ def test_token_stream_slices_across_shards():
             assert np.array_equal(stream[a:b], whole[a:b]), (a, b)
 
 
+def test_token_stream_windows_gather_what_slices_give():
+    rng = np.random.default_rng(1)
+    parts = [rng.integers(0, 300, n).astype(np.uint16) for n in (7, 0, 1, 30, 12)]
+    whole, stream = np.concatenate(parts), TokenStream(parts)
+    for length in (1, 5, 13):
+        starts = np.arange(len(whole) - length + 1)
+        rng.shuffle(starts)   # any order, shards interleaved, windows inside one shard and across several
+        got = stream.windows(starts, length)
+        assert got.dtype == whole.dtype and got.shape == (len(starts), length)
+        assert np.array_equal(got, np.stack([whole[s:s + length] for s in starts])), length
+
+
 def test_loader_resume_exact_over_shard_boundaries(corpus, tmp_path):
     out = tmp_path / "prep"
     prepare_shards(str(corpus), out, vocab_size=300, val_fraction=0.2, shard_tokens=100)

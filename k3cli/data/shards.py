@@ -81,6 +81,21 @@ class TokenStream:
             parts.append(self.arrays[s][max(start - lo, 0):stop - lo])
         return parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
 
+    def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """Rows [s, s + length) for each s in `starts` -> [n, length]: one gather per shard (a memory map reads
+        only those pages); the few rows that cross a shard's end are sliced."""
+        starts = np.asarray(starts, dtype=np.int64)
+        out = np.empty((len(starts), length), self.dtype)
+        first = np.searchsorted(self.offsets, starts, side="right") - 1
+        last = np.searchsorted(self.offsets, starts + max(length - 1, 0), side="right") - 1
+        inside, cols = first == last, np.arange(length)
+        for s in np.unique(first[inside]):
+            rows = np.flatnonzero(inside & (first == s))
+            out[rows] = self.arrays[s][(starts[rows] - self.offsets[s])[:, None] + cols]
+        for r in np.flatnonzero(~inside):
+            out[r] = self[int(starts[r]):int(starts[r]) + length]
+        return out
+
     def __array__(self, dtype=None, copy=None):
         out = self[0:len(self)]
         return out if dtype is None else out.astype(dtype)
