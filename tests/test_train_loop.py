@@ -2,6 +2,7 @@
 synchronous loop, exact resume with rare reads, a diverging run stopped with finite checkpoints only, and
 (GPU) steady-state steps without a single device-to-host synchronisation."""
 import json
+import os
 
 import numpy as np
 import pytest
@@ -58,20 +59,39 @@ def test_prefetcher_gives_the_loader_batches_and_the_consumed_position():
         feed.close()
 
 
-def test_the_batch_thread_runs_torch_on_one_thread_and_leaves_the_callers_count():
-    """The batch thread's torch ops use one intra-op thread, so they start no second OpenMP team beside the
-    step's; the training thread keeps its count (a compiled step guards it)."""
-    before, seen = torch.get_num_threads(), []
-    tokens = (np.arange(4000) * 7) % 50
-    feed = Prefetcher(PackedLoader(tokens, 10, 4, seed=3), 50, True, torch.device("cpu"),
-                      prepare=lambda segments: seen.append(torch.get_num_threads()))
+class _WhereLoader(PackedLoader):
+    """A loader whose state also says which process drew the batch and with how many torch threads."""
+
+    def state_dict(self):
+        return {**super().state_dict(), "pid": os.getpid(), "threads": torch.get_num_threads()}
+
+
+def test_batches_are_made_in_a_worker_process_on_one_torch_thread():
+    """The batches are made in another process (no interpreter lock shared with the launching thread), whose
+    torch ops use one intra-op thread (no second OpenMP team spinning beside the step's)."""
+    before = torch.get_num_threads()
+    feed = Prefetcher(_WhereLoader((np.arange(4000) * 7) % 50, 10, 4, seed=3), 50, True, torch.device("cpu"))
     try:
-        for _ in range(3):
-            feed.next_batch()
+        states = [(feed.next_batch(), feed.loader_state)[1] for _ in range(3)]
     finally:
         feed.close()
-    assert seen and set(seen) == {1}
+    assert {s["pid"] for s in states} != {os.getpid()} and len({s["pid"] for s in states}) == 1
+    assert {s["threads"] for s in states} == {1}
     assert torch.get_num_threads() == before
+
+
+def test_a_batch_too_large_for_its_slot_arrives_whole():
+    """Every token a document of its own: the layouts outgrow the slot, and the batch comes through the queue."""
+    tokens = np.zeros(4000, dtype=np.int64)   # all EOT: every position starts a document
+    feed, ref = Prefetcher(PackedLoader(tokens, 10, 4, seed=3), 50, True, torch.device("cpu"),
+                           chunk_sizes=[16]), PackedLoader(tokens, 10, 4, seed=3)
+    try:
+        for _ in range(3):
+            batch, ids = feed.next_batch(), next(ref)
+            assert torch.equal(batch.ids, ids)
+            assert torch.equal(batch.segments.cu_seqlens, document_segments(ids, None, True).cu_seqlens)
+    finally:
+        feed.close()
 
 
 def test_prefetcher_raises_a_bad_batch_where_it_is_due():
@@ -187,31 +207,22 @@ def test_steady_state_steps_never_synchronise_the_host(tmp_path, monkeypatch):
     assert [r["step"] for r in metrics(tmp_path / "run")] == list(range(1, 23))
 
 
-def test_the_batch_thread_makes_each_batch_document_layout_before_its_step(corpus, tmp_path, monkeypatch):
-    """The KDA layers' chunk-aligned layout of a batch's documents is made by the batch thread, ahead: the
-    training steps (on the launching thread) find every one made."""
-    import threading
+def test_the_worker_makes_each_batch_document_layout_before_its_step(corpus, tmp_path, monkeypatch):
+    """The KDA layers' chunk-aligned layout of a batch's documents is made by the batch worker, ahead: the
+    training steps ask for one in every KDA layer and find every one made."""
+    from k3cli.ops.kda import torch_chunk, varlen
 
-    from k3cli.ops.kda import varlen
+    asked, made_here, kept = [0], [], []
+    lookup, make, keep = torch_chunk.varlen_layout, varlen._make_layout, varlen.keep_layout
 
-    made, in_step = [], threading.local()
-    make, step_call = varlen._make_layout, loop_mod.TrainStep.__call__
+    def counting(*a):
+        asked[0] += 1
+        return lookup(*a)
 
-    def recording(cu, C, device):
-        made.append((threading.current_thread().name, getattr(in_step, "on", False)))
-        return make(cu, C, device)
-
-    def step(self, next_batch):
-        in_step.on = True
-        try:
-            return step_call(self, next_batch)
-        finally:
-            in_step.on = False
-
-    monkeypatch.setattr(varlen, "_make_layout", recording)
-    monkeypatch.setattr(loop_mod.TrainStep, "__call__", step)
+    monkeypatch.setattr(torch_chunk, "varlen_layout", counting)
+    monkeypatch.setattr(varlen, "_make_layout", lambda *a: made_here.append(a) or make(*a))
+    monkeypatch.setattr(varlen, "keep_layout", lambda *a: kept.append(a) or keep(*a))
     varlen._MADE.clear()
     train(cfg_of(corpus, "k3-toy", "train.steps=6", "train.eval_every=0"), tmp_path / "run", log=lambda m: None)
-    # one per distinct set of document boundaries among the 12 micro-batches (the layouts are kept by value)
-    assert made and all(thread == "k3-batches" for thread, _ in made), made
-    assert not [m for m in made if m[1]], made   # none made inside a step
+    assert asked[0] > 0 and len(kept) >= 12   # 6 steps of 2 micro-batches, and those made ahead
+    assert not made_here                       # none made by the training process

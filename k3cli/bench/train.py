@@ -132,7 +132,7 @@ def loader_feed(cfg: RunConfig, v: Variant, device: torch.device) -> Prefetcher:
     B, T = cfg.train.micro_batch_size, cfg.train.seq_len
     stream = synthetic_tokens(cfg, 4 * B).flatten().numpy()
     return Prefetcher(PackedLoader(stream, T, B, seed=cfg.train.seed), cfg.model.vocab_size, v.masked, device,
-                      prepare=lambda s, m=v.model: m.prepare_documents(s, device))
+                      chunk_sizes=v.model.layout_chunk_sizes())
 
 
 def time_variants(variants: list[Variant], cfg: RunConfig, batches: dict[bool, Batch], device: torch.device,

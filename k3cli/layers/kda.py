@@ -215,13 +215,6 @@ class KDAAttention(nn.Module):
             cache.state = state
         return o
 
-    def prepare_packed(self, segments: Segments, device) -> None:
-        """Make ahead, on the calling thread, the chunk-aligned layout of `segments`' documents that
-        `_kda_packed` computes on the host (the op finds it made: ops/kda/varlen.py)."""
-        from k3cli.ops.kda.varlen import varlen_layout
-
-        varlen_layout(segments.cu_seqlens, self.chunk_size, device)
-
     def _gate(self, g_raw: torch.Tensor) -> torch.Tensor:
         """g [B, T, HV, K] fp32 from the raw gate projection, by the layer's gate kind."""
         from k3cli.ops.kda.naive import naive_kda_gate

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from k3cli.layers.attnres import AttnResMixer
 from k3cli.layers.block import DecoderBlock
+from k3cli.layers.kda import KDAAttention
 from k3cli.layers.moe import LatentMoE
 from k3cli.layers.norm import RMSNorm
 from k3cli.layers.segments import Segments
@@ -62,7 +63,6 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(D, config.norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(D, config.vocab_size, bias=False)
         self.apply(self._init_weights)
-        self._packed_layers: list | None = None   # prepare_documents's KDA layers, one per chunk size
         # "block": each decoder block (with AttnRes: each sublayer core) recomputes its activations
         # in backward instead of keeping them; set by the training loop (train.activation_checkpointing)
         self.activation_checkpointing = "none"
@@ -146,13 +146,10 @@ class CausalLM(nn.Module):
         cache.position += token_ids.shape[1]
         return logits
 
-    def prepare_documents(self, segments: Segments, device) -> None:
-        """Make ahead, on the calling thread (the training loop's batch thread), what the layers compute on
-        the host from a batch's documents: the KDA layers' chunk-aligned layout, one per chunk size."""
-        if self._packed_layers is None:   # once: walking the modules held the interpreter 0.17 ms a batch
-            self._packed_layers = list({m.chunk_size: m for m in self.modules() if hasattr(m, "prepare_packed")}.values())
-        for layer in self._packed_layers:
-            layer.prepare_packed(segments, device)
+    def layout_chunk_sizes(self) -> list[int]:
+        """The chunk sizes of the KDA layers: with packed documents, the input pipeline makes each batch's
+        chunk-aligned layout for these ahead of its step (ops/kda/varlen.py)."""
+        return sorted({m.chunk_size for m in self.modules() if isinstance(m, KDAAttention)})
 
     def moe_layers(self) -> list[LatentMoE]:
         return [m for m in self.modules() if isinstance(m, LatentMoE)]

@@ -2,7 +2,7 @@
 `step.TrainStep` (also what `k3 bench-train` times), fed by `batches.Prefetcher`; `metrics` records and
 `stops` ends it; `rundir` writes, checks and restores the run directory; `validation` is its
 validation loss. Other packages import these public names only."""
-from k3cli.train.batches import Batch, Prefetcher, document_segments, host_batch
+from k3cli.train.batches import Batch, Prefetcher, document_segments
 from k3cli.train.build import (
     build_model,
     build_optimizer,
@@ -29,7 +29,7 @@ from k3cli.train.stops import StopSignals, TrainingInterrupted, TrainingStopped
 from k3cli.train.validation import evaluate_loss
 
 __all__ = [
-    "Batch", "Prefetcher", "document_segments", "host_batch", "build_model", "build_optimizer", "check_parallel",
+    "Batch", "Prefetcher", "document_segments", "build_model", "build_optimizer", "check_parallel",
     "flush_denormals", "lr_lambda", "param_groups", "resolve_device", "TrainResult", "require_wandb", "train",
     "Throughput", "peak_memory_bytes", "RESUMABLE_KEYS", "RUN_MARKER",
     "check_out", "check_resume", "check_resume_config", "mark_run", "new_run_dir", "newest_run", "TrainStep", "moe_imbalance",

@@ -1,24 +1,35 @@
-"""The input pipeline: micro-batches made on the host ahead of the loop, copied without a host sync.
+"""The input pipeline: micro-batches made ahead of the loop in a worker process, copied without a host sync.
 
-A background thread draws each micro-batch from the loader, checks its token ids, cuts it into
-documents (docs/math.md §10), makes what the model computes on the host from those (the KDA layers'
-chunk-aligned layout) and pins it, into a bounded queue; the loop takes one, copies it with
-`non_blocking=True` and runs the step while the thread makes the next ones. The batches are exactly
-the loader's, in its order. Every batch carries the loader's state after it was drawn, so a
-checkpoint records the position of the last batch the loop *consumed*, not of those queued ahead.
+A worker process (forked, so it starts at once and reads the same memory-mapped data) draws each micro-batch
+from the loader, checks its token ids, cuts it into documents (docs/math.md §10), makes what the model computes
+on the host from those (the KDA layers' chunk-aligned layouts, `layout_chunk_sizes`) and writes all of it into
+one of a few shared-memory slots. The loop takes a finished slot, copies it to the device in one pinned,
+`non_blocking` transfer, hands the slot back and runs the step while the worker fills the next ones.
+
+A process, not a thread: a thread making batches beside a host-bound step's launching thread contends for
+the interpreter lock, which each of its ~60 torch and numpy calls per batch gives up and takes again; on an
+H200 that thread kept `k3 train` at 58–68 ms per k3-toy B512 step against 37.5 ms for the step alone
+(docs/performance.md).
+
+The batches are exactly the loader's, in its order. Every batch carries the loader's state after it was
+drawn, so a checkpoint records the position of the last batch the loop *consumed*, not of those made ahead.
 """
 from __future__ import annotations
 
+import mmap
+import multiprocessing as mp
+import os
+import pickle
 import queue
-import threading
+import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from k3cli.data import EOT_ID, check_token_ids, document_starts
 from k3cli.layers.segments import Segments
+from k3cli.ops.kda import varlen
 from k3cli.ops.transfer import to_device
 
 
@@ -40,91 +51,178 @@ class Batch:
         return Batch(to_device(self.ids, device), segments, self.loader_state)
 
 
-def host_batch(ids: torch.Tensor, vocab_size: int, document_mask: bool, pin: bool,
-               prepare: Callable[[Segments], None] | None = None, start_id: int = EOT_ID) -> Batch:
-    """A loader batch made ready for the device: token ids checked, documents cut (and `prepare(segments)`,
-    what the model computes on the host from them, made), pinned for a GPU."""
+# a batch's tensors in a slot: (name, offset in int32 words, dtype, shape); int64 ones start on an even word
+Part = tuple[str, int, torch.dtype, tuple[int, ...]]
+HOST_PARTS = ("cu", "ctab")   # read on the host (cu_seqlens and the chunk table stay on the CPU)
+
+
+def make_parts(ids: torch.Tensor, vocab_size: int, document_mask: bool, chunk_sizes: list[int],
+               start_id: int = EOT_ID) -> tuple[dict[str, torch.Tensor], dict[int, tuple[int, int]]]:
+    """A loader batch made ready for the model, on the CPU: its tensors by name (ids; with the document mask
+    the documents and, per KDA chunk size C, the layout's tensors `src{C}` ...) and each layout's
+    (n_seq, n_run). Raises DataError on a token id outside the vocabulary."""
     check_token_ids(ids, vocab_size)
-    segments = document_segments(ids, None, document_mask, start_id)
-    if segments is not None and prepare is not None:
-        prepare(segments)
-    if pin:
-        ids = ids.pin_memory()
-        segments = None if segments is None else segments.pin_memory()
-    return Batch(ids, segments)
+    parts, counts = {"ids": ids}, {}
+    if document_mask:
+        seg = document_segments(ids, None, True, start_id)
+        parts.update(doc=seg.doc, pos=seg.pos, cu=seg.cu_seqlens)
+        cu = seg.cu_seqlens.long()
+        for C in chunk_sizes:
+            lay = varlen.host_layout(cu, C)
+            parts.update({f"src{C}": lay.src, f"tok{C}": lay.tok, f"dst{C}": lay.dst, f"seqs{C}": lay.seqs,
+                          f"ctab{C}": lay.ctab})
+            counts[C] = (lay.n_seq, lay.n_run)
+    return parts, counts
 
 
-_DONE = object()
+def pack(parts: dict[str, torch.Tensor], slot: torch.Tensor) -> tuple[list[Part], int] | None:
+    """Write `parts` into `slot` (int64 [n]): their places and the int64 words used, or None if they do not fit."""
+    places, word = [], 0
+    for name, x in parts.items():
+        word += word % 2 if x.dtype == torch.int64 else 0
+        places.append((name, word, x.dtype, tuple(x.shape)))
+        word += x.numel() * x.element_size() // 4
+    used = (word + 1) // 2
+    if used > slot.numel():
+        return None
+    words = slot.view(torch.int32)
+    for (_, at, dtype, _), x in zip(places, parts.values()):
+        words[at:at + x.numel() * x.element_size() // 4].view(dtype).copy_(x.flatten())
+    return places, used
+
+
+def unpack(buf: torch.Tensor, places: list[Part], names=None) -> dict[str, torch.Tensor]:
+    """The tensors `pack` wrote, as views of `buf` (int64), those in `names` only if given."""
+    words = buf.view(torch.int32)
+    out = {}
+    for name, at, dtype, shape in places:
+        if names is None or name in names:
+            n = max(1, dtype.itemsize // 4) * (torch.Size(shape).numel())
+            out[name] = words[at:at + n].view(dtype).view(shape)
+    return out
+
+
+@dataclass
+class _Made:
+    slot: int                       # the slot it holds (freed once the loop has copied the batch)
+    places: list[Part]
+    used: int                       # int64 words
+    counts: dict[int, tuple[int, int]]
+    loader_state: dict
+    whole: object = None            # the batch itself (numpy int64) when it did not fit the slot
+
+
+class _Failed:
+    def __init__(self, error: BaseException):
+        try:   # the loop raises the worker's own error if it survives the trip
+            self.error = pickle.loads(pickle.dumps(error))
+        except Exception:
+            self.error = RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def _shared_slot(words: int) -> torch.Tensor:
+    """int64 [words] in anonymous shared memory: a forked worker writes what the parent reads."""
+    return torch.frombuffer(mmap.mmap(-1, max(8, words * 8)), dtype=torch.int64)
+
+
+def _work(loader, vocab_size: int, document_mask: bool, chunk_sizes: list[int], start_id: int,
+          slots: list[torch.Tensor], free, ready, stop, parent: int) -> None:
+    """The worker process: fill free slots with the loader's batches until `stop` or the parent is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # the loop decides how a run stops, and stops this process
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    torch.set_num_threads(1)
+
+    def alive() -> bool:
+        return not stop.is_set() and os.getppid() == parent
+
+    try:
+        while alive():
+            parts, counts = make_parts(next(loader), vocab_size, document_mask, chunk_sizes, start_id)
+            while alive():
+                try:
+                    slot = free.get(timeout=0.1)
+                    break
+                except queue.Empty:
+                    continue
+            else:
+                break
+            if (placed := pack(parts, slots[slot])) is not None:
+                ready.put(_Made(slot, *placed, counts, loader.state_dict()))
+            else:   # unusually many documents: sent whole, through the queue (slower), the slot kept meanwhile
+                whole = _shared_slot(sum(x.numel() * x.element_size() for x in parts.values()) // 8 + len(parts))
+                places, used = pack(parts, whole)
+                ready.put(_Made(slot, places, used, counts, loader.state_dict(), whole[:used].numpy().copy()))
+        ready.cancel_join_thread()   # stopped: what is queued is not wanted
+    except BaseException as e:   # handed to the loop, which raises it where the batch was due
+        ready.put(_Failed(e))
+        ready.close()
+        ready.join_thread()
 
 
 class Prefetcher:
-    """`next_batch()` gives the loader's micro-batches on `device`, made `depth` ahead by a daemon
-    thread. An error the thread meets (damaged data) is raised by the `next_batch()` that would
-    have returned that batch; `close()` stops the thread. `wait_s` sums the seconds the loop waited."""
+    """`next_batch()` gives the loader's micro-batches on `device`, made `depth` ahead by a worker process
+    (one intra-op thread). With the document mask it also makes, per size in `chunk_sizes` (the model's
+    `layout_chunk_sizes()`), each batch's KDA layout, which the step then finds made. An error the worker
+    meets (damaged data) is raised by the `next_batch()` that would have returned that batch; `close()`
+    stops the worker. `wait_s` sums the seconds the loop waited for a batch."""
 
     def __init__(self, loader, vocab_size: int, document_mask: bool, device: torch.device, depth: int = 4,
-                 prepare: Callable[[Segments], None] | None = None, start_id: int = EOT_ID):
-        self.loader, self.device = loader, device
-        self._make: Callable[[torch.Tensor], Batch] = lambda ids: host_batch(
-            ids, vocab_size, document_mask, pin=device.type == "cuda", prepare=prepare, start_id=start_id)
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
-        self._stop = threading.Event()
-        self.wait_s = 0.0
+                 chunk_sizes: list[int] = (), start_id: int = EOT_ID):
+        self.device, self.wait_s = device, 0.0
         self.loader_state = loader.state_dict()   # of the last batch consumed
-        # pinned memory belongs to a device's context: the thread uses this (the caller's) one
-        self._cuda = (device.index if device.index is not None else torch.cuda.current_device()) \
-            if device.type == "cuda" else None
-        self._thread = threading.Thread(target=self._run, name="k3-batches", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            # one intra-op thread here (the setting is per thread): a second OpenMP team spinning beside the
-            # step's made k3 train's CPU steps 1.75x slower
-            torch.set_num_threads(1)
-            if self._cuda is not None:
-                torch.cuda.set_device(self._cuda)
-            while not self._stop.is_set():
-                ids = next(self.loader)
-                batch = self._make(ids)
-                batch.loader_state = self.loader.state_dict()
-                self._put(batch)
-        except BaseException as e:   # handed to the loop, which raises it where the batch was due
-            self._put(e)
-        self._put(_DONE)
-
-    def _put(self, item) -> None:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
+        self._cuda = device.type == "cuda"
+        rows, T = loader.batch_size // loader.world_size, loader.seq_len
+        # ids, doc, pos, cu and per chunk size the layout (src and tok at most twice B·T here; larger goes whole)
+        n = rows * T
+        self._slots = [_shared_slot(4 * n + len(chunk_sizes) * (6 * n + n // 8 + 64) + 64) for _ in range(depth + 1)]
+        ctx = mp.get_context("fork")
+        self._free, self._ready, self._stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+        for i in range(len(self._slots)):
+            self._free.put(i)
+        self._proc = ctx.Process(target=_work, name="k3-batches", daemon=True,
+                                 args=(loader, vocab_size, document_mask, list(chunk_sizes), start_id, self._slots,
+                                       self._free, self._ready, self._stop, os.getpid()))
+        self._proc.start()
 
     def next_batch(self) -> Batch:
         t0 = time.perf_counter()
         while True:
             try:
-                item = self._queue.get(timeout=1.0)
+                item = self._ready.get(timeout=1.0)
                 break
             except queue.Empty:
-                if not self._thread.is_alive():
-                    raise RuntimeError("the batch thread has stopped") from None
-        if isinstance(item, BaseException):
+                if not self._proc.is_alive():
+                    raise RuntimeError(f"the batch process has stopped (exit code {self._proc.exitcode})") from None
+        if isinstance(item, _Failed):
             self.close()
-            raise item
-        if item is _DONE:
-            raise RuntimeError("the batch thread has stopped")
-        batch = item.to(self.device)
-        self.loader_state = batch.loader_state
+            raise item.error
+        host = (self._slots[item.slot] if item.whole is None else torch.from_numpy(item.whole))[:item.used]
+        # one transfer; pin_memory copies, so the slot is free again before the copy to the device runs
+        on_device = host.pin_memory().to(self.device, non_blocking=True) if self._cuda else host.clone()
+        kept = {k: v.clone() for k, v in unpack(host, item.places, self._host_names(item)).items()}
+        self._free.put(item.slot)
+        parts = unpack(on_device, item.places)
+        segments = None
+        if "cu" in parts:
+            segments = Segments(kept["cu"], parts["doc"], parts["pos"])
+            for C, (n_seq, n_run) in item.counts.items():
+                lay = varlen.VarlenLayout(parts[f"src{C}"], parts[f"tok{C}"], parts[f"dst{C}"], kept[f"ctab{C}"],
+                                          parts[f"seqs{C}"], n_seq, n_run)
+                varlen.keep_layout(kept["cu"], C, self.device, lay)
+        self.loader_state = item.loader_state
         self.wait_s += time.perf_counter() - t0
-        return batch
+        return Batch(parts["ids"], segments, item.loader_state)
+
+    @staticmethod
+    def _host_names(item: _Made) -> set[str]:
+        return {"cu"} | {f"ctab{C}" for C in item.counts}
 
     def close(self) -> None:
         self._stop.set()
-        while True:   # unblock a put in flight
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
-        self._thread.join(timeout=10)
+        self._proc.join(timeout=5)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+        for q in (self._free, self._ready):
+            q.cancel_join_thread()
+            q.close()

@@ -169,7 +169,7 @@ class Run:
         self.model.train()
         device = self.info.device
         feed = Prefetcher(self.loader, cfg.model.vocab_size, cfg.data.document_mask, device,
-                          depth=2 * self.step_fn.accum, prepare=lambda s: self.model.prepare_documents(s, device),
+                          depth=2 * self.step_fn.accum, chunk_sizes=self.model.layout_chunk_sizes(),
                           start_id=self.start_id)
         records, stops, watch = StepRecords(), Stops(tc.time_limit_s, signals, self.info.device), CompileWatch(tc.compile)
         if self.progress is not None:
