@@ -178,6 +178,30 @@ def test_a_diverging_run_exits_3_and_leaves_only_finite_checkpoints(corpus, tmp_
 
 
 @pytest.mark.gpu
+def test_prefetcher_on_a_gpu_gives_the_loader_batches_and_their_layouts():
+    """On a GPU the loop copies each batch straight from its page-locked slot and hands the slot back once
+    the copy has run: 60 batches through 7 slots, each equal to the loader's, with the layout the op would make."""
+    from k3cli.ops.kda import varlen
+
+    tokens = torch.randint(0, 50, (40_000,)).numpy()
+    tokens[::37] = 0
+    dev = torch.device("cuda")
+    feed, ref = Prefetcher(PackedLoader(tokens, 64, 8, seed=3), 50, True, dev, depth=4, chunk_sizes=[64]), \
+        PackedLoader(tokens, 64, 8, seed=3)
+    try:
+        for _ in range(60):
+            batch, ids = feed.next_batch(), next(ref)
+            seg = document_segments(ids, dev, True)
+            assert batch.ids.is_cuda and torch.equal(batch.ids.cpu(), ids)
+            assert torch.equal(batch.segments.cu_seqlens, seg.cu_seqlens)
+            assert torch.equal(batch.segments.doc, seg.doc) and torch.equal(batch.segments.pos, seg.pos)
+            made, fresh = varlen.varlen_layout(seg.cu_seqlens, 64, dev), varlen._make_layout(seg.cu_seqlens.long(), 64, dev)
+            assert all(torch.equal(a, b) for a, b in zip(made[:5], fresh[:5])) and made[5:] == fresh[5:]
+    finally:
+        feed.close()
+
+
+@pytest.mark.gpu
 def test_steady_state_steps_never_synchronise_the_host(tmp_path, monkeypatch):
     """22 steps of the real loop (k3-toy, document mask, the Triton ops, eager) with every device-to-host
     synchronisation an error after the first two steps (kernel autotuning); the one read, at the end,

@@ -3,12 +3,13 @@
 A worker process (forked, so it starts at once and reads the same memory-mapped data) draws each micro-batch
 from the loader, checks its token ids, cuts it into documents (docs/math.md §10), makes what the model computes
 on the host from those (the KDA layers' chunk-aligned layouts, `layout_chunk_sizes`) and writes all of it into
-one of a few shared-memory slots. The loop takes a finished slot, copies it to the device in one pinned,
-`non_blocking` transfer, hands the slot back and runs the step while the worker fills the next ones.
+one of a few shared-memory slots. The loop takes a finished slot, copies it to the device in one `non_blocking`
+transfer (on a GPU straight from the slot, page-locked), hands the slot back once that copy has run, and
+runs the step while the worker fills the next ones.
 
-A process, not a thread: a thread making batches beside a host-bound step's launching thread contends for
-the interpreter lock, which each of its ~60 torch and numpy calls per batch gives up and takes again; on an
-H200 that thread kept `k3 train` at 58–68 ms per k3-toy B512 step against 37.5 ms for the step alone
+A process, not a thread: a thread making batches beside a host-bound step's launching thread contends with
+it for the interpreter lock, which each of its torch and numpy calls gives up and takes again. k3-toy B512
+T256 compiled on an H100, one machine: 54.5–63.2 ms per step with a thread, 37.1–37.5 ms with the worker
 (docs/performance.md).
 
 The batches are exactly the loader's, in its order. Every batch carries the loader's state after it was
@@ -23,6 +24,7 @@ import pickle
 import queue
 import signal
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -159,6 +161,11 @@ def _work(loader, vocab_size: int, document_mask: bool, chunk_sizes: list[int], 
         ready.join_thread()
 
 
+def _check_cuda(err, what: str) -> None:
+    if int(getattr(err, "value", err)) != 0:
+        raise RuntimeError(f"could not {what} the batch slots as page-locked memory (CUDA error {err})")
+
+
 class Prefetcher:
     """`next_batch()` gives the loader's micro-batches on `device`, made `depth` ahead by a worker process
     (one intra-op thread). With the document mask it also makes, per size in `chunk_sizes` (the model's
@@ -174,7 +181,7 @@ class Prefetcher:
         rows, T = loader.batch_size // loader.world_size, loader.seq_len
         # ids, doc, pos, cu and per chunk size the layout (src and tok at most twice B·T here; larger goes whole)
         n = rows * T
-        self._slots = [_shared_slot(4 * n + len(chunk_sizes) * (6 * n + n // 8 + 64) + 64) for _ in range(depth + 1)]
+        self._slots = [_shared_slot(4 * n + len(chunk_sizes) * (6 * n + n // 8 + 64) + 64) for _ in range(depth + 3)]
         ctx = mp.get_context("fork")
         self._free, self._ready, self._stop = ctx.Queue(), ctx.Queue(), ctx.Event()
         for i in range(len(self._slots)):
@@ -183,12 +190,19 @@ class Prefetcher:
                                  args=(loader, vocab_size, document_mask, list(chunk_sizes), start_id, self._slots,
                                        self._free, self._ready, self._stop, os.getpid()))
         self._proc.start()
+        # on a GPU the slots are page-locked (after the fork: the child keeps its mapping) and copied from
+        # directly; a slot goes back to the worker once its copy has run (`_inflight`: event, slot)
+        self._inflight: deque = deque()
+        if self._cuda:
+            for slot in self._slots:
+                _check_cuda(torch.cuda.cudart().cudaHostRegister(slot.data_ptr(), slot.numel() * 8, 0), "register")
 
     def next_batch(self) -> Batch:
         t0 = time.perf_counter()
         while True:
+            self._reclaim()
             try:
-                item = self._ready.get(timeout=1.0)
+                item = self._ready.get(timeout=0.002 if self._inflight else 1.0)
                 break
             except queue.Empty:
                 if not self._proc.is_alive():
@@ -197,10 +211,15 @@ class Prefetcher:
             self.close()
             raise item.error
         host = (self._slots[item.slot] if item.whole is None else torch.from_numpy(item.whole))[:item.used]
-        # one transfer; pin_memory copies, so the slot is free again before the copy to the device runs
-        on_device = host.pin_memory().to(self.device, non_blocking=True) if self._cuda else host.clone()
         kept = {k: v.clone() for k, v in unpack(host, item.places, self._host_names(item)).items()}
-        self._free.put(item.slot)
+        if self._cuda and item.whole is None:   # one transfer, straight from the page-locked slot
+            on_device = host.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            self._inflight.append((done, item.slot))
+        else:
+            on_device = host.pin_memory().to(self.device, non_blocking=True) if self._cuda else host.clone()
+            self._free.put(item.slot)
         parts = unpack(on_device, item.places)
         segments = None
         if "cu" in parts:
@@ -213,6 +232,10 @@ class Prefetcher:
         self.wait_s += time.perf_counter() - t0
         return Batch(parts["ids"], segments, item.loader_state)
 
+    def _reclaim(self) -> None:
+        while self._inflight and self._inflight[0][0].query():
+            self._free.put(self._inflight.popleft()[1])
+
     @staticmethod
     def _host_names(item: _Made) -> set[str]:
         return {"cu"} | {f"ctab{C}" for C in item.counts}
@@ -223,6 +246,12 @@ class Prefetcher:
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join()
+        if self._cuda and self._slots:
+            for done, _ in self._inflight:
+                done.synchronize()
+            for slot in self._slots:
+                _check_cuda(torch.cuda.cudart().cudaHostUnregister(slot.data_ptr()), "unregister")
+            self._slots, self._inflight = [], deque()
         for q in (self._free, self._ready):
             q.cancel_join_thread()
             q.close()
