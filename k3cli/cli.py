@@ -355,8 +355,8 @@ def bench_train_cmd(
         "Time the step with each AttnRes overlay (off, full, block), eager and with --compile compiled, "
         "interleaved in this run, with each overlay's ratio to off (instead of the backend and mask variants)."))] = False,
     loader: Annotated[bool, typer.Option("--loader", help=(
-        "Feed each step through the training loop's input pipeline (a background thread draws, checks, "
-        "cuts and pins batches of a synthetic token stream) instead of one batch kept on the device."))] = False,
+        "Feed each step through the training loop's input pipeline (a worker process draws, checks and "
+        "cuts batches of a synthetic token stream) instead of one batch kept on the device."))] = False,
     variants: Annotated[Optional[str], typer.Option(help=(
         "Comma-separated variants to time, of those the run plans (eager, compiled, torch-backend, "
         "torch-compiled, document-mask or no-document-mask); e.g. compiled for a model whose eager step "

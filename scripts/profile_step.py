@@ -8,7 +8,7 @@ step, device-busy time per step, the busy time grouped by component (kernel-name
 the largest kernels. A step whose device-busy time is far below its wall time is host-bound.
 `--document-mask` profiles the step on packed documents, as `k3 train` trains by default; `--host N` adds
 the steps' rate when the host runs ahead (no synchronisation between them), with one batch kept on the device
-and with a fresh batch each step from the loop's batch thread, the garbage collector's time within each, and
+and with a fresh batch each step from the loop's input pipeline, the garbage collector's time within each, and
 the N host ops with the most CPU time of their own, to see where a host-bound step's enqueueing goes.
 
     .venv/bin/python scripts/profile_step.py --preset k3-toy --batch 512 --compile --attnres off block
@@ -86,9 +86,9 @@ def run(preset: str, attnres: str, batch: int, seq: int, device: torch.device, c
         run_ahead(v, lambda: batch_, steps, cuda, "one batch kept on the device")
         v.feed = loader_feed(cfg, v, device)
         try:
-            for _ in range(2):   # fill the batch thread's queue
+            for _ in range(2):   # let the worker fill its slots
                 v.step(v.feed.next_batch)
-            run_ahead(v, v.feed.next_batch, steps, cuda, "a fresh batch each step from the loop's batch thread")
+            run_ahead(v, v.feed.next_batch, steps, cuda, "a fresh batch each step from the loop's input pipeline")
         finally:
             v.feed.close()
             v.feed = None
@@ -175,7 +175,7 @@ def main() -> None:
     ap.add_argument("--matmuls", type=int, default=0, help="also list the N largest matrix products by input shape")
     ap.add_argument("--document-mask", action="store_true", help="packed documents with the document mask, as k3 train")
     ap.add_argument("--host", type=int, default=0, metavar="N",
-                    help="also the run-ahead step rate (one kept batch; the loop's batch thread) and the N host ops with the "
+                    help="also the run-ahead step rate (one kept batch; the loop's input pipeline) and the N host ops with the "
                          "most CPU time of their own")
     ap.add_argument("--trace", help="write a Chrome trace per overlay (NAME-<overlay>.json)")
     ap.add_argument("--device", default="cuda", help="cuda (bf16 autocast) | cpu (fp32: a smoke test of the script)")

@@ -269,7 +269,7 @@ def test_profile_step_runs_on_cpu():
     for mode in ("off", "block"):
         assert f"== k3-toy attnres={mode} B2 T32 eager, document mask" in r.stdout
     assert r.stdout.count("kernels/step") == 2 and r.stdout.count("run ahead, one batch kept on the device:") == 2
-    assert r.stdout.count("run ahead, a fresh batch each step from the loop's batch thread:") == 2
+    assert r.stdout.count("run ahead, a fresh batch each step from the loop's input pipeline:") == 2
     assert "garbage collection" in r.stdout
     assert r.stdout.count("matrix-product ops:") == 2 and "aten::mm " in r.stdout
 

@@ -127,7 +127,7 @@ def synthetic_batch(cfg: RunConfig, windows: int, device: torch.device) -> Batch
 
 
 def loader_feed(cfg: RunConfig, v: Variant, device: torch.device) -> Prefetcher:
-    """The training loop's input pipeline (batch thread, pinned copies) for built variant v, over a stream of
+    """The training loop's input pipeline (worker process, one copy per batch) for built variant v, over a stream of
     `synthetic_tokens`: batches of cfg's micro-batch size and sequence length, fresh each step."""
     B, T = cfg.train.micro_batch_size, cfg.train.seq_len
     stream = synthetic_tokens(cfg, 4 * B).flatten().numpy()

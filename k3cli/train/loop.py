@@ -1,7 +1,7 @@
 """The training loop: AdamW + warmup/cosine, gradient accumulation, MoE bias balancing,
 periodic evaluation, atomic checkpoints and exact resume, in one process or several.
 
-The loop never waits on the device in a steady-state step: batches come from a background thread
+The loop never waits on the device in a steady-state step: batches come from a worker process
 (`batches.Prefetcher`), the step keeps its scalars on the device (`step.TrainStep`), and they are
 read at *read steps* only — log, evaluation, checkpoint and stop steps — all pending steps' scalars
 in one transfer. A non-finite loss or gradient norm skips that step's update on the device and stops

@@ -32,7 +32,7 @@ def cu_seqlens_of(lengths) -> Tensor:
 
 
 # the layouts made lately, by value: every KDA layer of a step, forward and backward, asks for the same one,
-# and the training loop's batch thread makes each batch's ahead of its step (`varlen_layout` is thread-safe)
+# and the training loop's input pipeline makes each batch's ahead of its step (`keep_layout`)
 _MADE: OrderedDict[tuple, VarlenLayout] = OrderedDict()
 _MADE_LOCK = threading.Lock()
 KEEP_LAYOUTS = 8
