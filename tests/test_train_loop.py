@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import k3cli.train.loop as loop_mod
+from k3cli.train.batches import make_parts, pack
 from k3cli.checkpoint import latest as find_latest_checkpoint
 from k3cli.checkpoint import list_checkpoints
 from k3cli.cli import app
@@ -88,6 +89,7 @@ def test_a_batch_too_large_for_its_slot_arrives_whole():
     try:
         for _ in range(3):
             batch, ids = feed.next_batch(), next(ref)
+            assert pack(make_parts(ids, 50, True, [16])[0], feed._slots[0]) is None   # it does not fit a slot
             assert torch.equal(batch.ids, ids)
             assert torch.equal(batch.segments.cu_seqlens, document_segments(ids, None, True).cu_seqlens)
     finally:

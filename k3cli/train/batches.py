@@ -151,9 +151,10 @@ def _work(loader, vocab_size: int, document_mask: bool, chunk_sizes: list[int], 
             if (placed := pack(parts, slots[slot])) is not None:
                 ready.put(_Made(slot, *placed, counts, loader.state_dict()))
             else:   # unusually many documents: sent whole, through the queue (slower), the slot kept meanwhile
-                whole = _shared_slot(sum(x.numel() * x.element_size() for x in parts.values()) // 8 + len(parts))
+                whole = torch.empty(sum(x.numel() * x.element_size() for x in parts.values()) // 8 + len(parts),
+                                    dtype=torch.int64)
                 places, used = pack(parts, whole)
-                ready.put(_Made(slot, places, used, counts, loader.state_dict(), whole[:used].numpy().copy()))
+                ready.put(_Made(slot, places, used, counts, loader.state_dict(), whole[:used].numpy()))
         ready.cancel_join_thread()   # stopped: what is queued is not wanted
     except BaseException as e:   # handed to the loop, which raises it where the batch was due
         ready.put(_Failed(e))
@@ -171,7 +172,8 @@ class Prefetcher:
     (one intra-op thread). With the document mask it also makes, per size in `chunk_sizes` (the model's
     `layout_chunk_sizes()`), each batch's KDA layout, which the step then finds made. An error the worker
     meets (damaged data) is raised by the `next_batch()` that would have returned that batch; `close()`
-    stops the worker. `wait_s` sums the seconds the loop waited for a batch."""
+    stops the worker. `wait_s` sums the seconds spent in `next_batch` (waiting, and taking and copying the
+    batch)."""
 
     def __init__(self, loader, vocab_size: int, document_mask: bool, device: torch.device, depth: int = 4,
                  chunk_sizes: list[int] = (), start_id: int = EOT_ID):
