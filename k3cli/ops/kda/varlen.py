@@ -41,7 +41,7 @@ KEEP_LAYOUTS = 8
 def _filled(cu: Tensor) -> int:
     """The sequences before a fixed-capacity cu_seqlens' trailing repeats of its total (empty sequences):
     they hold every token, and with the entry count they fix all of it."""
-    return int(torch.count_nonzero(cu < cu[-1]))
+    return int(torch.searchsorted(cu, cu[-1:]))   # cu is non-decreasing: a binary search, not a pass over it
 
 
 def _indexed(device) -> torch.device:
@@ -50,21 +50,23 @@ def _indexed(device) -> torch.device:
 
 
 def _key(cu: Tensor, C: int, device: torch.device) -> tuple:
-    return C, device, cu.numel(), cu[:_filled(cu) + 1].numpy().tobytes()
+    """The layout's key from cu (any integer dtype, on the CPU): only the filled entries are read (converting all
+    B·T + 1 entries of a training batch's cu_seqlens took 0.6 ms, at every KDA op's lookup)."""
+    return C, device, cu.numel(), cu[:_filled(cu) + 1].to(torch.int64).numpy().tobytes()
 
 
 def varlen_layout(cu_seqlens: Tensor, C: int, device) -> VarlenLayout:
     """The chunk-aligned layout of the sequences [cu[i], cu[i+1]) for chunk size C, computed on the CPU with
     vectorised ops, or one made lately for the same cu_seqlens values, C and device (1.7 ms to make at
     B·T = 16,384). Empty sequences take no chunk."""
-    cu = cu_seqlens.to("cpu", torch.long)
+    cu = cu_seqlens.cpu()
     device = _indexed(device)
     key = _key(cu, C, device)
     with _MADE_LOCK:
         if (lay := _MADE.get(key)) is not None:
             _MADE.move_to_end(key)
             return lay
-    lay = _make_layout(cu, C, device)
+    lay = _make_layout(cu.long(), C, device)
     _keep(key, lay)
     return lay
 
@@ -72,7 +74,7 @@ def varlen_layout(cu_seqlens: Tensor, C: int, device) -> VarlenLayout:
 def keep_layout(cu_seqlens: Tensor, C: int, device, lay: VarlenLayout) -> None:
     """Remember `lay` (`host_layout(cu_seqlens, C)` with its device tensors on `device`) as the layout of those
     sequences: the training loop's input pipeline makes each batch's in a worker process, ahead of its step."""
-    _keep(_key(cu_seqlens.to("cpu", torch.long), C, _indexed(device)), lay)
+    _keep(_key(cu_seqlens.cpu(), C, _indexed(device)), lay)
 
 
 def _keep(key: tuple, lay: VarlenLayout) -> None:
