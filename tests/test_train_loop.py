@@ -81,6 +81,27 @@ def test_batches_are_made_in_a_worker_process_on_one_torch_thread():
     assert torch.get_num_threads() == before
 
 
+def test_the_worker_outlives_a_signal_to_the_process_group():
+    """Ctrl-C or a scheduler's SIGTERM reaches the worker too; the loop decides how the run stops (after the
+    step's checkpoint), so the worker ignores both and keeps making batches."""
+    import signal
+    import time
+
+    feed, ref = Prefetcher(PackedLoader((np.arange(4000) * 7) % 50, 10, 4, seed=3), 50, True, torch.device("cpu")), \
+        PackedLoader((np.arange(4000) * 7) % 50, 10, 4, seed=3)
+    try:
+        assert torch.equal(feed.next_batch().ids, next(ref))
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            os.kill(feed._proc.pid, sig)
+        time.sleep(0.5)
+        assert feed._proc.is_alive()
+        for _ in range(10):   # past the slots filled before the signals
+            assert torch.equal(feed.next_batch().ids, next(ref))
+    finally:
+        feed.close()
+    assert not feed._proc.is_alive()
+
+
 def test_a_batch_too_large_for_its_slot_arrives_whole():
     """Every token a document of its own: the layouts outgrow the slot, and the batch comes through the queue."""
     tokens = np.zeros(4000, dtype=np.int64)   # all EOT: every position starts a document

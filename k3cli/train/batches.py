@@ -130,8 +130,9 @@ def _shared_slot(words: int) -> torch.Tensor:
 def _work(loader, vocab_size: int, document_mask: bool, chunk_sizes: list[int], start_id: int,
           slots: list[torch.Tensor], free, ready, stop, parent: int) -> None:
     """The worker process: fill free slots with the loader's batches until `stop` or the parent is gone."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)    # the loop decides how a run stops, and stops this process
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # the loop decides how a run stops (a signal to the whole process group included), and stops this process
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(1)
 
     def alive() -> bool:
