@@ -21,7 +21,6 @@ import mmap
 import multiprocessing as mp
 import os
 import pickle
-import queue
 import signal
 import time
 from collections import deque
@@ -142,25 +141,23 @@ def _work(loader, vocab_size: int, document_mask: bool, chunk_sizes: list[int], 
         while alive():
             parts, counts = make_parts(next(loader), vocab_size, document_mask, chunk_sizes, start_id)
             while alive():
-                try:
-                    slot = free.get(timeout=0.1)
+                if free.poll(0.1):
+                    slot = free.recv()
                     break
-                except queue.Empty:
-                    continue
             else:
                 break
             if (placed := pack(parts, slots[slot])) is not None:
-                ready.put(_Made(slot, *placed, counts, loader.state_dict()))
-            else:   # unusually many documents: sent whole, through the queue (slower), the slot kept meanwhile
+                ready.send(_Made(slot, *placed, counts, loader.state_dict()))
+            else:   # unusually many documents: sent whole, through the pipe (slower), the slot kept meanwhile
                 whole = torch.empty(sum(x.numel() * x.element_size() for x in parts.values()) // 8 + len(parts),
                                     dtype=torch.int64)
                 places, used = pack(parts, whole)
-                ready.put(_Made(slot, places, used, counts, loader.state_dict(), whole[:used].numpy()))
-        ready.cancel_join_thread()   # stopped: what is queued is not wanted
+                ready.send(_Made(slot, places, used, counts, loader.state_dict(), whole[:used].numpy()))
     except BaseException as e:   # handed to the loop, which raises it where the batch was due
-        ready.put(_Failed(e))
-        ready.close()
-        ready.join_thread()
+        try:
+            ready.send(_Failed(e))
+        except OSError:   # the loop is gone
+            pass
 
 
 def _check_cuda(err, what: str) -> None:
@@ -186,13 +183,18 @@ class Prefetcher:
         n = rows * T
         self._slots = [_shared_slot(4 * n + len(chunk_sizes) * (6 * n + n // 8 + 64) + 64) for _ in range(depth + 3)]
         ctx = mp.get_context("fork")
-        self._free, self._ready, self._stop = ctx.Queue(), ctx.Queue(), ctx.Event()
-        for i in range(len(self._slots)):
-            self._free.put(i)
+        # pipes, not queues: a queue's feeder thread in this process would contend for the interpreter lock too
+        free, self._free = ctx.Pipe(duplex=False)
+        self._ready, ready = ctx.Pipe(duplex=False)
+        self._stop = ctx.Event()
+        for i in range(len(self._slots)):   # a few small messages: the pipe holds them
+            self._free.send(i)
         self._proc = ctx.Process(target=_work, name="k3-batches", daemon=True,
                                  args=(loader, vocab_size, document_mask, list(chunk_sizes), start_id, self._slots,
-                                       self._free, self._ready, self._stop, os.getpid()))
+                                       free, ready, self._stop, os.getpid()))
         self._proc.start()
+        free.close()   # the worker's ends
+        ready.close()
         # on a GPU the slots are page-locked (after the fork: the child keeps its mapping) and copied from
         # directly; a slot goes back to the worker once its copy has run (`_inflight`: event, slot)
         self._inflight: deque = deque()
@@ -205,11 +207,13 @@ class Prefetcher:
         while True:
             self._reclaim()
             try:
-                item = self._ready.get(timeout=0.002 if self._inflight else 1.0)
-                break
-            except queue.Empty:
-                if not self._proc.is_alive():
-                    raise RuntimeError(f"the batch process has stopped (exit code {self._proc.exitcode})") from None
+                if self._ready.poll(0.002 if self._inflight else 1.0):
+                    item = self._ready.recv()
+                    break
+            except (EOFError, OSError):
+                pass
+            if not self._proc.is_alive():
+                raise RuntimeError(f"the batch process has stopped (exit code {self._proc.exitcode})") from None
         if isinstance(item, _Failed):
             self.close()
             raise item.error
@@ -222,7 +226,7 @@ class Prefetcher:
             self._inflight.append((done, item.slot))
         else:
             on_device = host.pin_memory().to(self.device, non_blocking=True) if self._cuda else host.clone()
-            self._free.put(item.slot)
+            self._free.send(item.slot)
         parts = unpack(on_device, item.places)
         segments = None
         if "cu" in parts:
@@ -237,7 +241,7 @@ class Prefetcher:
 
     def _reclaim(self) -> None:
         while self._inflight and self._inflight[0][0].query():
-            self._free.put(self._inflight.popleft()[1])
+            self._free.send(self._inflight.popleft()[1])
 
     @staticmethod
     def _host_names(item: _Made) -> set[str]:
@@ -255,6 +259,5 @@ class Prefetcher:
             for slot in self._slots:
                 _check_cuda(torch.cuda.cudart().cudaHostUnregister(slot.data_ptr()), "unregister")
             self._slots, self._inflight = [], deque()
-        for q in (self._free, self._ready):
-            q.cancel_join_thread()
-            q.close()
+        self._free.close()
+        self._ready.close()
