@@ -130,6 +130,32 @@ def test_prefetcher_raises_a_bad_batch_where_it_is_due():
         feed.next_batch()
 
 
+class _FailingLoader(PackedLoader):
+    def __next__(self):
+        if self.position >= 2 * self.batch_size:   # the third batch
+            raise RuntimeError("injected failure (test)")
+        return super().__next__()
+
+
+def test_the_worker_error_comes_after_the_batches_made_before_it_even_once_the_worker_is_gone():
+    """The worker fails at its third batch and exits; the loop, still holding the first, gets the second and
+    then that error (not a broken pipe from handing a slot back to a worker that is gone)."""
+    import time
+
+    feed = Prefetcher(_FailingLoader((np.arange(4000) * 7) % 50, 10, 4, seed=3), 50, True, torch.device("cpu"))
+    try:
+        feed.next_batch()
+        deadline = time.time() + 10
+        while feed._proc.is_alive() and time.time() < deadline:
+            time.sleep(0.05)
+        assert not feed._proc.is_alive()
+        feed.next_batch()
+        with pytest.raises(RuntimeError, match="injected failure"):
+            feed.next_batch()
+    finally:
+        feed.close()
+
+
 def reference_run(cfg):
     """The loop as a plain synchronous one (each micro-batch read, cut and moved in place, the step's
     scalars read at once): its per-step losses, validation losses and final weights."""

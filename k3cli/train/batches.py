@@ -226,7 +226,7 @@ class Prefetcher:
             self._inflight.append((done, item.slot))
         else:
             on_device = host.pin_memory().to(self.device, non_blocking=True) if self._cuda else host.clone()
-            self._free.send(item.slot)
+            self._give_back(item.slot)
         parts = unpack(on_device, item.places)
         segments = None
         if "cu" in parts:
@@ -241,7 +241,13 @@ class Prefetcher:
 
     def _reclaim(self) -> None:
         while self._inflight and self._inflight[0][0].query():
-            self._free.send(self._inflight.popleft()[1])
+            self._give_back(self._inflight.popleft()[1])
+
+    def _give_back(self, slot: int) -> None:
+        try:
+            self._free.send(slot)
+        except OSError:   # the worker has stopped: what it sent last (its error, if any) is still to be read
+            pass
 
     @staticmethod
     def _host_names(item: _Made) -> set[str]:
