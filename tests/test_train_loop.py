@@ -11,7 +11,6 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import k3cli.train.loop as loop_mod
-from k3cli.train.batches import make_parts, pack
 from k3cli.checkpoint import latest as find_latest_checkpoint
 from k3cli.checkpoint import list_checkpoints
 from k3cli.cli import app
@@ -26,6 +25,7 @@ from k3cli.train import (
     evaluate_loss,
     train,
 )
+from k3cli.train.batches import make_parts, pack
 
 runner = CliRunner()
 # reads (log, eval, checkpoint) at steps 5, 7, 10, 14, 15, 20: most steps are not read when they end

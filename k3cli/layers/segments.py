@@ -36,11 +36,3 @@ class Segments(NamedTuple):
         cu = torch.full((B * T + 1,), B * T, dtype=torch.int32)
         cu[:len(first)] = first.to(torch.int32)
         return cls(cu, to_device(doc, device), to_device(pos, device))
-
-    def to(self, device) -> Segments:
-        """doc and pos on `device` (from pinned memory without holding the host); cu_seqlens stays on the CPU."""
-        return Segments(self.cu_seqlens, to_device(self.doc, device), to_device(self.pos, device))
-
-    def pin_memory(self) -> Segments:
-        return Segments(self.cu_seqlens, self.doc.pin_memory(), self.pos.pin_memory())
-

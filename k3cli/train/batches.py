@@ -31,7 +31,6 @@ import torch
 from k3cli.data import EOT_ID, check_token_ids, document_starts
 from k3cli.layers.segments import Segments
 from k3cli.ops.kda import varlen
-from k3cli.ops.transfer import to_device
 
 
 def document_segments(ids: torch.Tensor, device: torch.device | None, document_mask: bool,
@@ -47,14 +46,9 @@ class Batch:
     segments: Segments | None         # the packed documents, with the document mask
     loader_state: dict | None = None  # the loader's state right after this batch was drawn
 
-    def to(self, device: torch.device) -> Batch:
-        segments = None if self.segments is None else self.segments.to(device)
-        return Batch(to_device(self.ids, device), segments, self.loader_state)
-
 
 # a batch's tensors in a slot: (name, offset in int32 words, dtype, shape); int64 ones start on an even word
 Part = tuple[str, int, torch.dtype, tuple[int, ...]]
-HOST_PARTS = ("cu", "ctab")   # read on the host (cu_seqlens and the chunk table stay on the CPU)
 
 
 def make_parts(ids: torch.Tensor, vocab_size: int, document_mask: bool, chunk_sizes: list[int],
@@ -98,7 +92,7 @@ def unpack(buf: torch.Tensor, places: list[Part], names=None) -> dict[str, torch
     out = {}
     for name, at, dtype, shape in places:
         if names is None or name in names:
-            n = max(1, dtype.itemsize // 4) * (torch.Size(shape).numel())
+            n = torch.Size(shape).numel() * dtype.itemsize // 4
             out[name] = words[at:at + n].view(dtype).view(shape)
     return out
 
@@ -251,6 +245,7 @@ class Prefetcher:
 
     @staticmethod
     def _host_names(item: _Made) -> set[str]:
+        """The parts read on the host: cu_seqlens and the chunk tables stay on the CPU."""
         return {"cu"} | {f"ctab{C}" for C in item.counts}
 
     def close(self) -> None:
