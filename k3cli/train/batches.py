@@ -154,6 +154,12 @@ def _work(loader, vocab_size: int, document_mask: bool, chunk_sizes: list[int], 
             pass
 
 
+def _copy(x: torch.Tensor) -> torch.Tensor:
+    """A copy made on this thread: torch's clone of B·T + 1 entries hands it to the intra-op pool, whose threads
+    then wait for the cores the worker holds (2 CPU cores: 3 ms for cu_seqlens, against 0.1 ms here)."""
+    return torch.from_numpy(x.numpy().copy())
+
+
 def _check_cuda(err, what: str) -> None:
     if int(getattr(err, "value", err)) != 0:
         raise RuntimeError(f"could not {what} the batch slots as page-locked memory (CUDA error {err})")
@@ -212,14 +218,14 @@ class Prefetcher:
             self.close()
             raise item.error
         host = (self._slots[item.slot] if item.whole is None else torch.from_numpy(item.whole))[:item.used]
-        kept = {k: v.clone() for k, v in unpack(host, item.places, self._host_names(item)).items()}
+        kept = {k: _copy(v) for k, v in unpack(host, item.places, self._host_names(item)).items()}
         if self._cuda and item.whole is None:   # one transfer, straight from the page-locked slot
             on_device = host.to(self.device, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
             self._inflight.append((done, item.slot))
         else:
-            on_device = host.pin_memory().to(self.device, non_blocking=True) if self._cuda else host.clone()
+            on_device = host.pin_memory().to(self.device, non_blocking=True) if self._cuda else _copy(host)
             self._give_back(item.slot)
         parts = unpack(on_device, item.places)
         segments = None
