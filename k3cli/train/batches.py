@@ -70,14 +70,19 @@ def make_parts(ids: torch.Tensor, vocab_size: int, document_mask: bool, chunk_si
     return parts, counts
 
 
-def pack(parts: dict[str, torch.Tensor], slot: torch.Tensor) -> tuple[list[Part], int] | None:
-    """Write `parts` into `slot` (int64 [n]): their places and the int64 words used, or None if they do not fit."""
+def places_of(parts: dict[str, torch.Tensor]) -> tuple[list[Part], int]:
+    """Where `pack` writes each of `parts`, and the int64 words they take."""
     places, word = [], 0
     for name, x in parts.items():
         word += word % 2 if x.dtype == torch.int64 else 0
         places.append((name, word, x.dtype, tuple(x.shape)))
         word += x.numel() * x.element_size() // 4
-    used = (word + 1) // 2
+    return places, (word + 1) // 2
+
+
+def pack(parts: dict[str, torch.Tensor], slot: torch.Tensor) -> tuple[list[Part], int] | None:
+    """Write `parts` into `slot` (int64 [n]): their places and the int64 words used, or None if they do not fit."""
+    places, used = places_of(parts)
     if used > slot.numel():
         return None
     words = slot.view(torch.int32)
@@ -143,10 +148,8 @@ def _work(loader, vocab_size: int, document_mask: bool, chunk_sizes: list[int], 
             if (placed := pack(parts, slots[slot])) is not None:
                 ready.send(_Made(slot, *placed, counts, loader.state_dict()))
             else:   # unusually many documents: sent whole, through the pipe (slower), the slot kept meanwhile
-                whole = torch.empty(sum(x.numel() * x.element_size() for x in parts.values()) // 8 + len(parts),
-                                    dtype=torch.int64)
-                places, used = pack(parts, whole)
-                ready.send(_Made(slot, places, used, counts, loader.state_dict(), whole[:used].numpy()))
+                whole = torch.empty(places_of(parts)[1], dtype=torch.int64)
+                ready.send(_Made(slot, *pack(parts, whole), counts, loader.state_dict(), whole.numpy()))
     except BaseException as e:   # handed to the loop, which raises it where the batch was due
         try:
             ready.send(_Failed(e))
